@@ -1,0 +1,95 @@
+package amqpsub
+
+import (
+	"context"
+	"errors"
+	"net/url"
+	"strings"
+
+	"github.com/Azure/go-amqp"
+)
+
+// A Connector gives a Subscriber its AMQP connection. Make one with Dial or
+// Conn.
+type Connector interface {
+	// connect returns a connection; owned says whether the subscriber closes
+	// it when it is done.
+	connect(ctx context.Context) (conn *amqp.Conn, owned bool, err error)
+	// String names the broker for errors and logs, without credentials.
+	String() string
+}
+
+type dialer struct {
+	url  string
+	opts *amqp.ConnOptions
+}
+
+// Dial returns a Connector that dials url (amqp://host:port or
+// amqps://host:port, with user:password@ for SASL PLAIN) with go-amqp's
+// options (nil for the defaults). The subscriber owns the connections it
+// dials and closes them when it stops. Errors and logs name the address
+// without its credentials.
+func Dial(url string, opts *amqp.ConnOptions) Connector { return &dialer{url: url, opts: opts} }
+
+func (d *dialer) connect(ctx context.Context) (*amqp.Conn, bool, error) {
+	c, err := amqp.Dial(ctx, d.url, d.opts)
+	if err != nil {
+		return nil, false, scrub(err, d.url)
+	}
+	return c, true, nil
+}
+
+func (d *dialer) String() string { return redact(d.url) }
+
+type given struct{ c *amqp.Conn }
+
+// Conn returns a Connector for a connection the caller opened and keeps
+// owning: the subscriber opens its own session on it, closes only that
+// session, and cannot reconnect it.
+func Conn(c *amqp.Conn) Connector { return given{c} }
+
+func (g given) connect(context.Context) (*amqp.Conn, bool, error) {
+	if g.c == nil {
+		return nil, false, errors.New("amqpsub: Conn(nil)")
+	}
+	return g.c, false, nil
+}
+
+func (given) String() string { return "the given connection" }
+
+// redact returns the URL without its password.
+func redact(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "(unparsable address)"
+	}
+	if u.User != nil {
+		u.User = url.User(u.User.Username())
+	}
+	return u.String()
+}
+
+// scrub replaces err by one whose text does not hold the URL's password, if
+// it did; errors.Is and errors.As still see the original.
+func scrub(err error, raw string) error {
+	u, perr := url.Parse(raw)
+	if perr != nil || u.User == nil {
+		return err
+	}
+	pw, ok := u.User.Password()
+	if !ok || pw == "" {
+		return err
+	}
+	return &scrubbed{err: err, secret: pw}
+}
+
+type scrubbed struct {
+	err    error
+	secret string
+}
+
+func (s *scrubbed) Error() string {
+	return strings.ReplaceAll(s.err.Error(), s.secret, "xxxxx")
+}
+
+func (s *scrubbed) Unwrap() error { return s.err }

@@ -1,0 +1,192 @@
+package amqpsub
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/Azure/go-amqp"
+
+	"github.com/amqpsub/amqpsub/pump"
+)
+
+// BodyKind says which AMQP body section a message carries.
+type BodyKind uint8
+
+const (
+	// BodyEmpty: no body section.
+	BodyEmpty BodyKind = iota
+	// BodyData: one or more data sections (opaque bytes); Body returns them.
+	BodyData
+	// BodyValue: an amqp-value section, such as a JMS TextMessage's string
+	// or MapMessage's map; Value returns it.
+	BodyValue
+	// BodySequence: amqp-sequence sections, such as a JMS StreamMessage;
+	// Sequence returns them.
+	BodySequence
+)
+
+var bodyKindNames = [...]string{"empty", "data", "amqp-value", "amqp-sequence"}
+
+func (k BodyKind) String() string {
+	if int(k) < len(bodyKindNames) {
+		return bodyKindNames[k]
+	}
+	return fmt.Sprintf("BodyKind(%d)", k)
+}
+
+// ErrBodyKind is returned (wrapped) by Delivery.Body, Value and Sequence
+// when the message's body is of another kind; the message says which.
+var ErrBodyKind = errors.New("amqpsub: body is of another kind")
+
+// Delivery is one message given to a handler. It is valid only until the
+// handler returns: the subscriber reuses it for the next delivery, so a
+// handler that keeps something for later copies it out first (Message()
+// stays valid).
+type Delivery struct {
+	pd   *pump.Delivery
+	msg  *amqp.Message
+	lane int
+}
+
+func (d *Delivery) reset(pd *pump.Delivery, lane int) {
+	d.pd, d.lane = pd, lane
+	if pd != nil {
+		d.msg = pd.Message()
+	} else {
+		d.msg = nil
+	}
+}
+
+// Message returns the underlying go-amqp message, for anything Delivery does
+// not wrap. Settle deliveries through the handler's return value, never
+// through go-amqp.
+func (d *Delivery) Message() *amqp.Message { return d.msg }
+
+// Lane returns the lane or worker running the handler, from 0.
+func (d *Delivery) Lane() int { return d.lane }
+
+// Kind returns which body section the message carries.
+func (d *Delivery) Kind() BodyKind { return bodyKind(d.msg) }
+
+func bodyKind(m *amqp.Message) BodyKind {
+	switch {
+	case len(m.Data) > 0:
+		return BodyData
+	case m.Value != nil:
+		return BodyValue
+	case len(m.Sequence) > 0:
+		return BodySequence
+	}
+	return BodyEmpty
+}
+
+// Body returns the bytes of the message's data sections, joined when there
+// are several. An empty body gives nil, nil. A body of another kind gives an
+// error wrapping ErrBodyKind.
+func (d *Delivery) Body() ([]byte, error) { return dataBody(d.msg) }
+
+func dataBody(m *amqp.Message) ([]byte, error) {
+	switch k := bodyKind(m); k {
+	case BodyData:
+		if len(m.Data) == 1 {
+			return m.Data[0], nil
+		}
+		n := 0
+		for _, s := range m.Data {
+			n += len(s)
+		}
+		b := make([]byte, 0, n)
+		for _, s := range m.Data {
+			b = append(b, s...)
+		}
+		return b, nil
+	case BodyEmpty:
+		return nil, nil
+	default:
+		return nil, fmt.Errorf("%w: want data, have %s", ErrBodyKind, k)
+	}
+}
+
+// Value returns the amqp-value body. A body of another kind gives an error
+// wrapping ErrBodyKind.
+func (d *Delivery) Value() (any, error) {
+	if k := bodyKind(d.msg); k != BodyValue {
+		return nil, fmt.Errorf("%w: want amqp-value, have %s", ErrBodyKind, k)
+	}
+	return d.msg.Value, nil
+}
+
+// Sequence returns the amqp-sequence sections. A body of another kind gives
+// an error wrapping ErrBodyKind.
+func (d *Delivery) Sequence() ([][]any, error) {
+	if k := bodyKind(d.msg); k != BodySequence {
+		return nil, fmt.Errorf("%w: want amqp-sequence, have %s", ErrBodyKind, k)
+	}
+	return d.msg.Sequence, nil
+}
+
+// GroupID returns the AMQP group-id, the key WorkersByKey orders by; "" when
+// the message has none.
+func (d *Delivery) GroupID() string { return groupID(d.msg) }
+
+func groupID(m *amqp.Message) string {
+	if m.Properties == nil || m.Properties.GroupID == nil {
+		return ""
+	}
+	return *m.Properties.GroupID
+}
+
+// GroupSequence returns the AMQP group-sequence and whether it was set.
+func (d *Delivery) GroupSequence() (uint32, bool) {
+	if p := d.msg.Properties; p != nil && p.GroupSequence != nil {
+		return *p.GroupSequence, true
+	}
+	return 0, false
+}
+
+// MessageID returns the AMQP message-id: a string, uint64, UUID or []byte,
+// or nil when unset.
+func (d *Delivery) MessageID() any {
+	if p := d.msg.Properties; p != nil {
+		return p.MessageID
+	}
+	return nil
+}
+
+// ContentType returns the AMQP content-type, "" when unset.
+func (d *Delivery) ContentType() string {
+	if p := d.msg.Properties; p != nil && p.ContentType != nil {
+		return *p.ContentType
+	}
+	return ""
+}
+
+// DeliveryCount returns the broker's count of earlier failed attempts to
+// deliver the message (the AMQP header's delivery-count). RabbitMQ 3.10
+// always sends 0; see FirstAcquirer.
+func (d *Delivery) DeliveryCount() uint32 {
+	if h := d.msg.Header; h != nil {
+		return h.DeliveryCount
+	}
+	return 0
+}
+
+// FirstAcquirer reports whether no consumer may have seen the message
+// before: false on a redelivery. A message without a header counts as first.
+func (d *Delivery) FirstAcquirer() bool {
+	if h := d.msg.Header; h != nil {
+		return h.FirstAcquirer
+	}
+	return true
+}
+
+// ApplicationProperties returns the message's application properties; nil
+// when it has none. The map belongs to the message: do not modify it.
+func (d *Delivery) ApplicationProperties() map[string]any { return d.msg.ApplicationProperties }
+
+// Annotation returns the message annotation named key (such as
+// "x-opt-jms-msg-type") and whether it is present.
+func (d *Delivery) Annotation(key string) (any, bool) {
+	v, ok := d.msg.Annotations[key]
+	return v, ok
+}

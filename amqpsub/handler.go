@@ -1,0 +1,42 @@
+package amqpsub
+
+import "context"
+
+// Handler handles one delivery at a time. Its return value settles the
+// delivery:
+//   - nil accepts it;
+//   - Release() puts it back untouched;
+//   - Reject(reason) dead-letters it;
+//   - Retry(err), or any other error, puts it back as a failed attempt.
+//
+// A handler that panics is recovered: the panic is logged with its stack and
+// the delivery is retried. ctx is cancelled when the subscriber gives up on
+// the handler (Close, or the grace period of a graceful stop running out);
+// the delivery's settlement is then in doubt and the broker may redeliver it.
+// The Delivery is valid only until Handle returns.
+type Handler interface {
+	Handle(ctx context.Context, d *Delivery) error
+}
+
+// HandlerFunc adapts a function to a Handler.
+type HandlerFunc func(ctx context.Context, d *Delivery) error
+
+// Handle calls f(ctx, d).
+func (f HandlerFunc) Handle(ctx context.Context, d *Delivery) error { return f(ctx, d) }
+
+// BatchHandler handles a batch of deliveries and returns one outcome for
+// each, as Handler does for one: results[i] settles batch[i]. A nil slice
+// accepts the whole batch. A slice of the wrong length, or a panic, retries
+// the whole batch. The slice and its Deliveries are valid only until
+// HandleBatch returns.
+type BatchHandler interface {
+	HandleBatch(ctx context.Context, batch []*Delivery) (results []error)
+}
+
+// BatchHandlerFunc adapts a function to a BatchHandler.
+type BatchHandlerFunc func(ctx context.Context, batch []*Delivery) []error
+
+// HandleBatch calls f(ctx, batch).
+func (f BatchHandlerFunc) HandleBatch(ctx context.Context, batch []*Delivery) []error {
+	return f(ctx, batch)
+}

@@ -1,0 +1,72 @@
+package amqpsub
+
+import (
+	"errors"
+	"fmt"
+)
+
+// outcomeKind is what a handler decided.
+type outcomeKind uint8
+
+const (
+	outcomeAccept outcomeKind = iota
+	outcomeRelease
+	outcomeRetry
+	outcomeReject
+)
+
+var outcomeNames = [...]string{"accept", "release", "retry", "reject"}
+
+// OutcomeError is the error a handler returns to choose how a delivery is
+// settled other than by accepting it. Make one with Release, Retry or
+// Reject; it may be wrapped (errors.As finds it).
+type OutcomeError struct {
+	kind   outcomeKind
+	reason string
+	err    error
+}
+
+func (e *OutcomeError) Error() string {
+	switch {
+	case e.err != nil:
+		return fmt.Sprintf("amqpsub: %s: %v", outcomeNames[e.kind], e.err)
+	case e.reason != "":
+		return fmt.Sprintf("amqpsub: %s: %s", outcomeNames[e.kind], e.reason)
+	}
+	return "amqpsub: " + outcomeNames[e.kind]
+}
+
+// Unwrap returns the error given to Retry.
+func (e *OutcomeError) Unwrap() error { return e.err }
+
+var releaseOutcome = &OutcomeError{kind: outcomeRelease}
+
+// Release returns the delivery to the queue untouched: the broker does not
+// count it as a failed attempt, so it is never dead-lettered for it.
+func Release() error { return releaseOutcome }
+
+// Retry returns the delivery to the queue as a failed attempt: on Artemis it
+// is settled as modified{delivery-failed}, so the broker's delivery count
+// goes up and the delivery is dead-lettered after max-delivery-attempts.
+// Under the RabbitMQ3 profile it is released, since RabbitMQ 3.10 ends the
+// session on modified. Any error a handler returns that is not an
+// OutcomeError means Retry; Retry(err) just says so explicitly. err may be
+// nil.
+func Retry(err error) error { return &OutcomeError{kind: outcomeRetry, err: err} }
+
+// Reject settles the delivery as rejected with reason as the error
+// description: the broker dead-letters it at once (Artemis moves it to the
+// queue's dead-letter address; without one it is dropped).
+func Reject(reason string) error { return &OutcomeError{kind: outcomeReject, reason: reason} }
+
+// decide maps a handler's error to an outcome.
+func decide(err error) (outcomeKind, *OutcomeError) {
+	if err == nil {
+		return outcomeAccept, nil
+	}
+	var oe *OutcomeError
+	if errors.As(err, &oe) {
+		return oe.kind, oe
+	}
+	return outcomeRetry, nil
+}

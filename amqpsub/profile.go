@@ -1,0 +1,80 @@
+package amqpsub
+
+import (
+	"github.com/amqpsub/amqpsub/credit"
+	"github.com/amqpsub/amqpsub/pump"
+)
+
+// Profile holds what differs between brokers on the wire. Use one of
+// Artemis, RabbitMQ3 or Generic.
+type Profile struct {
+	name string
+	// sourceCaps are sent as the source capabilities at attach.
+	sourceCaps []string
+	// address maps a queue name to the link's source address.
+	address func(queue string) string
+	// retry is how a Retry outcome is settled.
+	retry pump.Outcome
+	// creditMode is the pump's credit mode at start.
+	creditMode credit.Mode
+	// detach says whether the broker answers a link detach; if not, the
+	// session is closed instead.
+	detach bool
+	// drain says whether the broker answers a drain at stop.
+	drain bool
+}
+
+// String returns the profile's name.
+func (p Profile) String() string { return p.name }
+
+var (
+	// Artemis is for Apache ActiveMQ Artemis. The link asks for source
+	// capability "queue", so an address names an anycast queue (created if
+	// the broker auto-creates queues) rather than a throwaway subscription.
+	// Retry is settled as modified{delivery-failed}: Artemis counts it and
+	// dead-letters at max-delivery-attempts.
+	Artemis = Profile{
+		name:       "artemis",
+		sourceCaps: []string{"queue"},
+		address:    func(q string) string { return q },
+		retry:      pump.Outcome{Kind: pump.Modify, DeliveryFailed: true},
+		creditMode: credit.Continuous,
+		detach:     true,
+		drain:      true,
+	}
+
+	// RabbitMQ3 is for RabbitMQ 3.x with the rabbitmq_amqp1_0 plugin. A
+	// queue name q is addressed as /amq/queue/q (the queue must exist); a
+	// name that already starts with "/" is used as it is. Retry is settled as
+	// released, since RabbitMQ 3.10 ends the whole session on modified, so
+	// the broker does not count the attempt (and sends delivery-count 0
+	// always). Credit is granted in windows, because the broker sends past
+	// its credit. The link is never detached (RabbitMQ 3.10 does not answer
+	// a detach): the session is closed instead.
+	RabbitMQ3 = Profile{
+		name:       "rabbitmq3",
+		address:    rabbitAddress,
+		retry:      pump.Outcome{Kind: pump.Release},
+		creditMode: credit.Windowed,
+		detach:     false,
+		drain:      false,
+	}
+
+	// Generic assumes only the AMQP 1.0 specification: the queue name is the
+	// address, Retry is modified{delivery-failed}.
+	Generic = Profile{
+		name:       "generic",
+		address:    func(q string) string { return q },
+		retry:      pump.Outcome{Kind: pump.Modify, DeliveryFailed: true},
+		creditMode: credit.Continuous,
+		detach:     true,
+		drain:      true,
+	}
+)
+
+func rabbitAddress(q string) string {
+	if len(q) > 0 && q[0] == '/' {
+		return q
+	}
+	return "/amq/queue/" + q
+}

@@ -1,0 +1,398 @@
+package amqpsub_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/Azure/go-amqp"
+	"go.uber.org/goleak"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/internal/fake"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+var nowhere = amqpsub.Dial("amqp://127.0.0.1:1", nil)
+
+func run(t *testing.T, s *amqpsub.Subscriber) (context.CancelFunc, <-chan error) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() { errc <- s.Run(ctx) }()
+	return cancel, errc
+}
+
+func index(d *amqpsub.Delivery) int {
+	v, err := d.Value()
+	if err != nil {
+		panic(err)
+	}
+	return v.(int)
+}
+
+func TestHandlerResultsSettleAsDocumented(t *testing.T) {
+	for _, tc := range []struct {
+		profile amqpsub.Profile
+		retry   fake.Outcome
+	}{{amqpsub.Artemis, fake.Modified}, {amqpsub.RabbitMQ3, fake.Released}, {amqpsub.Generic, fake.Modified}} {
+		t.Run(tc.profile.String(), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				results := []func() error{
+					func() error { return nil },
+					func() error { return amqpsub.Release() },
+					func() error { return amqpsub.Retry(errors.New("try later")) },
+					func() error { return fmt.Errorf("wrapped: %w", amqpsub.Reject("bad order")) },
+					func() error { return errors.New("plain error") },
+					func() error { panic("boom") },
+				}
+				msgs := fake.Messages(len(results))
+				src := fake.New(true, msgs...)
+				var mu sync.Mutex
+				seen := map[int]int{}
+				s, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+					i := index(d)
+					mu.Lock()
+					seen[i]++
+					again := seen[i] > 1
+					mu.Unlock()
+					if again {
+						return nil // a redelivery: accept it
+					}
+					return results[i]()
+				}), amqpsub.WithProfile(tc.profile), amqpsub.WithSource(src))
+				if err != nil {
+					t.Fatal(err)
+				}
+				cancel, errc := run(t, s)
+				synctest.Wait()
+				cancel()
+				if err := <-errc; err != nil {
+					t.Fatalf("Run = %v", err)
+				}
+				first := map[*amqp.Message]fake.Settlement{}
+				for _, st := range src.Settlements() {
+					if _, ok := first[st.Msg]; !ok {
+						first[st.Msg] = st
+					}
+				}
+				want := []fake.Outcome{fake.Accepted, fake.Released, tc.retry, fake.Rejected, tc.retry, tc.retry}
+				for i, m := range msgs {
+					st := first[m]
+					if st.Outcome != want[i] {
+						t.Errorf("result %d settled %s, want %s", i, st.Outcome, want[i])
+					}
+					if st.Outcome == fake.Modified && !st.DeliveryFailed {
+						t.Errorf("result %d: modified without delivery-failed", i)
+					}
+				}
+				if st := first[msgs[3]]; st.Error == nil || st.Error.Description != "bad order" || st.Error.Condition != amqpsub.RejectCondition {
+					t.Errorf("reject carried %+v", st.Error)
+				}
+				stats := s.Stats()
+				if stats.Panics != 1 || stats.Retries != 3 || stats.Rejects != 1 || stats.Releases != 1 {
+					t.Errorf("stats %+v", stats)
+				}
+				// 0 at once; 1, 2, 4 and 5 when redelivered; 3 was rejected.
+				if stats.Accepted != 5 {
+					t.Errorf("accepted %d, want 5", stats.Accepted)
+				}
+			})
+		})
+	}
+}
+
+func TestInvalidOptionsFailAtConstruction(t *testing.T) {
+	h := amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil })
+	bh := amqpsub.BatchHandlerFunc(func(context.Context, []*amqpsub.Delivery) []error { return nil })
+	for name, build := range map[string]func() (*amqpsub.Subscriber, error){
+		"credit 0":         func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, amqpsub.Credit(0)) },
+		"credit -1":        func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, amqpsub.Credit(-1)) },
+		"workers 0":        func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, amqpsub.Workers(0)) },
+		"workers by key 0": func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, amqpsub.WorkersByKey(0)) },
+		"batch size 0":     func() (*amqpsub.Subscriber, error) { return amqpsub.NewBatch(nowhere, "q", bh, amqpsub.Batch(0, 0)) },
+		"negative wait": func() (*amqpsub.Subscriber, error) {
+			return amqpsub.NewBatch(nowhere, "q", bh, amqpsub.Batch(10, -time.Millisecond))
+		},
+		"batch on New":   func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, amqpsub.Batch(10, 0)) },
+		"negative grace": func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, amqpsub.GracePeriod(-1)) },
+		"zero dial":      func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, amqpsub.DialTimeout(0)) },
+		"nil logger":     func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, amqpsub.Logger(nil)) },
+		"zero profile": func() (*amqpsub.Subscriber, error) {
+			return amqpsub.New(nowhere, "q", h, amqpsub.WithProfile(amqpsub.Profile{}))
+		},
+		"nil handler":   func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", nil) },
+		"nil batch":     func() (*amqpsub.Subscriber, error) { return amqpsub.NewBatch(nowhere, "q", nil) },
+		"empty queue":   func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "", h) },
+		"nil connector": func() (*amqpsub.Subscriber, error) { return amqpsub.New(nil, "q", h) },
+	} {
+		s, err := build()
+		if !errors.Is(err, amqpsub.ErrInvalidOption) || s != nil {
+			t.Errorf("%s: %v, %v; want ErrInvalidOption", name, s, err)
+		}
+	}
+	if _, err := amqpsub.NewBatch(nowhere, "q", bh, amqpsub.Batch(1, 0), amqpsub.Credit(1), amqpsub.WorkersByKey(1)); err != nil {
+		t.Errorf("smallest valid options: %v", err)
+	}
+}
+
+// With handlers that block, the deliveries held never exceed the credit.
+func TestHeldNeverExceedsCredit(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(false, fake.Messages(100)...)
+		unblock := make(chan struct{})
+		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+			<-unblock
+			return nil
+		}), amqpsub.Credit(8), amqpsub.Workers(3), amqpsub.WithSource(src))
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		st := s.Stats()
+		if st.Held != 8 || st.Handling != 3 || st.Buffered != 5 {
+			t.Fatalf("held %d handling %d buffered %d, want 8/3/5", st.Held, st.Handling, st.Buffered)
+		}
+		close(unblock)
+		for s.Stats().Accepted < 100 {
+			time.Sleep(time.Millisecond)
+		}
+		cancel()
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		if st := s.Stats(); st.MaxHeld != 8 || st.Held != 0 {
+			t.Fatalf("max held %d, held %d", st.MaxHeld, st.Held)
+		}
+	})
+}
+
+func TestShutdownReleasesBufferedAndSettlesInProgress(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(50)...)
+		var started atomic.Int64
+		finish := make(chan struct{})
+		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+			started.Add(1)
+			<-finish
+			return ctx.Err() // nil unless the grace period ran out
+		}), amqpsub.Credit(20), amqpsub.Workers(2), amqpsub.WithSource(src))
+		_, errc := run(t, s)
+		synctest.Wait()
+		shut := make(chan error, 1)
+		go func() { shut <- s.Shutdown(context.Background()) }()
+		synctest.Wait()
+		if n := src.Count(fake.Released); n != 18 {
+			t.Fatalf("released %d at shutdown, want the 18 buffered", n)
+		}
+		if src.Credit() != 0 {
+			t.Fatal("credit left with the broker")
+		}
+		close(finish)
+		if err := <-shut; err != nil {
+			t.Fatal(err)
+		}
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		if started.Load() != 2 || src.Count(fake.Accepted) != 2 {
+			t.Fatalf("handlers started %d, accepted %d", started.Load(), src.Count(fake.Accepted))
+		}
+		if err := s.Shutdown(context.Background()); err != nil {
+			t.Fatalf("second Shutdown: %v", err)
+		}
+		if err := s.Close(); err != nil {
+			t.Fatalf("Close after Shutdown: %v", err)
+		}
+		if err := s.Run(context.Background()); !errors.Is(err, amqpsub.ErrClosed) {
+			t.Fatalf("second Run = %v", err)
+		}
+	})
+}
+
+func TestGracePeriodCancelsHandlers(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(5)...)
+		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+			<-ctx.Done()
+			return ctx.Err()
+		}), amqpsub.Credit(5), amqpsub.GracePeriod(2*time.Second), amqpsub.WithSource(src))
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		start := time.Now()
+		cancel()
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		if d := time.Since(start); d != 2*time.Second {
+			t.Fatalf("stopped after %v, want the 2 s grace", d)
+		}
+		// The handler's delivery was left for the broker to redeliver.
+		if n := src.Count(fake.Accepted) + src.Count(fake.Modified); n != 0 {
+			t.Fatalf("%d settled after the grace period", n)
+		}
+	})
+}
+
+func TestCloseStopsAtOnce(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(5)...)
+		var cancelled atomic.Bool
+		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+			<-ctx.Done()
+			cancelled.Store(true)
+			return ctx.Err()
+		}), amqpsub.WithSource(src))
+		_, errc := run(t, s)
+		synctest.Wait()
+		start := time.Now()
+		s.Close()
+		s.Close()
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		if time.Since(start) != 0 || !cancelled.Load() {
+			t.Fatal("Close did not cancel the handler at once")
+		}
+	})
+}
+
+func TestShutdownBeforeRun(t *testing.T) {
+	s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }))
+	if err := s.Shutdown(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Run(context.Background()); !errors.Is(err, amqpsub.ErrClosed) {
+		t.Fatalf("Run = %v", err)
+	}
+}
+
+func TestUnreachableBrokerNamesTheAddressButNotTheSecret(t *testing.T) {
+	s, _ := amqpsub.New(amqpsub.Dial("amqp://alice:s3cr3t-pw@127.0.0.1:1", nil), "q",
+		amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+		amqpsub.DialTimeout(3*time.Second))
+	start := time.Now()
+	err := s.Run(context.Background())
+	if err == nil {
+		t.Fatal("Run connected to nothing")
+	}
+	if time.Since(start) > 3*time.Second+500*time.Millisecond {
+		t.Fatalf("Run took %v, past the dial timeout", time.Since(start))
+	}
+	if !strings.Contains(err.Error(), "127.0.0.1:1") || strings.Contains(err.Error(), "s3cr3t-pw") {
+		t.Fatalf("error %q: want the address, not the password", err)
+	}
+}
+
+func TestBatchesAndTheirResults(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		msgs := fake.Messages(10)
+		src := fake.New(true, msgs...)
+		var mu sync.Mutex
+		var sizes []int
+		s, err := amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+			mu.Lock()
+			sizes = append(sizes, len(b))
+			mu.Unlock()
+			res := make([]error, len(b))
+			for i, d := range b {
+				if index(d) == 7 && d.DeliveryCount() == 0 && d.FirstAcquirer() {
+					res[i] = amqpsub.Reject("seven")
+				}
+			}
+			return res
+		}), amqpsub.Batch(4, 10*time.Millisecond), amqpsub.WithSource(src))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		time.Sleep(10 * time.Millisecond)
+		synctest.Wait()
+		cancel()
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		if fmt.Sprint(sizes) != "[4 4 2]" {
+			t.Fatalf("batch sizes %v, want [4 4 2]", sizes)
+		}
+		if src.Count(fake.Accepted) != 9 || src.Count(fake.Rejected) != 1 {
+			t.Fatalf("accepted %d rejected %d", src.Count(fake.Accepted), src.Count(fake.Rejected))
+		}
+	})
+}
+
+func TestBatchHandlerContractBreachesRetry(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(3)...)
+		var calls atomic.Int64
+		s, _ := amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+			switch calls.Add(1) {
+			case 1:
+				return make([]error, len(b)+1) // wrong length
+			case 2:
+				panic("batch boom")
+			}
+			return nil
+		}), amqpsub.Batch(3, 0), amqpsub.WithSource(src))
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		cancel()
+		<-errc
+		if src.Count(fake.Modified) != 6 || src.Count(fake.Accepted) != 3 {
+			t.Fatalf("modified %d accepted %d", src.Count(fake.Modified), src.Count(fake.Accepted))
+		}
+		if s.Stats().Panics != 1 {
+			t.Fatal("panic not counted")
+		}
+	})
+}
+
+func TestGroupIDsAbsentEmptyAndLongAreHandled(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		long := strings.Repeat("g", 1<<16)
+		empty := ""
+		msgs := fake.Messages(30)
+		for i, m := range msgs {
+			switch i % 3 {
+			case 0:
+				m.Properties.GroupID = nil
+			case 1:
+				m.Properties.GroupID = &empty
+			case 2:
+				m.Properties.GroupID = &long
+			}
+		}
+		msgs[0].Properties = nil
+		src := fake.New(false, msgs...)
+		lanes := make([]atomic.Int64, 4)
+		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+			if d.GroupID() != "" && d.GroupID() != long {
+				return errors.New("group-id changed")
+			}
+			lanes[d.Lane()].Add(1)
+			return nil
+		}), amqpsub.WorkersByKey(4), amqpsub.WithSource(src))
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		cancel()
+		<-errc
+		if n := src.Count(fake.Accepted); n != 30 {
+			t.Fatalf("accepted %d of 30", n)
+		}
+		busy := 0
+		for i := range lanes {
+			if lanes[i].Load() > 0 {
+				busy++
+			}
+		}
+		if busy != 4 {
+			t.Fatalf("keyless deliveries reached %d of 4 lanes", busy)
+		}
+	})
+}

@@ -1,0 +1,177 @@
+// Package credit keeps the link-credit accounting of one receiver.
+//
+// amqpsub attaches its receivers with go-amqp's manual credit (Credit: -1) and
+// decides itself when to grant more. An Account is a passive state machine:
+// the pump tells it what happened (a delivery arrived, deliveries settled, a
+// new link was attached) and asks it how much credit to grant now. It keeps
+// every counter as int64, so no counter wraps, and it survives a broker that
+// sends past the credit it was given (RabbitMQ 3.10 does).
+//
+// # The arithmetic
+//
+// go-amqp sends, in each flow frame, the credit issued since the last frame
+// plus its own running credit, which it decrements for every transfer without
+// a check. Summed over the life of a link that running credit is
+// granted-arrived, so the frame carries
+//
+//	link-credit = limit - held - unseen
+//
+// when the Account grants limit - held - (granted - received): limit is the
+// configured credit, held the deliveries the process holds, and unseen the
+// transfers that arrived in go-amqp but have not yet been received by the
+// pump. On a broker that keeps within its credit, unseen ≤ granted-received
+// and the frame is never negative. A broker that overshoots makes
+// granted-received negative; the grant then grows by the overshoot, which
+// brings go-amqp's counter back from its wrapped value instead of leaving it
+// near 2³², where go-amqp's automatic credit stalls forever.
+//
+// After an overshoot the Account switches to windowed granting: it grants
+// only once everything granted so far has arrived, so no flow frame is sent
+// while transfers are in flight, which is when RabbitMQ 3.10 miscounts.
+package credit
+
+import "fmt"
+
+// Mode says when an Account grants credit.
+type Mode int
+
+const (
+	// Continuous tops credit up in chunks as deliveries settle, while earlier
+	// credit is still outstanding. It suits brokers that keep within the credit
+	// they were given, such as Artemis.
+	Continuous Mode = iota
+	// Windowed grants only once every credit granted so far has been used.
+	// It costs a round trip per window and suits brokers that overshoot.
+	Windowed
+)
+
+func (m Mode) String() string {
+	switch m {
+	case Continuous:
+		return "continuous"
+	case Windowed:
+		return "windowed"
+	}
+	return fmt.Sprintf("Mode(%d)", int(m))
+}
+
+// Account is the credit accounting of one receiver. It is not safe for
+// concurrent use: the pump goroutine owns it.
+type Account struct {
+	limit int64
+	chunk int64
+	mode  Mode
+
+	// Per link: reset by Attach.
+	granted  int64 // credit issued on this link
+	received int64 // deliveries received on this link
+
+	held       int64 // deliveries held in the process, every link
+	maxHeld    int64
+	overshoot  int64 // deliveries received past the credit, all links
+	overshoots int64 // links on which an overshoot was seen
+	seen       bool  // overshoot seen on this link
+}
+
+// New returns an Account that keeps at most limit deliveries in the process
+// and grants credit in chunks of at least chunk. A chunk of 0 picks
+// max(1, limit/8). It panics if limit < 1 or chunk > limit, which the
+// callers validate first.
+func New(limit, chunk int, mode Mode) *Account {
+	if limit < 1 {
+		panic("credit: limit < 1")
+	}
+	if chunk <= 0 {
+		chunk = max(1, limit/8)
+	}
+	if chunk > limit {
+		panic("credit: chunk > limit")
+	}
+	return &Account{limit: int64(limit), chunk: int64(chunk), mode: mode}
+}
+
+// Attach starts the accounting of a new link. Deliveries still held from an
+// earlier link keep counting towards the limit until they are settled, so the
+// bound holds across reconnects.
+func (a *Account) Attach() {
+	a.granted, a.received, a.seen = 0, 0, false
+}
+
+// Received records one delivery from the current link. It reports true the
+// first time on this link that the broker sent past the credit it was given.
+func (a *Account) Received() (firstOvershoot bool) {
+	a.received++
+	a.held++
+	a.maxHeld = max(a.maxHeld, a.held)
+	if a.received > a.granted {
+		a.overshoot++
+		if !a.seen {
+			a.seen = true
+			a.overshoots++
+			a.mode = Windowed
+			return true
+		}
+	}
+	return false
+}
+
+// Settled records that n held deliveries left the process: settled, or
+// dropped because their link was lost.
+func (a *Account) Settled(n int) {
+	a.held -= int64(n)
+	if a.held < 0 {
+		panic("credit: more settled than held")
+	}
+}
+
+// Grant returns the credit to issue now and records it as issued; 0 means
+// issue nothing. The result never exceeds what keeps held+outstanding within
+// the limit, plus the overshoot to win back (see the package comment).
+func (a *Account) Grant() uint32 {
+	outstanding := a.granted - a.received
+	if a.mode == Windowed && outstanding > 0 {
+		return 0
+	}
+	want := a.limit - a.held - outstanding
+	if want < a.chunk {
+		return 0
+	}
+	// want ≤ limit + overshoot of this link; both fit a uint32 for any limit
+	// the options accept, but clamp anyway rather than wrap.
+	want = min(want, 1<<31)
+	a.granted += want
+	return uint32(want)
+}
+
+// Revoke records that the broker drained the link: the credit it still had
+// is gone.
+func (a *Account) Revoke() {
+	a.granted = a.received
+}
+
+// Held returns the deliveries held in the process.
+func (a *Account) Held() int { return int(a.held) }
+
+// Snapshot is a copy of an Account's counters.
+type Snapshot struct {
+	Limit       int   // configured credit
+	Mode        Mode  // current mode; Windowed after an overshoot
+	Held        int   // deliveries held in the process now
+	MaxHeld     int   // the most held at once
+	Outstanding int64 // credit the broker still has on this link; negative after an overshoot
+	Overshoot   int64 // deliveries received past the credit, in all
+	Overshoots  int64 // links on which the broker overshot
+}
+
+// Snapshot returns the Account's counters.
+func (a *Account) Snapshot() Snapshot {
+	return Snapshot{
+		Limit:       int(a.limit),
+		Mode:        a.mode,
+		Held:        int(a.held),
+		MaxHeld:     int(a.maxHeld),
+		Outstanding: a.granted - a.received,
+		Overshoot:   a.overshoot,
+		Overshoots:  a.overshoots,
+	}
+}

@@ -20,8 +20,6 @@ type Profile struct {
 	// detach says whether the broker answers a link detach; if not, the
 	// session is closed instead.
 	detach bool
-	// drain says whether the broker answers a drain at stop.
-	drain bool
 }
 
 // String returns the profile's name.
@@ -40,7 +38,6 @@ var (
 		retry:      pump.Outcome{Kind: pump.Modify, DeliveryFailed: true},
 		creditMode: credit.Continuous,
 		detach:     true,
-		drain:      true,
 	}
 
 	// RabbitMQ3 is for RabbitMQ 3.x with the rabbitmq_amqp1_0 plugin. A
@@ -57,7 +54,6 @@ var (
 		retry:      pump.Outcome{Kind: pump.Release},
 		creditMode: credit.Windowed,
 		detach:     false,
-		drain:      false,
 	}
 
 	// Generic assumes only the AMQP 1.0 specification: the queue name is the
@@ -68,7 +64,6 @@ var (
 		retry:      pump.Outcome{Kind: pump.Modify, DeliveryFailed: true},
 		creditMode: credit.Continuous,
 		detach:     true,
-		drain:      true,
 	}
 )
 

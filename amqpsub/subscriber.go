@@ -110,10 +110,6 @@ func build(c Connector, queue string, opts []Option) (*Subscriber, error) {
 		return nil, err
 	}
 	log := cfg.log.With(zap.String("queue", queue))
-	drain := time.Duration(-1)
-	if cfg.profile.drain {
-		drain = 0 // the pump's default
-	}
 	s := &Subscriber{
 		connector: c,
 		queue:     queue,
@@ -123,10 +119,9 @@ func build(c Connector, queue string, opts []Option) (*Subscriber, error) {
 		closeReq:  make(chan struct{}),
 		done:      make(chan struct{}),
 		pump: pump.New(pump.Config{
-			Credit:       cfg.credit,
-			Mode:         cfg.profile.creditMode,
-			DrainTimeout: drain,
-			Logger:       log,
+			Credit: cfg.credit,
+			Mode:   cfg.profile.creditMode,
+			Logger: log,
 		}),
 	}
 	return s, nil

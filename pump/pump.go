@@ -79,8 +79,12 @@ type Config struct {
 	// Mode is the credit mode at start (see package credit). A broker seen
 	// sending past its credit switches the pump to credit.Windowed.
 	Mode credit.Mode
-	// DrainTimeout bounds the drain of the link's credit when the pump stops.
-	// 0 means 2 s; a negative value skips the drain.
+	// DrainTimeout, when > 0, makes the pump drain the link's credit when it
+	// stops, waiting at most this long, so that the deliveries it releases go
+	// to other consumers rather than back to it. 0 skips the drain: Artemis
+	// 2.40 never answers a drain the way go-amqp waits for. Without a drain,
+	// a delivery that comes back is released again at once, and since no
+	// credit is granted while stopping, this ends when the credit is used up.
 	DrainTimeout time.Duration
 	// Logger receives the pump's logs. nil means no logs.
 	Logger *zap.Logger
@@ -169,9 +173,6 @@ type Pump struct {
 // New returns a Pump. It panics on an invalid Config, which callers validate
 // first.
 func New(cfg Config) *Pump {
-	if cfg.DrainTimeout == 0 {
-		cfg.DrainTimeout = 2 * time.Second
-	}
 	log := cfg.Logger
 	if log == nil {
 		log = zap.NewNop()
@@ -221,7 +222,7 @@ func (p *Pump) Settle(d *Delivery, o Outcome) {
 }
 
 // Stop starts a graceful stop: the pump grants no more credit, drains the
-// credit the broker still has, releases every delivery not yet taken from
+// credit the broker still has (if Config.DrainTimeout says so), releases every delivery not yet taken from
 // Out and every delivery that still arrives, applies the settlements of
 // deliveries in handlers, and Run returns once nothing is held. Stop does not
 // wait; it is safe to call more than once and from any goroutine.
@@ -457,7 +458,7 @@ func receiveLoop(ctx context.Context, src Source, inbox chan<- received) {
 // drain takes back the credit the broker still has, so that deliveries
 // released at stop go to other consumers rather than back to this one.
 func (p *Pump) drain(ctx context.Context, src Source) {
-	if p.cfg.DrainTimeout < 0 {
+	if p.cfg.DrainTimeout <= 0 {
 		return
 	}
 	dctx, cancel := context.WithTimeout(ctx, p.cfg.DrainTimeout)

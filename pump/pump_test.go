@@ -5,6 +5,7 @@ import (
 	"errors"
 	"testing"
 	"testing/synctest"
+	"time"
 
 	"github.com/Azure/go-amqp"
 	"go.uber.org/goleak"
@@ -137,7 +138,7 @@ func TestOvershootIsCountedAndDoesNotStall(t *testing.T) {
 func TestStopReleasesBufferedAndSettlesInProgress(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(true, fake.Messages(50)...)
-		p := pump.New(pump.Config{Credit: 10})
+		p := pump.New(pump.Config{Credit: 10, DrainTimeout: time.Second})
 		_, errc := start(t, p, attachTo(src))
 		inHandler := []*pump.Delivery{<-p.Out(), <-p.Out()}
 		for _, d := range inHandler {

@@ -1,0 +1,65 @@
+# amqpsub: build, test and broker helpers. See integration/README.md.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+
+GO ?= go
+ARTEMIS_CTL  := $(abspath integration/artemis.sh)
+RABBITMQ_CTL := $(abspath integration/rabbitmq.sh)
+AMQPSUB_ARTEMIS_URL  ?= amqp://127.0.0.1:5672
+AMQPSUB_RABBITMQ_URL ?= amqp://guest:guest@127.0.0.1:5682
+INTEGRATION_TIMEOUT  ?= 40m
+
+INTEGRATION_ENV := AMQPSUB_ARTEMIS_URL=$(AMQPSUB_ARTEMIS_URL) \
+	AMQPSUB_RABBITMQ_URL=$(AMQPSUB_RABBITMQ_URL) \
+	AMQPSUB_ARTEMIS_CTL=$(ARTEMIS_CTL) \
+	AMQPSUB_RABBITMQ_CTL=$(RABBITMQ_CTL)
+
+.PHONY: all brokers brokers-stop artemis rabbitmq unit integration test demo bench fmt vet lint check
+
+all: lint unit
+
+## brokers: start Artemis (127.0.0.1:5672) and RabbitMQ (127.0.0.1:5682); idempotent
+brokers:
+	bash $(ARTEMIS_CTL) start && bash $(RABBITMQ_CTL) start
+
+artemis:
+	bash $(ARTEMIS_CTL) start
+
+rabbitmq:
+	bash $(RABBITMQ_CTL) start
+
+## brokers-stop: stop both brokers (idempotent)
+brokers-stop:
+	rc=0; bash $(ARTEMIS_CTL) stop || rc=1; bash $(RABBITMQ_CTL) stop || rc=1; exit $$rc
+
+## unit: unit tests (everything except ./integration)
+unit:
+	pkgs=$$($(GO) list ./... | grep -v '/integration' || true); \
+	if [ -n "$$pkgs" ]; then $(GO) test -race -count=1 $$pkgs; else echo "no packages"; fi
+
+## integration: start the brokers, run the integration tests (they stay running)
+integration: brokers
+	$(INTEGRATION_ENV) $(GO) test -race -count=1 -timeout $(INTEGRATION_TIMEOUT) ./integration/...
+
+## test: unit + integration; stops the brokers it started, even on failure
+test:
+	GO=$(GO) INTEGRATION_TIMEOUT=$(INTEGRATION_TIMEOUT) bash integration/test.sh
+
+## demo: the orders example against Artemis
+demo: artemis
+	$(GO) run ./examples/orders -url $(AMQPSUB_ARTEMIS_URL)
+
+## bench: the benchmark program against both brokers
+bench: brokers
+	$(INTEGRATION_ENV) $(GO) run ./integration/bench
+
+fmt:
+	@out=$$(gofmt -l .); \
+	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+
+vet:
+	$(GO) vet ./...
+
+lint: fmt vet
+
+check: lint test

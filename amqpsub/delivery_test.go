@@ -1,0 +1,101 @@
+package amqpsub_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"testing/synctest"
+
+	"github.com/Azure/go-amqp"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/internal/fake"
+)
+
+// handleAll runs h over msgs through a subscriber and returns the errors h
+// reported about them.
+func handleAll(t *testing.T, h func(d *amqpsub.Delivery) error, msgs ...*amqp.Message) []error {
+	t.Helper()
+	var errs []error
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(false, msgs...)
+		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+			if err := h(d); err != nil {
+				errs = append(errs, err)
+			}
+			return nil
+		}), amqpsub.WithSource(src))
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		cancel()
+		<-errc
+		if n := src.Count(fake.Accepted); n != len(msgs) {
+			t.Fatalf("accepted %d of %d", n, len(msgs))
+		}
+	})
+	return errs
+}
+
+func TestBodyAccessorsSayWhatTheBodyIs(t *testing.T) {
+	group, ct := "g", "text/plain"
+	gs := uint32(4)
+	data := &amqp.Message{Data: [][]byte{[]byte("ab"), []byte("cd")},
+		Properties:  &amqp.MessageProperties{GroupID: &group, GroupSequence: &gs, ContentType: &ct, MessageID: "m-1"},
+		Header:      &amqp.MessageHeader{DeliveryCount: 2},
+		Annotations: amqp.Annotations{"x-opt-jms-msg-type": int8(5)}}
+	value := &amqp.Message{Value: "hello"}
+	seq := &amqp.Message{Sequence: [][]any{{int64(1), "two"}}}
+	empty := &amqp.Message{}
+	errs := handleAll(t, func(d *amqpsub.Delivery) error {
+		m := d.Message()
+		switch m {
+		case data:
+			b, err := d.Body()
+			if d.Kind() != amqpsub.BodyData || err != nil || string(b) != "abcd" {
+				return errors.New("data body")
+			}
+			if _, err := d.Value(); !errors.Is(err, amqpsub.ErrBodyKind) {
+				return errors.New("Value on data")
+			}
+			if n, ok := d.GroupSequence(); !ok || n != 4 || d.GroupID() != "g" || d.ContentType() != ct ||
+				d.MessageID() != "m-1" || d.DeliveryCount() != 2 || d.FirstAcquirer() {
+				return errors.New("properties")
+			}
+			if v, ok := d.Annotation("x-opt-jms-msg-type"); !ok || v != int8(5) {
+				return errors.New("annotation")
+			}
+		case value:
+			if _, err := d.Body(); !errors.Is(err, amqpsub.ErrBodyKind) || d.Kind() != amqpsub.BodyValue {
+				return errors.New("Body on amqp-value")
+			}
+			if v, err := d.Value(); err != nil || v != "hello" {
+				return errors.New("Value")
+			}
+		case seq:
+			if _, err := d.Body(); !errors.Is(err, amqpsub.ErrBodyKind) {
+				return errors.New("Body on amqp-sequence")
+			}
+			if s, err := d.Sequence(); err != nil || len(s) != 1 || s[0][1] != "two" || d.Kind() != amqpsub.BodySequence {
+				return errors.New("Sequence")
+			}
+		case empty:
+			if b, err := d.Body(); b != nil || err != nil || d.Kind() != amqpsub.BodyEmpty {
+				return errors.New("empty body")
+			}
+			if _, err := d.Sequence(); !errors.Is(err, amqpsub.ErrBodyKind) {
+				return errors.New("Sequence on empty")
+			}
+			if _, ok := d.GroupSequence(); ok || d.GroupID() != "" || d.MessageID() != nil || d.ContentType() != "" ||
+				d.DeliveryCount() != 0 || !d.FirstAcquirer() || d.ApplicationProperties() != nil {
+				return errors.New("absent properties")
+			}
+			if _, ok := d.Annotation("x"); ok {
+				return errors.New("annotation on empty")
+			}
+		}
+		return nil
+	}, data, value, seq, empty)
+	for _, err := range errs {
+		t.Error(err)
+	}
+}

@@ -1,0 +1,265 @@
+#!/usr/bin/env bash
+# Lifecycle of the Apache Artemis test broker (no Docker needed).
+#
+#   artemis.sh start|stop|status|restart|kill9|reset|url|pid|log
+#
+#   start    download (once), create the instance (once), copy
+#            integration/artemis/{broker.xml,login.config} into etc/, run the broker
+#            in the background and wait until 127.0.0.1:5672 accepts.
+#            Does nothing if it is already running.
+#   stop     SIGTERM, wait up to 30 s, then SIGKILL. Idempotent.
+#   status   exit 0 and print the PID if running and 5672 accepts; exit 3 if
+#            stopped; exit 1 if the process is alive but 5672 does not accept.
+#   restart  stop (if running) and start; the journal is kept.
+#   kill9    kill -9 the broker's java process (fault tests). Journal kept.
+#   reset    stop and delete the instance's data/ (journal, paging, ...).
+#   url      print amqp://127.0.0.1:5672
+#   pid      print the broker's PID (exit 3 if not running)
+#   log      print the path of the console log
+#
+# Environment:
+#   AMQPSUB_CACHE              cache dir        (default ~/.cache/amqpsub)
+#   AMQPSUB_ARTEMIS_HOME       instance dir     (default $AMQPSUB_CACHE/artemis-instance)
+#   AMQPSUB_START_TIMEOUT      seconds to wait for the port (default 90)
+#   AMQPSUB_ARTEMIS_JAVA_ARGS  JVM options      (default below, -Xmx1536M)
+#   AMQPSUB_MVN_ARGS           extra mvn arguments for the one-time download
+set -euo pipefail
+
+readonly ARTEMIS_VERSION=2.40.0
+readonly ARTEMIS_GAV="org.apache.activemq:apache-artemis:${ARTEMIS_VERSION}:tar.gz:bin"
+readonly HOST=127.0.0.1
+readonly PORT=5672
+
+SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+CACHE=$(realpath -m "${AMQPSUB_CACHE:-${HOME:-/root}/.cache/amqpsub}")
+DIST="$CACHE/apache-artemis-$ARTEMIS_VERSION"
+TARBALL="$CACHE/apache-artemis-$ARTEMIS_VERSION-bin.tar.gz"
+INSTANCE=$(realpath -m "${AMQPSUB_ARTEMIS_HOME:-$CACHE/artemis-instance}")
+PIDFILE="$INSTANCE/artemis.pid"
+LOG="$INSTANCE/log/console.log"
+BROKER_XML="$SCRIPT_DIR/artemis/broker.xml"
+LOGIN_CONFIG="$SCRIPT_DIR/artemis/login.config"
+START_TIMEOUT=${AMQPSUB_START_TIMEOUT:-90}
+STOP_TIMEOUT=30
+# The instance's etc/artemis.profile only sets JAVA_ARGS when it is empty;
+# this is its default list with a smaller heap and without the hawtio
+# (web console) options, which --no-web makes useless.
+DEFAULT_JAVA_ARGS="-XX:AutoBoxCacheMax=20000 -XX:+UseG1GC -XX:+UseStringDeduplication -Xms512M -Xmx1536M -XX:+HeapDumpOnOutOfMemoryError -XX:HeapDumpPath=$INSTANCE/log/oom_dump.hprof -Dlog4j2.disableJmx=true --add-opens java.base/jdk.internal.misc=ALL-UNNAMED"
+JAVA_ARGS_TO_USE=${AMQPSUB_ARTEMIS_JAVA_ARGS:-$DEFAULT_JAVA_ARGS}
+
+log() { echo "artemis.sh: $*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+port_open() { timeout 2 bash -c "exec 3<>/dev/tcp/$HOST/$PORT" 2>/dev/null; }
+
+# is_broker PID: the process exists and is the java broker of THIS instance.
+is_broker() {
+  local pid=$1 cmd
+  [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
+  cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
+  [[ "$cmd" == *"org.apache.activemq.artemis.boot.Artemis"* && "$cmd" == *"-Dartemis.instance=$INSTANCE "* ]]
+}
+
+# broker_pid: PID from the pid file if valid, else a java process started for
+# this instance directory (pid file lost). Prints nothing if none.
+broker_pid() {
+  local pid="" p
+  [ -f "$PIDFILE" ] && pid=$(cat "$PIDFILE" 2>/dev/null || true)
+  if is_broker "$pid"; then echo "$pid"; return 0; fi
+  for p in /proc/[0-9]*; do
+    p=${p#/proc/}
+    if is_broker "$p"; then echo "$p"; return 0; fi
+  done
+  return 0
+}
+
+with_lock() {
+  mkdir -p "$CACHE"
+  exec 9>"$CACHE/.artemis.lock"
+  flock -w 300 9 || die "could not lock $CACHE/.artemis.lock"
+}
+
+check_java() {
+  command -v java >/dev/null || die "java not found (need Java 17+)"
+  local v
+  v=$(java -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -1)
+  [ -n "$v" ] && [ "$v" -ge 17 ] || die "Java 17+ needed, found: $(java -version 2>&1 | head -1)"
+}
+
+fetch_dist() {
+  [ -x "$DIST/bin/artemis" ] && return 0
+  mkdir -p "$CACHE"
+  if [ ! -s "$TARBALL" ]; then
+    command -v mvn >/dev/null || die "mvn not found (needed once to download Artemis)"
+    log "downloading $ARTEMIS_GAV with Maven"
+    local tmp
+    tmp=$(mktemp -d)
+    # shellcheck disable=SC2086
+    if ! (cd "$tmp" && mvn -B -q -Dstyle.color=never ${AMQPSUB_MVN_ARGS:-} dependency:copy \
+          -Dartifact="$ARTEMIS_GAV" -DoutputDirectory="$tmp/out" </dev/null >"$tmp/mvn.log" 2>&1); then
+      cat "$tmp/mvn.log" >&2
+      rm -rf "$tmp"; die "Maven download of $ARTEMIS_GAV failed"
+    fi
+    mv "$tmp/out/apache-artemis-$ARTEMIS_VERSION-bin.tar.gz" "$TARBALL.part"
+    rm -rf "$tmp"
+    mv "$TARBALL.part" "$TARBALL"
+  fi
+  log "unpacking $TARBALL"
+  local tmpd
+  tmpd=$(mktemp -d "$CACHE/.unpack.XXXXXX")
+  tar -xzf "$TARBALL" -C "$tmpd" || { rm -rf "$tmpd"; die "cannot unpack $TARBALL"; }
+  [ -x "$tmpd/apache-artemis-$ARTEMIS_VERSION/bin/artemis" ] || { rm -rf "$tmpd"; die "unexpected tarball layout"; }
+  rm -rf "$DIST"
+  mv "$tmpd/apache-artemis-$ARTEMIS_VERSION" "$DIST"
+  rm -rf "$tmpd"
+}
+
+ensure_instance() {
+  [ -f "$INSTANCE/.amqpsub-created" ] && [ -x "$INSTANCE/bin/artemis" ] && return 0
+  fetch_dist
+  log "creating broker instance in $INSTANCE"
+  mkdir -p "$(dirname "$INSTANCE")"
+  local force=()
+  [ -e "$INSTANCE" ] && force=(--force)
+  "$DIST/bin/artemis" create --silent "${force[@]}" \
+      --host "$HOST" --no-web --no-autotune --no-fsync --nio \
+      --user amqpsub --password amqpsub --allow-anonymous \
+      "$INSTANCE" </dev/null >"$CACHE/artemis-create.log" 2>&1 \
+    || { cat "$CACHE/artemis-create.log" >&2; die "artemis create failed"; }
+  touch "$INSTANCE/.amqpsub-created"
+}
+
+# live PID: the process exists and is not a zombie (a child of this shell
+# that exited stays a zombie until we exit, and kill -0 still succeeds).
+live() {
+  local st
+  st=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  st=${st##*) }
+  [ "${st%% *}" != Z ]
+}
+
+wait_port() {
+  local pid=$1 deadline=$((SECONDS + START_TIMEOUT))
+  while ! port_open; do
+    if ! live "$pid"; then
+      log "broker process $pid exited during start-up; last lines of $LOG:"
+      tail -n 60 "$LOG" >&2 || true
+      rm -f "$PIDFILE"
+      exit 1
+    fi
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      log "broker (pid $pid) did not accept on $HOST:$PORT within ${START_TIMEOUT}s; last lines of $LOG:"
+      tail -n 60 "$LOG" >&2 || true
+      exit 1
+    fi
+    sleep 0.25
+  done
+}
+
+cmd_start() {
+  with_lock
+  local pid
+  pid=$(broker_pid)
+  if [ -n "$pid" ]; then
+    echo "$pid" >"$PIDFILE"
+    wait_port "$pid"
+    log "already running (pid $pid) on $HOST:$PORT"
+    return 0
+  fi
+  rm -f "$PIDFILE"
+  port_open && die "$HOST:$PORT already accepts connections, but not from this instance ($INSTANCE)"
+  check_java
+  ensure_instance
+  # Our config wins over what `artemis create` wrote, on every start.
+  cp "$BROKER_XML" "$INSTANCE/etc/broker.xml"
+  cp "$LOGIN_CONFIG" "$INSTANCE/etc/login.config"
+  mkdir -p "$INSTANCE/log"
+  [ -f "$LOG" ] && mv -f "$LOG" "$LOG.1"
+  local t0=$SECONDS
+  # setsid+nohup: detach from the caller's session and signals. Both exec,
+  # and bin/artemis execs java, so $! is the java PID. Close the lock fd.
+  JAVA_ARGS="$JAVA_ARGS_TO_USE" setsid nohup "$INSTANCE/bin/artemis" run \
+      </dev/null >"$LOG" 2>&1 9>&- &
+  pid=$!
+  echo "$pid" >"$PIDFILE"
+  wait_port "$pid"
+  # Belt and braces: make sure the PID is the java process itself.
+  if ! is_broker "$pid"; then
+    local real
+    real=$(broker_pid)
+    [ -n "$real" ] || die "cannot find the broker's java process"
+    pid=$real
+    echo "$pid" >"$PIDFILE"
+  fi
+  log "started (pid $pid) on $HOST:$PORT in $((SECONDS - t0))s; log: $LOG"
+}
+
+wait_gone() {
+  local pid=$1 secs=$2 deadline
+  deadline=$((SECONDS + secs))
+  while kill -0 "$pid" 2>/dev/null; do
+    [ "$SECONDS" -ge "$deadline" ] && return 1
+    sleep 0.2
+  done
+  return 0
+}
+
+cmd_stop() {
+  with_lock
+  local pid
+  pid=$(broker_pid)
+  if [ -z "$pid" ]; then
+    rm -f "$PIDFILE"
+    log "not running"
+    return 0
+  fi
+  log "stopping pid $pid"
+  kill -TERM "$pid" 2>/dev/null || true
+  if ! wait_gone "$pid" "$STOP_TIMEOUT"; then
+    log "pid $pid still alive after ${STOP_TIMEOUT}s; sending SIGKILL"
+    kill -KILL "$pid" 2>/dev/null || true
+    wait_gone "$pid" 10 || die "pid $pid survived SIGKILL"
+  fi
+  rm -f "$PIDFILE"
+  log "stopped"
+}
+
+cmd_kill9() {
+  with_lock
+  local pid
+  pid=$(broker_pid)
+  [ -n "$pid" ] || { log "not running"; return 0; }
+  kill -KILL "$pid"
+  wait_gone "$pid" 10 || die "pid $pid survived SIGKILL"
+  rm -f "$PIDFILE"
+  log "killed pid $pid with SIGKILL"
+}
+
+cmd_status() {
+  local pid
+  pid=$(broker_pid)
+  if [ -z "$pid" ]; then echo "stopped"; return 3; fi
+  if port_open; then echo "running pid $pid amqp://$HOST:$PORT"; return 0; fi
+  echo "starting-or-unhealthy pid $pid ($HOST:$PORT not accepting)"; return 1
+}
+
+cmd_reset() {
+  cmd_stop
+  if [ -d "$INSTANCE/data" ]; then
+    rm -rf "${INSTANCE:?}/data"
+    log "deleted $INSTANCE/data"
+  fi
+}
+
+case "${1:-}" in
+  start)   cmd_start ;;
+  stop)    cmd_stop ;;
+  status)  cmd_status ;;
+  restart) cmd_stop; cmd_start ;;
+  kill9)   cmd_kill9 ;;
+  reset)   cmd_reset ;;
+  url)     echo "amqp://$HOST:$PORT" ;;
+  pid)     pid=$(broker_pid); [ -n "$pid" ] || exit 3; echo "$pid" ;;
+  log)     echo "$LOG" ;;
+  *) echo "usage: $0 start|stop|status|restart|kill9|reset|url|pid|log" >&2; exit 2 ;;
+esac

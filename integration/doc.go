@@ -1,0 +1,9 @@
+// Package integration holds amqpsub's tests against real brokers: Apache
+// Artemis (AMQPSUB_ARTEMIS_URL) and RabbitMQ 3.10 (AMQPSUB_RABBITMQ_URL).
+// Without those variables the tests skip and say how to start the brokers:
+//
+//	bash integration/artemis.sh start   # amqp://127.0.0.1:5672
+//	bash integration/rabbitmq.sh start  # amqp://guest:guest@127.0.0.1:5682
+//
+// `make test` starts both and sets the variables.
+package integration

@@ -1,0 +1,220 @@
+package integration
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/Azure/go-amqp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
+)
+
+const startHint = "start one with `bash integration/artemis.sh start` (and `bash integration/rabbitmq.sh start`), " +
+	"then set AMQPSUB_ARTEMIS_URL=amqp://127.0.0.1:5672 (AMQPSUB_RABBITMQ_URL=amqp://guest:guest@127.0.0.1:5682); `make test` does both"
+
+// artemisURL returns the Artemis URL or skips the test.
+func artemisURL(t testing.TB) string {
+	t.Helper()
+	u := os.Getenv("AMQPSUB_ARTEMIS_URL")
+	if u == "" {
+		t.Skip("no Artemis configured (AMQPSUB_ARTEMIS_URL is empty): " + startHint)
+	}
+	return u
+}
+
+// rabbitURL returns the RabbitMQ URL or skips the test.
+func rabbitURL(t testing.TB) string {
+	t.Helper()
+	u := os.Getenv("AMQPSUB_RABBITMQ_URL")
+	if u == "" {
+		t.Skip("no RabbitMQ configured (AMQPSUB_RABBITMQ_URL is empty): " + startHint)
+	}
+	return u
+}
+
+var queueSeq atomic.Int64
+
+// queueName returns a queue name no other test or run uses.
+func queueName(t testing.TB) string {
+	name := strings.NewReplacer("/", ".", " ", "_").Replace(t.Name())
+	return fmt.Sprintf("it.%s.%d.%d", name, time.Now().UnixNano(), queueSeq.Add(1))
+}
+
+func logger(t testing.TB) *zap.Logger {
+	return zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel))
+}
+
+func dial(t testing.TB, url string) *amqp.Conn {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := amqp.Dial(ctx, url, nil)
+	if err != nil {
+		t.Fatalf("dial %s: %v", url, err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// msgSpec is one message to publish.
+type msgSpec struct {
+	group string // "" for none
+	seq   int
+	body  []byte
+}
+
+// publishFast sends msgs pre-settled, which is far faster than waiting for
+// each disposition, then sends one unsettled message with seq -1 whose
+// acceptance tells that all before it arrived (one link, in order).
+func publishFast(t testing.TB, conn *amqp.Conn, address string, artemis bool, msgs []msgSpec) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	sess, err := conn.NewSession(ctx, nil)
+	if err != nil {
+		t.Fatalf("session: %v", err)
+	}
+	// Closing the session ends the link too; RabbitMQ 3.10 never answers
+	// a link detach, so the sender is not closed on its own.
+	defer closeSession(sess)
+	mode := amqp.SenderSettleModeMixed
+	opts := &amqp.SenderOptions{SettlementMode: &mode}
+	if artemis {
+		opts.TargetCapabilities = []string{"queue"}
+	}
+	snd, err := sess.NewSender(ctx, address, opts)
+	if err != nil {
+		t.Fatalf("sender on %s: %v", address, err)
+	}
+	for _, m := range msgs {
+		if err := snd.Send(ctx, message(m), &amqp.SendOptions{Settled: true}); err != nil {
+			t.Fatalf("send: %v", err)
+		}
+	}
+	if err := snd.Send(ctx, message(msgSpec{seq: -1}), nil); err != nil {
+		t.Fatalf("send barrier: %v", err)
+	}
+}
+
+func closeSession(s *amqp.Session) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	s.Close(ctx)
+}
+
+func message(m msgSpec) *amqp.Message {
+	msg := amqp.NewMessage(m.body)
+	if m.body == nil {
+		msg = amqp.NewMessage([]byte(fmt.Sprintf("%s/%d", m.group, m.seq)))
+	}
+	msg.Header = &amqp.MessageHeader{Durable: true}
+	msg.Properties = &amqp.MessageProperties{}
+	if m.group != "" {
+		g := m.group
+		msg.Properties.GroupID = &g
+	}
+	msg.ApplicationProperties = map[string]any{"seq": int64(m.seq)}
+	return msg
+}
+
+func seqOf(d *amqpsub.Delivery) int {
+	v, _ := d.ApplicationProperties()["seq"].(int64)
+	return int(v)
+}
+
+func groups(n, groups int) []msgSpec {
+	out := make([]msgSpec, n)
+	next := make([]int, groups)
+	for i := range out {
+		g := i % groups
+		out[i] = msgSpec{group: fmt.Sprintf("g%03d", g), seq: next[g]}
+		next[g]++
+	}
+	return out
+}
+
+// runSub runs s until the test ends; it returns a wait func giving Run's
+// result.
+func runSub(t testing.TB, s *amqpsub.Subscriber) (stop context.CancelFunc, wait func() error) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() { errc <- s.Run(ctx) }()
+	var once sync.Once
+	var res error
+	wait = func() error {
+		once.Do(func() {
+			select {
+			case res = <-errc:
+			case <-time.After(2 * time.Minute):
+				res = errors.New("Run did not return within 2 minutes")
+			}
+		})
+		return res
+	}
+	t.Cleanup(func() { cancel(); wait() })
+	return cancel, wait
+}
+
+// waitFor polls cond until it holds or the deadline passes. It waits on a
+// real broker's progress, which no fake clock can stand in for; every wait is
+// bounded and fails the test when it runs out.
+func waitFor(t testing.TB, within time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", within, what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// rawReceiver attaches a plain go-amqp receiver (auto credit) to address.
+func rawReceiver(t testing.TB, conn *amqp.Conn, address string, credit int32) *amqp.Receiver {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	sess, err := conn.NewSession(ctx, nil)
+	if err != nil {
+		t.Fatalf("session: %v", err)
+	}
+	r, err := sess.NewReceiver(ctx, address, &amqp.ReceiverOptions{Credit: credit, SourceCapabilities: []string{"queue"}})
+	if err != nil {
+		t.Fatalf("receiver on %s: %v", address, err)
+	}
+	t.Cleanup(func() { closeSession(sess) })
+	return r
+}
+
+// receiveN takes up to n messages from r, accepting each, until within
+// passes.
+func receiveN(t testing.TB, r *amqp.Receiver, n int, within time.Duration) []*amqp.Message {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), within)
+	defer cancel()
+	var out []*amqp.Message
+	for len(out) < n {
+		m, err := r.Receive(ctx, nil)
+		if err != nil {
+			break
+		}
+		if err := r.AcceptMessage(ctx, m); err != nil {
+			t.Fatalf("accept: %v", err)
+		}
+		out = append(out, m)
+	}
+	return out
+}
+
+// dlq is the address of queue's dead letters under our broker.xml.
+func dlq(queue string) string { return "DLQ::DLQ." + queue }

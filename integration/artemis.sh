@@ -23,12 +23,17 @@
 #   AMQPSUB_START_TIMEOUT      seconds to wait for the port (default 90)
 #   AMQPSUB_ARTEMIS_JAVA_ARGS  JVM options      (default below, -Xmx1536M)
 #   AMQPSUB_MVN_ARGS           extra mvn arguments for the one-time download
+#   AMQPSUB_ARTEMIS_PORT       AMQP port        (default 5672)
+#   AMQPSUB_ARTEMIS_CORE_PORT  CORE+AMQP port   (default 61616)
+#   A second broker (for tests that kill one) needs its own
+#   AMQPSUB_ARTEMIS_HOME and both ports.
 set -euo pipefail
 
 readonly ARTEMIS_VERSION=2.40.0
 readonly ARTEMIS_GAV="org.apache.activemq:apache-artemis:${ARTEMIS_VERSION}:tar.gz:bin"
 readonly HOST=127.0.0.1
-readonly PORT=5672
+readonly PORT=${AMQPSUB_ARTEMIS_PORT:-5672}
+readonly CORE_PORT=${AMQPSUB_ARTEMIS_CORE_PORT:-61616}
 
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CACHE=$(realpath -m "${AMQPSUB_CACHE:-${HOME:-/root}/.cache/amqpsub}")
@@ -45,7 +50,7 @@ STOP_TIMEOUT=30
 # this is its default list with a smaller heap and without the hawtio
 # (web console) options, which --no-web makes useless.
 DEFAULT_JAVA_ARGS="-XX:AutoBoxCacheMax=20000 -XX:+UseG1GC -XX:+UseStringDeduplication -Xms512M -Xmx1536M -XX:+HeapDumpOnOutOfMemoryError -XX:HeapDumpPath=$INSTANCE/log/oom_dump.hprof -Dlog4j2.disableJmx=true --add-opens java.base/jdk.internal.misc=ALL-UNNAMED"
-JAVA_ARGS_TO_USE=${AMQPSUB_ARTEMIS_JAVA_ARGS:-$DEFAULT_JAVA_ARGS}
+JAVA_ARGS_TO_USE="${AMQPSUB_ARTEMIS_JAVA_ARGS:-$DEFAULT_JAVA_ARGS} -Damqpsub.port=$PORT -Damqpsub.coreport=$CORE_PORT"
 
 log() { echo "artemis.sh: $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net/url"
 	"strings"
+	"time"
 
 	"github.com/Azure/go-amqp"
 )
@@ -13,8 +14,12 @@ import (
 // Conn.
 type Connector interface {
 	// connect returns a connection; owned says whether the subscriber closes
-	// it when it is done.
-	connect(ctx context.Context) (conn *amqp.Conn, owned bool, err error)
+	// it when it is done, and also whether it can dial a new one after a
+	// loss.
+	connect(ctx context.Context, idle time.Duration) (conn *amqp.Conn, owned bool, err error)
+	// redials says whether connect can make a new connection after one was
+	// lost.
+	redials() bool
 	// String names the broker for errors and logs, without credentials.
 	String() string
 }
@@ -31,8 +36,15 @@ type dialer struct {
 // without its credentials.
 func Dial(url string, opts *amqp.ConnOptions) Connector { return &dialer{url: url, opts: opts} }
 
-func (d *dialer) connect(ctx context.Context) (*amqp.Conn, bool, error) {
-	c, err := amqp.Dial(ctx, d.url, d.opts)
+func (d *dialer) connect(ctx context.Context, idle time.Duration) (*amqp.Conn, bool, error) {
+	var opts amqp.ConnOptions
+	if d.opts != nil {
+		opts = *d.opts
+	}
+	if opts.IdleTimeout == 0 {
+		opts.IdleTimeout = idle
+	}
+	c, err := amqp.Dial(ctx, d.url, &opts)
 	if err != nil {
 		return nil, false, scrub(err, d.url)
 	}
@@ -41,14 +53,18 @@ func (d *dialer) connect(ctx context.Context) (*amqp.Conn, bool, error) {
 
 func (d *dialer) String() string { return redact(d.url) }
 
+func (d *dialer) redials() bool { return true }
+
 type given struct{ c *amqp.Conn }
 
 // Conn returns a Connector for a connection the caller opened and keeps
-// owning: the subscriber opens its own session on it, closes only that
-// session, and cannot reconnect it.
+// owning: the subscriber opens its own session on it and closes only that
+// session. After a lost link it opens a new session on the same connection;
+// when the connection itself is lost, Run returns an error wrapping
+// ErrLinkLost, since it cannot dial another.
 func Conn(c *amqp.Conn) Connector { return given{c} }
 
-func (g given) connect(context.Context) (*amqp.Conn, bool, error) {
+func (g given) connect(context.Context, time.Duration) (*amqp.Conn, bool, error) {
 	if g.c == nil {
 		return nil, false, errors.New("amqpsub: Conn(nil)")
 	}
@@ -56,6 +72,8 @@ func (g given) connect(context.Context) (*amqp.Conn, bool, error) {
 }
 
 func (given) String() string { return "the given connection" }
+
+func (given) redials() bool { return false }
 
 // redact returns the URL without its password.
 func redact(raw string) string {

@@ -12,3 +12,9 @@ func WithSource(src pump.Source) Option {
 		c.testSource = func(context.Context) (pump.Source, error) { return src, nil }
 	})
 }
+
+// WithSources makes the subscriber attach to the sources next gives, one
+// call per attach.
+func WithSources(next func(ctx context.Context) (pump.Source, error)) Option {
+	return optionFunc(func(c *config) { c.testSource = next })
+}

@@ -38,6 +38,15 @@ type config struct {
 	profile      Profile
 	log          *zap.Logger
 	linkName     string
+	idleTimeout  time.Duration
+	backoffMin   time.Duration
+	backoffMax   time.Duration
+	isFatal      func(error) bool
+	onReconnect  func(attempts int, cause error)
+	localRetries int
+	localMin     time.Duration
+	localMax     time.Duration
+	maxDelivery  uint32
 	errs         []error
 
 	// testSource, set only by tests, replaces the broker.
@@ -55,6 +64,10 @@ func defaultConfig() config {
 		closeTimeout: 5 * time.Second,
 		profile:      Artemis,
 		log:          zap.NewNop(),
+		idleTimeout:  30 * time.Second,
+		backoffMin:   100 * time.Millisecond,
+		backoffMax:   2 * time.Second,
+		isFatal:      IsFatal,
 	}
 }
 
@@ -190,4 +203,80 @@ func Logger(l *zap.Logger) Option {
 // go-amqp.
 func LinkName(name string) Option {
 	return optionFunc(func(c *config) { c.linkName = name })
+}
+
+// IdleTimeout sets the AMQP idle timeout of the connections Dial opens: the
+// broker is asked to send a frame at least every half of it, and a
+// connection that stays silent for longer is taken as lost (a half-open TCP
+// connection is found that way) and reconnected. It applies when Dial's
+// amqp.ConnOptions leave IdleTimeout at 0. Must be > 0. Default: 30 s.
+func IdleTimeout(d time.Duration) Option {
+	return optionFunc(func(c *config) {
+		if d <= 0 {
+			c.invalid("IdleTimeout(%v): must be > 0", d)
+			return
+		}
+		c.idleTimeout = d
+	})
+}
+
+// Backoff bounds the waits between reconnect attempts after a lost link or
+// connection: attempt k waits a random time between 0 and
+// min(max, initial·2^k) ("full jitter"), so replicas that lost the same
+// broker do not all come back at once. A connection that cannot be made at
+// the start of Run is not retried: Run returns its error. Must be
+// 0 < initial ≤ max. Default: Backoff(100*time.Millisecond, 2*time.Second).
+func Backoff(initial, max time.Duration) Option {
+	return optionFunc(func(c *config) {
+		if initial <= 0 || max < initial {
+			c.invalid("Backoff(%v, %v): want 0 < initial ≤ max", initial, max)
+			return
+		}
+		c.backoffMin, c.backoffMax = initial, max
+	})
+}
+
+// FatalErrors sets the test that decides which errors end Run instead of
+// being retried by reconnecting. nil retries everything, forever. Default:
+// IsFatal.
+func FatalErrors(isFatal func(error) bool) Option {
+	return optionFunc(func(c *config) {
+		if isFatal == nil {
+			isFatal = func(error) bool { return false }
+		}
+		c.isFatal = isFatal
+	})
+}
+
+// OnReconnect sets a function called after the subscriber attached a new
+// link in place of a lost one, with the number of attempts it took and the
+// error that ended the old link. It runs on the pump's goroutine: keep it
+// short. Default: none.
+func OnReconnect(f func(attempts int, cause error)) Option {
+	return optionFunc(func(c *config) { c.onReconnect = f })
+}
+
+// LocalRetry retries a delivery in its lane, up to n times, before a Retry
+// outcome goes to the broker: attempt k waits min(max, initial·2^k) first.
+// The lane does nothing else meanwhile, so the delivery's group keeps its
+// order, which a broker redelivery would break. A stop or Close ends the
+// waiting and sends the Retry to the broker. n ≥ 0 and 0 < initial ≤ max.
+// Default: off (n = 0).
+func LocalRetry(n int, initial, max time.Duration) Option {
+	return optionFunc(func(c *config) {
+		if n < 0 || initial <= 0 || max < initial {
+			c.invalid("LocalRetry(%d, %v, %v): want n ≥ 0 and 0 < initial ≤ max", n, initial, max)
+			return
+		}
+		c.localRetries, c.localMin, c.localMax = n, initial, max
+	})
+}
+
+// MaxDeliveryCount rejects, with a reason, every delivery whose broker
+// delivery count is above n before a handler sees it: a poison-message limit
+// for brokers without max-delivery-attempts. RabbitMQ 3.10 always sends a
+// delivery count of 0, so it has no effect there. 0 turns it off.
+// Default: off.
+func MaxDeliveryCount(n uint32) Option {
+	return optionFunc(func(c *config) { c.maxDelivery = n })
 }

@@ -30,8 +30,20 @@ type Stats struct {
 	SettleErrors uint64
 	// Overshoot counts deliveries the broker sent past the credit.
 	Overshoot int64
-	// Links counts links attached; LinksLost those lost.
-	Links, LinksLost uint64
+	// Links counts links attached; LinksLost those lost; Reconnects the
+	// links attached in place of a lost one.
+	Links, LinksLost, Reconnects uint64
+	// LocalRetries counts handler calls repeated in the lane (LocalRetry).
+	LocalRetries uint64
+	// Poisoned counts deliveries rejected for their delivery count
+	// (MaxDeliveryCount).
+	Poisoned uint64
+	// Stale counts settlements skipped because their link was lost; the
+	// broker redelivers those deliveries.
+	Stale uint64
+	// Dropped counts deliveries of a lost link dropped before a handler saw
+	// them.
+	Dropped uint64
 }
 
 // Stats returns the subscriber's counters. It may be called at any time from
@@ -56,5 +68,10 @@ func (s *Subscriber) Stats() Stats {
 		Overshoot:    p.Overshoot,
 		Links:        p.Links,
 		LinksLost:    p.LinksLost,
+		Reconnects:   s.reconnects.Load(),
+		LocalRetries: s.localRetries.Load(),
+		Poisoned:     s.poisoned.Load(),
+		Stale:        p.Stale,
+		Dropped:      p.Dropped,
 	}
 }

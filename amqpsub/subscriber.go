@@ -51,10 +51,13 @@ type Subscriber struct {
 	closeReq chan struct{} // closed by Close
 	done     chan struct{} // closed when Run returns
 
-	panics   atomic.Uint64
-	retries  atomic.Uint64
-	rejects  atomic.Uint64
-	releases atomic.Uint64
+	panics       atomic.Uint64
+	reconnects   atomic.Uint64
+	localRetries atomic.Uint64
+	poisoned     atomic.Uint64
+	retries      atomic.Uint64
+	rejects      atomic.Uint64
+	releases     atomic.Uint64
 }
 
 // New returns a Subscriber that consumes queue from the broker c connects
@@ -86,6 +89,9 @@ func NewBatch(c Connector, queue string, h BatchHandler, opts ...Option) (*Subsc
 	s, err := build(c, queue, opts)
 	if err != nil {
 		return nil, err
+	}
+	if s.cfg.localRetries > 0 {
+		return nil, fmt.Errorf("%w: LocalRetry applies to a Handler, not a BatchHandler", ErrInvalidOption)
 	}
 	s.batch = h
 	return s, nil
@@ -161,27 +167,12 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	pctx, cancelPump := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelPump()
 
-	var current *link // written by attach, read after the pump is done
-	attached := false
-	attach := func(actx context.Context) (pump.Source, error) {
-		if attached {
-			return nil, fmt.Errorf("%w: %s queue %q", ErrLinkLost, s.connector, s.queue)
-		}
-		attached = true
-		if s.cfg.testSource != nil {
-			return s.cfg.testSource(actx)
-		}
-		l, err := s.attach(actx)
-		if err != nil {
-			return nil, err
-		}
-		current = l
-		return l.rcv, nil
-	}
-
+	// The attacher is used by the pump only; Run reads it after the pump is
+	// done.
+	att := &attacher{s: s}
 	var wg sync.WaitGroup
 	pumpDone := make(chan error, 1)
-	wg.Go(func() { pumpDone <- s.pump.Run(pctx, attach) })
+	wg.Go(func() { pumpDone <- s.pump.Run(pctx, att.attach) })
 	wg.Go(func() { lanes.Run(s.pump.Out(), s.laneConfig(hctx)) })
 
 	var err error
@@ -196,8 +187,8 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	}
 	// Lanes drop whatever is still queued from here on.
 	s.pump.Stop()
-	if current != nil {
-		s.closeLink(current)
+	if att.current != nil {
+		s.closeLink(att.current)
 	}
 	wg.Wait()
 	if errors.Is(err, pump.ErrStopped) || errors.Is(err, context.Canceled) {
@@ -238,7 +229,7 @@ func (s *Subscriber) abort(pumpDone <-chan error, cancelHandlers, cancelPump con
 func (s *Subscriber) attach(ctx context.Context) (*link, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.dialTimeout)
 	defer cancel()
-	conn, owned, err := s.connector.connect(ctx)
+	conn, owned, err := s.connector.connect(ctx, s.cfg.idleTimeout)
 	if err != nil {
 		return nil, fmt.Errorf("amqpsub: connect to %s: %w", s.connector, err)
 	}
@@ -356,8 +347,7 @@ func (s *Subscriber) laneConfig(ctx context.Context) lanes.Config[*pump.Delivery
 			d := &scratch[lane]
 			d.reset(pd, lane)
 			pd.SetState(pump.Handling)
-			err := s.call(ctx, d)
-			s.settle(pd, err)
+			s.settle(pd, s.handle(ctx, d))
 			d.reset(nil, lane)
 		}
 		return cfg
@@ -378,19 +368,73 @@ func (s *Subscriber) laneConfig(ctx context.Context) lanes.Config[*pump.Delivery
 		for i, pd := range pds {
 			pd.SetState(pump.Handling)
 			b.ds[i].reset(pd, lane)
+			if err := s.poison(&b.ds[i]); err != nil {
+				s.settle(pd, err)
+				b.ds[i].reset(nil, lane)
+				continue
+			}
 			b.ptrs = append(b.ptrs, &b.ds[i])
 		}
+		if len(b.ptrs) == 0 {
+			return
+		}
 		results := s.callBatch(ctx, b.ptrs)
-		for i, pd := range pds {
+		for i, d := range b.ptrs {
 			var err error
 			if results != nil {
 				err = results[i]
 			}
-			s.settle(pd, err)
-			b.ds[i].reset(nil, lane)
+			s.settle(d.pd, err)
+			d.reset(nil, lane)
 		}
 	}
 	return cfg
+}
+
+// handle runs the handler on d, after the poison check, and retries it in
+// the lane as LocalRetry says.
+func (s *Subscriber) handle(ctx context.Context, d *Delivery) error {
+	if err := s.poison(d); err != nil {
+		return err
+	}
+	err := s.call(ctx, d)
+	for attempt := 0; attempt < s.cfg.localRetries; attempt++ {
+		if kind, _ := decide(err); kind != outcomeRetry || !s.pause(ctx, attempt) {
+			return err
+		}
+		s.localRetries.Add(1)
+		err = s.call(ctx, d)
+	}
+	return err
+}
+
+// pause waits before local retry attempt k; false means the subscriber is
+// stopping and the retry should go to the broker instead.
+func (s *Subscriber) pause(ctx context.Context, k int) bool {
+	wait := s.cfg.localMin
+	for i := 0; i < k && wait < s.cfg.localMax; i++ {
+		wait *= 2
+	}
+	t := time.NewTimer(min(wait, s.cfg.localMax))
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+	case <-s.pump.Stopping():
+	}
+	return false
+}
+
+// poison rejects a delivery whose delivery count is past MaxDeliveryCount.
+func (s *Subscriber) poison(d *Delivery) error {
+	if s.cfg.maxDelivery == 0 || d.DeliveryCount() <= s.cfg.maxDelivery {
+		return nil
+	}
+	s.poisoned.Add(1)
+	s.log.Warn("delivery count past the limit; rejecting", zap.Uint32("delivery_count", d.DeliveryCount()),
+		zap.Uint32("limit", s.cfg.maxDelivery), zap.Any("message_id", d.MessageID()))
+	return Reject(fmt.Sprintf("amqpsub: delivery count %d is past the limit %d", d.DeliveryCount(), s.cfg.maxDelivery))
 }
 
 // call runs the handler, turning a panic into a Retry.

@@ -26,12 +26,13 @@ type Source interface {
 	ModifyMessage(ctx context.Context, msg *amqp.Message, opts *amqp.ModifyMessageOptions) error
 }
 
-// AttachFunc returns a source to receive from. Run calls it at start and
-// again after the source it gave failed. It should block until it has a
-// source or ctx ends; an error it returns ends Run. The source must be
-// attached with manual credit (go-amqp ReceiverOptions.Credit = -1).
-// Cancelling ctx means the pump is stopping.
-type AttachFunc func(ctx context.Context) (Source, error)
+// AttachFunc returns a source to receive from. Run calls it at start, with
+// lost nil, and again after the source it gave failed, with lost the error
+// that ended it. It should block until it has a source or ctx ends (backing
+// off between attempts as it sees fit); an error it returns ends Run. The
+// source must be attached with manual credit (go-amqp ReceiverOptions.Credit
+// = -1). Cancelling ctx means the pump is stopping.
+type AttachFunc func(ctx context.Context, lost error) (Source, error)
 
 // Kind is what a settlement tells the broker.
 type Kind uint8
@@ -243,8 +244,9 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 	}
 	defer close(p.done)
 	defer close(p.out)
+	var lost error
 	for {
-		src, err := p.attach(ctx, attach)
+		src, err := p.attach(ctx, attach, lost)
 		if err != nil {
 			return err
 		}
@@ -257,6 +259,7 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 		}
 		p.log.Warn("link lost", zap.Error(err), zap.Int("held", p.acct.Held()))
 		p.stats.linksLost.Add(1)
+		lost = err
 		// Deliveries of the lost link are stale from here on.
 		p.link.Add(1)
 		p.dropBacklog()
@@ -266,7 +269,7 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 // attach asks for a source while still applying settlements (which, for
 // deliveries of a lost link, only free their entries). After Stop it waits
 // for nothing held and returns ErrStopped.
-func (p *Pump) attach(ctx context.Context, attach AttachFunc) (Source, error) {
+func (p *Pump) attach(ctx context.Context, attach AttachFunc, lost error) (Source, error) {
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	type result struct {
@@ -276,7 +279,7 @@ func (p *Pump) attach(ctx context.Context, attach AttachFunc) (Source, error) {
 	res := make(chan result, 1)
 	var wg sync.WaitGroup
 	wg.Go(func() {
-		src, err := attach(actx)
+		src, err := attach(actx, lost)
 		res <- result{src, err}
 	})
 	defer wg.Wait()

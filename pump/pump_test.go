@@ -19,7 +19,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 func attachTo(srcs ...pump.Source) pump.AttachFunc {
 	i := 0
-	return func(ctx context.Context) (pump.Source, error) {
+	return func(ctx context.Context, _ error) (pump.Source, error) {
 		if i == len(srcs) {
 			<-ctx.Done()
 			return nil, ctx.Err()
@@ -215,7 +215,7 @@ func TestLostLinkIsReplacedAndItsDeliveriesAreStale(t *testing.T) {
 func TestAttachErrorEndsRun(t *testing.T) {
 	boom := errors.New("auth refused")
 	p := pump.New(pump.Config{Credit: 1})
-	err := p.Run(t.Context(), func(context.Context) (pump.Source, error) { return nil, boom })
+	err := p.Run(t.Context(), func(context.Context, error) (pump.Source, error) { return nil, boom })
 	if !errors.Is(err, boom) {
 		t.Fatalf("Run = %v", err)
 	}

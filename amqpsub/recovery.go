@@ -1,0 +1,114 @@
+package amqpsub
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"time"
+
+	"github.com/Azure/go-amqp"
+	"go.uber.org/zap"
+
+	"github.com/amqpsub/amqpsub/pump"
+)
+
+// IsFatal is the default test of FatalErrors. It takes as fatal what
+// reconnecting cannot mend: the broker refusing the credentials (SASL) or
+// access (amqp:unauthorized-access), an address that does not exist
+// (amqp:not-found), and a link the broker will not attach as asked
+// (amqp:invalid-field, amqp:not-implemented). Lost connections, links and
+// sessions, timeouts and refused TCP connections are not fatal.
+func IsFatal(err error) bool {
+	var ae *amqp.Error
+	if errors.As(err, &ae) {
+		switch ae.Condition {
+		case amqp.ErrCondUnauthorizedAccess, amqp.ErrCondNotFound,
+			amqp.ErrCondInvalidField, amqp.ErrCondNotImplemented:
+			return true
+		}
+	}
+	// go-amqp reports a refused SASL outcome as a plain error.
+	return err != nil && strings.Contains(err.Error(), "SASL PLAIN auth failed")
+}
+
+// backoff returns the wait before reconnect attempt k (from 0): a random
+// time in [0, min(max, initial·2^k)].
+func backoff(k int, initial, max time.Duration) time.Duration {
+	ceil := initial
+	for i := 0; i < k && ceil < max; i++ {
+		ceil *= 2
+	}
+	ceil = min(ceil, max)
+	return rand.N(ceil + 1)
+}
+
+// attacher gives the pump its links: the first one at start, and a new one,
+// after backoff, each time a link is lost. The pump calls it from one
+// goroutine at a time.
+type attacher struct {
+	s       *Subscriber
+	current *link // nil under the test source
+	before  bool  // a link was attached before: this is a reconnect
+}
+
+func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) {
+	s := a.s
+	if a.current != nil {
+		s.closeLink(a.current)
+		a.current = nil
+	}
+	for attempt := 0; ; attempt++ {
+		src, l, err := s.attachOnce(ctx)
+		if err == nil {
+			a.current = l
+			if a.before {
+				s.reconnects.Add(1)
+				s.log.Info("reconnected", zap.Int("attempts", attempt+1), zap.NamedError("cause", lost))
+				if s.cfg.onReconnect != nil {
+					s.cfg.onReconnect(attempt+1, lost)
+				}
+			}
+			a.before = true
+			return src, nil
+		}
+		var connErr *amqp.ConnError
+		switch {
+		case ctx.Err() != nil:
+			return nil, ctx.Err()
+		case !a.before:
+			// The first connection: report it rather than wait.
+			return nil, err
+		case s.cfg.isFatal(err):
+			s.log.Error("reconnect failed with a fatal error", zap.Error(err))
+			return nil, err
+		case errors.As(err, &connErr) && !s.connector.redials():
+			// A connection the caller gave us is gone; we cannot dial another.
+			return nil, fmt.Errorf("%w: %w", ErrLinkLost, err)
+		}
+		wait := backoff(attempt, s.cfg.backoffMin, s.cfg.backoffMax)
+		s.log.Warn("reconnect failed; retrying", zap.Error(err), zap.Int("attempt", attempt+1), zap.Duration("wait", wait))
+		t := time.NewTimer(wait)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil, ctx.Err()
+		}
+	}
+}
+
+// attachOnce opens a connection, session and receiver, or takes the test
+// source.
+func (s *Subscriber) attachOnce(ctx context.Context) (pump.Source, *link, error) {
+	if s.cfg.testSource != nil {
+		src, err := s.cfg.testSource(ctx)
+		return src, nil, err
+	}
+	l, err := s.attach(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	return l.rcv, l, nil
+}

@@ -1,0 +1,267 @@
+package amqpsub_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/Azure/go-amqp"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/internal/fake"
+	"github.com/amqpsub/amqpsub/pump"
+)
+
+// sources hands out the given sources and errors in turn, then blocks.
+func sources(items ...any) func(context.Context) (pump.Source, error) {
+	var mu sync.Mutex
+	return func(ctx context.Context) (pump.Source, error) {
+		mu.Lock()
+		if len(items) == 0 {
+			mu.Unlock()
+			<-ctx.Done()
+			return nil, ctx.Err()
+		}
+		it := items[0]
+		items = items[1:]
+		mu.Unlock()
+		switch v := it.(type) {
+		case error:
+			return nil, v
+		case pump.Source:
+			return v, nil
+		}
+		panic(fmt.Sprintf("sources: %T", it))
+	}
+}
+
+func TestLostLinkIsReplacedAfterBackoff(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		first := fake.New(true, fake.Messages(5)...)
+		second := fake.New(true, fake.Messages(5)...)
+		transient := &amqp.ConnError{}
+		var reconnects []string
+		block := make(chan struct{})
+		var handled atomic.Int64
+		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+			if handled.Add(1) == 1 {
+				<-block // in a handler when the link goes
+			}
+			return nil
+		}), amqpsub.Credit(4), amqpsub.Backoff(100*time.Millisecond, 400*time.Millisecond),
+			amqpsub.OnReconnect(func(attempts int, cause error) {
+				reconnects = append(reconnects, fmt.Sprintf("%d %v", attempts, errors.Is(cause, fake.ErrLinkLost)))
+			}),
+			amqpsub.WithSources(sources(first, transient, transient, second)))
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		lostAt := time.Now()
+		first.Fail(fake.ErrLinkLost)
+		synctest.Wait()
+		close(block)
+		for s.Stats().Accepted < 5 {
+			time.Sleep(time.Millisecond)
+		}
+		// Two failed attempts wait at most 100 ms and 200 ms.
+		if d := time.Since(lostAt); d > 300*time.Millisecond+time.Millisecond {
+			t.Fatalf("reconnected after %v, past the backoff bound", d)
+		}
+		cancel()
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		st := s.Stats()
+		if fmt.Sprint(reconnects) != "[3 true]" || st.Reconnects != 1 || st.LinksLost != 1 || st.Links != 2 {
+			t.Fatalf("reconnects %v, stats %+v", reconnects, st)
+		}
+		// The handler in progress finished; its settlement could not reach
+		// the lost link. The 3 buffered were dropped unhandled.
+		if st.Stale != 1 || st.Dropped != 3 || second.Count(fake.Accepted) != 5 || first.Count(fake.Accepted) != 0 {
+			t.Fatalf("stats %+v, second accepted %d", st, second.Count(fake.Accepted))
+		}
+		if st.Held != 0 {
+			t.Fatalf("held %d after the run", st.Held)
+		}
+	})
+}
+
+func TestFatalErrorsEndRun(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		first := fake.New(false, fake.Messages(1)...)
+		refused := &amqp.Error{Condition: amqp.ErrCondUnauthorizedAccess, Description: "no"}
+		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.WithSources(sources(first, &amqp.ConnError{}, refused)))
+		_, errc := run(t, s)
+		synctest.Wait()
+		first.Fail(fake.ErrLinkLost)
+		err := <-errc
+		if !errors.Is(err, refused) {
+			t.Fatalf("Run = %v, want the refusal", err)
+		}
+	})
+}
+
+func TestFirstConnectErrorIsNotRetried(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		down := &amqp.ConnError{}
+		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.WithSources(sources(down)))
+		if err := s.Run(context.Background()); !errors.Is(err, down) {
+			t.Fatalf("Run = %v", err)
+		}
+	})
+}
+
+func TestIsFatal(t *testing.T) {
+	for _, tc := range []struct {
+		err   error
+		fatal bool
+	}{
+		{&amqp.Error{Condition: amqp.ErrCondUnauthorizedAccess}, true},
+		{fmt.Errorf("attach: %w", &amqp.Error{Condition: amqp.ErrCondNotFound}), true},
+		{&amqp.LinkError{RemoteErr: &amqp.Error{Condition: amqp.ErrCondNotFound}}, true},
+		{errors.New("SASL PLAIN auth failed with code 0x1: "), true},
+		{&amqp.ConnError{}, false},
+		{&amqp.LinkError{}, false},
+		{&amqp.Error{Condition: amqp.ErrCondDetachForced}, false},
+		{context.DeadlineExceeded, false},
+		{nil, false},
+	} {
+		if got := amqpsub.IsFatal(tc.err); got != tc.fatal {
+			t.Errorf("IsFatal(%v) = %v", tc.err, got)
+		}
+	}
+}
+
+func TestLocalRetryKeepsTheDeliveryInItsLane(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		msgs := fake.Messages(3, "k")
+		src := fake.New(true, msgs...)
+		var mu sync.Mutex
+		var order []string
+		attempts := map[int]int{}
+		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+			i := index(d)
+			mu.Lock()
+			defer mu.Unlock()
+			attempts[i]++
+			order = append(order, fmt.Sprintf("%d@%v", i, time.Since(t0)))
+			if i == 0 && attempts[i] <= 2 {
+				return errors.New("flaky")
+			}
+			return nil
+		}), amqpsub.WorkersByKey(2), amqpsub.LocalRetry(3, 10*time.Millisecond, 15*time.Millisecond), amqpsub.WithSource(src))
+		t0 = time.Now()
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		time.Sleep(time.Second)
+		cancel()
+		<-errc
+		if got := fmt.Sprint(order); got != "[0@0s 0@10ms 0@25ms 1@25ms 2@25ms]" {
+			t.Fatalf("calls %s", got)
+		}
+		if st := s.Stats(); st.LocalRetries != 2 || st.Modified != 0 || st.Accepted != 3 {
+			t.Fatalf("stats %+v", st)
+		}
+	})
+}
+
+var t0 time.Time
+
+func TestLocalRetryGivesUpToTheBroker(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(1)...)
+		var calls atomic.Int64
+		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+			if calls.Add(1) <= 3 {
+				return errors.New("down")
+			}
+			return nil
+		}), amqpsub.LocalRetry(2, time.Millisecond, time.Millisecond), amqpsub.WithSource(src))
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		time.Sleep(time.Second)
+		cancel()
+		<-errc
+		// 1 call + 2 local retries, then modified; the redelivery is accepted.
+		if calls.Load() != 4 || src.Count(fake.Modified) != 1 || src.Count(fake.Accepted) != 1 {
+			t.Fatalf("calls %d modified %d accepted %d", calls.Load(), src.Count(fake.Modified), src.Count(fake.Accepted))
+		}
+	})
+}
+
+func TestStopCutsLocalRetryShort(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(1)...)
+		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+			return errors.New("down")
+		}), amqpsub.LocalRetry(5, time.Hour, time.Hour), amqpsub.WithSource(src))
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		start := time.Now()
+		cancel()
+		<-errc
+		if time.Since(start) != 0 || src.Count(fake.Modified) != 1 {
+			t.Fatalf("stop took %v, modified %d", time.Since(start), src.Count(fake.Modified))
+		}
+	})
+}
+
+func TestPoisonLimitRejectsBeforeTheHandler(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		msgs := fake.Messages(2)
+		msgs[0].Header = &amqp.MessageHeader{DeliveryCount: 4}
+		msgs[1].Header = &amqp.MessageHeader{DeliveryCount: 3}
+		for _, batch := range []bool{false, true} {
+			src := fake.New(true, msgs...)
+			var seen atomic.Int64
+			var s *amqpsub.Subscriber
+			if batch {
+				s, _ = amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+					seen.Add(int64(len(b)))
+					return nil
+				}), amqpsub.MaxDeliveryCount(3), amqpsub.Batch(2, time.Millisecond), amqpsub.WithSource(src))
+			} else {
+				s, _ = amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+					seen.Add(1)
+					return nil
+				}), amqpsub.MaxDeliveryCount(3), amqpsub.WithSource(src))
+			}
+			cancel, errc := run(t, s)
+			synctest.Wait()
+			time.Sleep(10 * time.Millisecond)
+			cancel()
+			<-errc
+			sts := src.Settlements()
+			if seen.Load() != 1 || len(sts) != 2 || s.Stats().Poisoned != 1 {
+				t.Fatalf("batch %v: handler saw %d, settlements %d", batch, seen.Load(), len(sts))
+			}
+			for _, st := range sts {
+				if st.Msg == msgs[0] && (st.Outcome != fake.Rejected || st.Error == nil || st.Error.Description == "") {
+					t.Fatalf("poison settled %+v", st)
+				}
+			}
+		}
+	})
+}
+
+func TestLocalRetryIsForHandlersOnly(t *testing.T) {
+	_, err := amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(context.Context, []*amqpsub.Delivery) []error { return nil }),
+		amqpsub.LocalRetry(1, time.Millisecond, time.Millisecond))
+	if !errors.Is(err, amqpsub.ErrInvalidOption) {
+		t.Fatalf("err = %v", err)
+	}
+	for _, o := range []amqpsub.Option{
+		amqpsub.Backoff(0, time.Second), amqpsub.Backoff(time.Second, time.Millisecond),
+		amqpsub.LocalRetry(-1, time.Millisecond, time.Millisecond), amqpsub.IdleTimeout(0),
+	} {
+		if _, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }), o); !errors.Is(err, amqpsub.ErrInvalidOption) {
+			t.Errorf("option accepted: %v", err)
+		}
+	}
+}

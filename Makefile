@@ -14,7 +14,7 @@ INTEGRATION_ENV := AMQPSUB_ARTEMIS_URL=$(AMQPSUB_ARTEMIS_URL) \
 	AMQPSUB_ARTEMIS_CTL=$(ARTEMIS_CTL) \
 	AMQPSUB_RABBITMQ_CTL=$(RABBITMQ_CTL)
 
-.PHONY: all brokers brokers-stop artemis rabbitmq unit integration test demo bench fmt vet lint check
+.PHONY: all brokers brokers-stop artemis rabbitmq unit integration test demo bench fuzz fmt vet lint check
 
 all: lint unit
 
@@ -52,6 +52,10 @@ demo: artemis
 ## bench: the benchmark program against both brokers
 bench: brokers
 	$(INTEGRATION_ENV) $(GO) run ./integration/bench
+
+## fuzz: every fuzz target for FUZZTIME each (default 1m); CI runs them for 8s
+fuzz:
+	FUZZTIME=$${FUZZTIME:-1m} bash integration/fuzz.sh
 
 fmt:
 	@out=$$(gofmt -l .); \

@@ -40,6 +40,10 @@ else
   echo "no unit test packages"
 fi
 
+section "fuzz (short runs; FUZZTIME=5m make fuzz for long ones)"
+fuzz_rc=0
+FUZZTIME=${FUZZTIME:-8s} bash integration/fuzz.sh || fuzz_rc=$?
+
 section "brokers"
 for ctl in "$ARTEMIS_CTL" "$RABBITMQ_CTL"; do
   if ! bash "$ctl" status >/dev/null 2>&1; then
@@ -62,5 +66,6 @@ AMQPSUB_RABBITMQ_CTL=$RABBITMQ_CTL \
 
 section "summary"
 [ "$unit_rc" = 0 ] && echo "unit tests: ok" || echo "unit tests: FAIL (exit $unit_rc)"
+[ "$fuzz_rc" = 0 ] && echo "fuzz: ok" || echo "fuzz: FAIL (exit $fuzz_rc)"
 [ "$integ_rc" = 0 ] && echo "integration tests: ok" || echo "integration tests: FAIL (exit $integ_rc)"
-[ "$unit_rc" = 0 ] && [ "$integ_rc" = 0 ]
+[ "$unit_rc" = 0 ] && [ "$fuzz_rc" = 0 ] && [ "$integ_rc" = 0 ]

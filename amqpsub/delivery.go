@@ -185,8 +185,15 @@ func (d *Delivery) FirstAcquirer() bool {
 func (d *Delivery) ApplicationProperties() map[string]any { return d.msg.ApplicationProperties }
 
 // Annotation returns the message annotation named key (such as
-// "x-opt-jms-msg-type") and whether it is present.
-func (d *Delivery) Annotation(key string) (any, bool) {
-	v, ok := d.msg.Annotations[key]
+// "x-opt-jms-msg-type") and whether it is present. Annotation keys are AMQP
+// symbols: go-amqp decodes them as strings, but a message built in Go may
+// hold an amqp.Symbol key, which is found too.
+func (d *Delivery) Annotation(key string) (any, bool) { return annotation(d.msg, key) }
+
+func annotation(m *amqp.Message, key string) (any, bool) {
+	if v, ok := m.Annotations[key]; ok {
+		return v, true
+	}
+	v, ok := m.Annotations[amqp.Symbol(key)]
 	return v, ok
 }

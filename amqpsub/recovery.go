@@ -48,10 +48,21 @@ func backoff(k int, initial, max time.Duration) time.Duration {
 // after backoff, each time a link is lost. The pump calls it from one
 // goroutine at a time.
 type attacher struct {
-	s       *Subscriber
-	current *link // nil under the test source
-	before  bool  // a link was attached before: this is a reconnect
+	s          *Subscriber
+	current    *link // nil under the test source
+	before     bool  // a link was attached before: this is a reconnect
+	attachedAt time.Time
+	// quick counts the links in a row lost soon after they were attached.
+	// A link the broker or go-amqp ends at once, every time, would
+	// otherwise be reattached in a tight loop: go-amqp v1.7 closes the link
+	// on a message it cannot decode (an AMQP char, say), and the broker
+	// sends that message first again.
+	quick int
 }
+
+// healthy is how long a link must have lived for its loss to count as
+// unrelated to the one before.
+const healthy = 10 * time.Second
 
 func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) {
 	s := a.s
@@ -59,15 +70,30 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 		s.closeLink(a.current)
 		a.current = nil
 	}
-	for attempt := 0; ; attempt++ {
+	first := 0
+	if lost != nil {
+		if time.Since(a.attachedAt) < healthy {
+			a.quick++
+			first = a.quick // start further up the backoff
+			s.log.Error("link lost soon after it was attached; backing off", zap.Error(lost),
+				zap.Int("in_a_row", a.quick))
+			wait := backoff(first-1, s.cfg.backoffMin, s.cfg.backoffMax)
+			if !sleep(ctx, wait) {
+				return nil, ctx.Err()
+			}
+		} else {
+			a.quick = 0
+		}
+	}
+	for attempt := first; ; attempt++ {
 		src, l, err := s.attachOnce(ctx)
 		if err == nil {
-			a.current = l
+			a.current, a.attachedAt = l, time.Now()
 			if a.before {
 				s.reconnects.Add(1)
-				s.log.Info("reconnected", zap.Int("attempts", attempt+1), zap.NamedError("cause", lost))
+				s.log.Info("reconnected", zap.Int("attempts", attempt-first+1), zap.NamedError("cause", lost))
 				if s.cfg.onReconnect != nil {
-					s.cfg.onReconnect(attempt+1, lost)
+					s.cfg.onReconnect(attempt-first+1, lost)
 				}
 			}
 			a.before = true
@@ -88,14 +114,22 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			return nil, fmt.Errorf("%w: %w", ErrLinkLost, err)
 		}
 		wait := backoff(attempt, s.cfg.backoffMin, s.cfg.backoffMax)
-		s.log.Warn("reconnect failed; retrying", zap.Error(err), zap.Int("attempt", attempt+1), zap.Duration("wait", wait))
-		t := time.NewTimer(wait)
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
+		s.log.Warn("reconnect failed; retrying", zap.Error(err), zap.Int("attempt", attempt-first+1), zap.Duration("wait", wait))
+		if !sleep(ctx, wait) {
 			return nil, ctx.Err()
 		}
+	}
+}
+
+// sleep waits d or until ctx ends; false means ctx ended.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
 	}
 }
 

@@ -67,8 +67,9 @@ func TestLostLinkIsReplacedAfterBackoff(t *testing.T) {
 		for s.Stats().Accepted < 5 {
 			time.Sleep(time.Millisecond)
 		}
-		// Two failed attempts wait at most 100 ms and 200 ms.
-		if d := time.Since(lostAt); d > 300*time.Millisecond+time.Millisecond {
+		// The link died young, so even the first attempt waits (≤ 100 ms);
+		// the two failed ones then wait at most 200 ms and 400 ms.
+		if d := time.Since(lostAt); d > 700*time.Millisecond+time.Millisecond {
 			t.Fatalf("reconnected after %v, past the backoff bound", d)
 		}
 		cancel()
@@ -264,4 +265,33 @@ func TestLocalRetryIsForHandlersOnly(t *testing.T) {
 			t.Errorf("option accepted: %v", err)
 		}
 	}
+}
+
+// A link that dies as soon as it is attached, every time (go-amqp closes
+// the link on a message it cannot decode, which the broker sends first
+// again), is reattached with growing waits, not in a tight loop.
+func TestLinksLostAtOnceAreReattachedWithBackoff(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var attaches atomic.Int64
+		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.Backoff(100*time.Millisecond, time.Second),
+			amqpsub.WithSources(func(context.Context) (pump.Source, error) {
+				attaches.Add(1)
+				src := fake.New(false)
+				src.Fail(errors.New("amqp: link closed: char not implemented"))
+				return src, nil
+			}))
+		cancel, errc := run(t, s)
+		time.Sleep(10 * time.Second)
+		cancel()
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		// Waits up to 0.1, 0.2, 0.4, 0.8, then 1 s each: at least ~10 in 10 s
+		// with full jitter, far from the thousands a tight loop makes.
+		if n := attaches.Load(); n < 5 || n > 200 {
+			t.Fatalf("%d attaches in 10 s", n)
+		}
+		t.Logf("%d attaches in 10 s", attaches.Load())
+	})
 }

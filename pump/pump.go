@@ -151,7 +151,7 @@ type Pump struct {
 	cfg    Config
 	log    *zap.Logger
 	out    chan *Delivery
-	settle chan settlement
+	settle settleQueue
 
 	stopOnce sync.Once
 	stop     chan struct{}
@@ -182,11 +182,12 @@ func New(cfg Config) *Pump {
 		cfg:    cfg,
 		log:    log,
 		out:    make(chan *Delivery, cfg.Credit),
-		settle: make(chan settlement, 2*cfg.Credit),
+		settle: newSettleQueue(2 * cfg.Credit),
 		stop:   make(chan struct{}),
 		done:   make(chan struct{}),
 		acct:   credit.New(cfg.Credit, cfg.Chunk, cfg.Mode),
 	}
+	p.stats.windowed.Store(cfg.Mode == credit.Windowed)
 	p.book = make([]*Delivery, cfg.Credit)
 	p.free = make([]*Delivery, cfg.Credit)
 	for i := range p.book {
@@ -209,17 +210,14 @@ func (p *Pump) Stopping() <-chan struct{} { return p.stop }
 // Done returns a channel closed when Run has returned.
 func (p *Pump) Done() <-chan struct{} { return p.done }
 
-// Settle hands the pump a delivery's settlement. It does not wait for the
-// broker. It blocks only while the pump's settlement queue (twice the credit
-// deep) is full, and never after Run has returned: settlements that arrive
-// then are dropped, and the broker redelivers those deliveries once the link
-// is closed.
+// Settle hands the pump a delivery's settlement. It never blocks and does
+// not wait for the broker: the pump applies queued settlements in a burst
+// whenever it wakes, also while a delivery waits for room in Out.
+// Settlements that arrive after Run has returned are dropped, and the
+// broker redelivers those deliveries once the link is closed.
 func (p *Pump) Settle(d *Delivery, o Outcome) {
 	d.state.Store(int32(Settling))
-	select {
-	case p.settle <- settlement{d, o}:
-	case <-p.done:
-	}
+	p.settle.push(settlement{d, o})
 }
 
 // Stop starts a graceful stop: the pump grants no more credit, drains the
@@ -297,8 +295,8 @@ func (p *Pump) attach(ctx context.Context, attach AttachFunc, lost error) (Sourc
 			p.acct.Attach()
 			p.stats.links.Add(1)
 			return r.src, nil
-		case s := <-p.settle:
-			p.apply(ctx, s)
+		case <-p.settle.wake:
+			p.applyQueued(ctx)
 		case <-stop:
 			stop = nil
 			cancel()
@@ -316,8 +314,8 @@ func (p *Pump) waitIdle(ctx context.Context) error {
 		select {
 		case d := <-p.out:
 			p.apply(ctx, settlement{d, Outcome{Kind: Drop}})
-		case s := <-p.settle:
-			p.apply(ctx, s)
+		case <-p.settle.wake:
+			p.applyQueued(ctx)
 		case <-ctx.Done():
 			return ctx.Err()
 		}
@@ -386,6 +384,7 @@ func (p *Pump) serve(ctx context.Context, src Source) error {
 				s := p.acct.Snapshot()
 				p.log.Warn("broker sent past the credit it was given; granting in windows from now on",
 					zap.Int("credit", s.Limit), zap.Int64("outstanding", s.Outstanding))
+				p.stats.windowed.Store(true)
 			}
 			p.stats.received.Add(1)
 			p.noteHeld()
@@ -407,18 +406,11 @@ func (p *Pump) serve(ctx context.Context, src Source) error {
 			if len(p.backlog) == 0 {
 				p.backlog = p.backlog[:0:0]
 			}
-		case s := <-p.settle:
-			p.apply(ctx, s)
-			// Apply what else is queued before granting, so credit goes back
-			// in chunks rather than one flow frame per settlement.
-			for more := true; more; {
-				select {
-				case s := <-p.settle:
-					p.apply(ctx, s)
-				default:
-					more = false
-				}
-			}
+		case <-p.settle.wake:
+			// Everything queued goes at once, before the next grant, so
+			// credit goes back in chunks rather than a flow frame per
+			// settlement.
+			p.applyQueued(ctx)
 		case <-stop:
 			stop, stopping = nil, true
 			wg.Go(func() { p.drain(ctx, src) })
@@ -490,6 +482,15 @@ func (p *Pump) take(msg *amqp.Message, src Source, gen uint64) *Delivery {
 	return d
 }
 
+// applyQueued applies every queued settlement.
+func (p *Pump) applyQueued(ctx context.Context) {
+	batch := p.settle.take()
+	for _, s := range batch {
+		p.apply(ctx, s)
+	}
+	p.settle.recycle(batch)
+}
+
 // apply sends a settlement to the broker and frees the delivery's entry.
 func (p *Pump) apply(ctx context.Context, s settlement) {
 	d := s.d
@@ -548,12 +549,15 @@ func (p *Pump) dropBacklog() {
 	p.backlog = p.backlog[:0]
 }
 
+// noteHeld publishes the held count for Stats; the rest of the account's
+// counters are read from it when they change, which is rare.
 func (p *Pump) noteHeld() {
-	s := p.acct.Snapshot()
-	p.stats.held.Store(int64(s.Held))
-	p.stats.maxHeld.Store(int64(s.MaxHeld))
-	p.stats.overshoot.Store(s.Overshoot)
-	p.stats.windowed.Store(s.Mode == credit.Windowed)
+	held := int64(p.acct.Held())
+	p.stats.held.Store(held)
+	if held > p.stats.maxHeld.Load() {
+		p.stats.maxHeld.Store(held)
+		p.stats.overshoot.Store(p.acct.Snapshot().Overshoot)
+	}
 }
 
 func isStopping(stop <-chan struct{}) bool {

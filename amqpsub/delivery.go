@@ -171,8 +171,10 @@ func (d *Delivery) DeliveryCount() uint32 {
 	return 0
 }
 
-// FirstAcquirer reports whether no consumer may have seen the message
-// before: false on a redelivery. A message without a header counts as first.
+// FirstAcquirer returns the AMQP header's first-acquirer flag, true when
+// the message has no header. RabbitMQ 3.10 sets it false on a redelivery;
+// Artemis passes on whatever the producer set (go-amqp sends false), so on
+// Artemis it says nothing about redelivery.
 func (d *Delivery) FirstAcquirer() bool {
 	if h := d.msg.Header; h != nil {
 		return h.FirstAcquirer

@@ -133,7 +133,11 @@ func (a *Account) Grant() uint32 {
 		return 0
 	}
 	want := a.limit - a.held - outstanding
-	if want < a.chunk {
+	// Below a chunk, wait for more settlements, unless nothing is held: then
+	// no settlement is coming to trigger the next grant, and a broker that
+	// re-checks its consumers only on a flow frame (Artemis with
+	// group-rebalance-pause-dispatch) would wait forever.
+	if want < a.chunk && (a.held > 0 || want <= 0) {
 		return 0
 	}
 	// want ≤ limit + overshoot of this link; both fit a uint32 for any limit

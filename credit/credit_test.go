@@ -153,3 +153,24 @@ func FuzzAccountBound(f *testing.F) {
 		}
 	})
 }
+
+// With nothing held, the last credit below a chunk goes back too: no later
+// settlement would send it.
+func TestGrantTopsUpWhenNothingIsHeld(t *testing.T) {
+	a := New(10, 4, Continuous)
+	a.Grant()
+	for range 10 {
+		a.Received()
+	}
+	a.Settled(8)
+	if g := a.Grant(); g != 8 {
+		t.Fatalf("grant = %d, want 8", g)
+	}
+	a.Settled(2) // nothing held; 2 missing, below the chunk of 4
+	if g := a.Grant(); g != 2 {
+		t.Fatalf("grant with nothing held = %d, want 2", g)
+	}
+	if g := a.Grant(); g != 0 {
+		t.Fatalf("grant at the limit = %d", g)
+	}
+}

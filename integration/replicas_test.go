@@ -977,7 +977,7 @@ func TestArtemisReplicas(t *testing.T) {
 	})
 
 	t.Run("join with rebalance and pause-dispatch", func(t *testing.T) {
-		_, f, _, moved, stalls := join(t, rebalanceQueue(t, "rebalance.paused", true), true)
+		_, f, _, moved, stalls := join(t, rebalanceQueue(t, "rebalance.paused", true), false)
 		t.Logf("times the queue stopped dispatching after the join: %d", stalls)
 		f.log(t, "join with rebalance and pause-dispatch")
 		// Dispatch resumes only when no consumer holds an unsettled

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/url"
+	"strconv"
 	"strings"
 	"time"
 
@@ -90,15 +91,31 @@ func redact(raw string) string {
 // scrub replaces err by one whose text does not hold the URL's password, if
 // it did; errors.Is and errors.As still see the original.
 func scrub(err error, raw string) error {
-	u, perr := url.Parse(raw)
-	if perr != nil || u.User == nil {
-		return err
-	}
-	pw, ok := u.User.Password()
-	if !ok || pw == "" {
+	pw := password(raw)
+	if pw == "" {
 		return err
 	}
 	return &scrubbed{err: err, secret: pw}
+}
+
+// password returns the password in raw. An address that does not parse is
+// quoted whole in go-amqp's error, so for one the password is taken as
+// written: after the first ':' of what lies between "//" and the last '@'.
+func password(raw string) string {
+	if u, err := url.Parse(raw); err == nil {
+		if u.User == nil {
+			return ""
+		}
+		pw, _ := u.User.Password()
+		return pw
+	}
+	_, rest, ok := strings.Cut(raw, "//")
+	at := strings.LastIndex(rest, "@")
+	if !ok || at < 0 {
+		return ""
+	}
+	_, pw, _ := strings.Cut(rest[:at], ":")
+	return pw
 }
 
 type scrubbed struct {
@@ -107,7 +124,12 @@ type scrubbed struct {
 }
 
 func (s *scrubbed) Error() string {
-	return strings.ReplaceAll(s.err.Error(), s.secret, "xxxxx")
+	msg := strings.ReplaceAll(s.err.Error(), s.secret, "xxxxx")
+	// A url.Error quotes the address with %q.
+	if q := strconv.Quote(s.secret); q[1:len(q)-1] != s.secret {
+		msg = strings.ReplaceAll(msg, q[1:len(q)-1], "xxxxx")
+	}
+	return msg
 }
 
 func (s *scrubbed) Unwrap() error { return s.err }

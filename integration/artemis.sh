@@ -25,6 +25,10 @@
 #   AMQPSUB_MVN_ARGS           extra mvn arguments for the one-time download
 #   AMQPSUB_ARTEMIS_PORT       AMQP port        (default 5672)
 #   AMQPSUB_ARTEMIS_CORE_PORT  CORE+AMQP port   (default 61616)
+#   AMQPSUB_ARTEMIS_BROKER_XML broker.xml copied into etc/ on start
+#                              (default integration/artemis/broker.xml; the
+#                              fault tests give their broker one with an
+#                              extra TLS acceptor)
 #   A second broker (for tests that kill one) needs its own
 #   AMQPSUB_ARTEMIS_HOME and both ports.
 set -euo pipefail
@@ -42,7 +46,7 @@ TARBALL="$CACHE/apache-artemis-$ARTEMIS_VERSION-bin.tar.gz"
 INSTANCE=$(realpath -m "${AMQPSUB_ARTEMIS_HOME:-$CACHE/artemis-instance}")
 PIDFILE="$INSTANCE/artemis.pid"
 LOG="$INSTANCE/log/console.log"
-BROKER_XML="$SCRIPT_DIR/artemis/broker.xml"
+BROKER_XML=${AMQPSUB_ARTEMIS_BROKER_XML:-$SCRIPT_DIR/artemis/broker.xml}
 LOGIN_CONFIG="$SCRIPT_DIR/artemis/login.config"
 START_TIMEOUT=${AMQPSUB_START_TIMEOUT:-90}
 STOP_TIMEOUT=30

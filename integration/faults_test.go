@@ -1,0 +1,1497 @@
+package integration
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/x509"
+	"encoding/json"
+	"encoding/xml"
+	"errors"
+	"fmt"
+	"io"
+	"maps"
+	"net"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/Azure/go-amqp"
+	"go.uber.org/goleak"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
+)
+
+// The fault tests' own Artemis, which they may kill: never the shared one
+// on 5672. Fixed ports, all on 127.0.0.1.
+const (
+	faultPort     = 5702  // AMQP
+	faultCorePort = 61702 // CORE+AMQP (artemis CLI)
+	faultTLSPort  = 5703  // AMQP over TLS (security tests)
+)
+
+// faultBroker is the dedicated Artemis of the fault and security tests.
+type faultBroker struct {
+	url     string // amqp://127.0.0.1:5702
+	addr    string // 127.0.0.1:5702
+	tlsAddr string // 127.0.0.1:5703
+	roots   *x509.CertPool
+	ctlPath string
+	env     []string // AMQPSUB_ARTEMIS_* for this instance
+	home    string   // instance directory
+
+	watchIn  io.WriteCloser
+	watchdog *exec.Cmd
+}
+
+var (
+	faultOnce sync.Once
+	faultB    *faultBroker
+	faultErr  error
+)
+
+// dedicatedBroker returns the fault tests' broker, starting it on first use:
+// a second Artemis instance ($AMQPSUB_CACHE/artemis-faults) run by
+// integration/artemis.sh on ports 5702/61702, with an extra TLS acceptor on
+// 5703. It is started from an empty journal, with the shared broker.xml plus
+// that acceptor. TestMain stops it (and deletes its data) at the end; if the
+// test binary dies first, a watchdog process does. Tests that kill it start
+// it again in their cleanup. It skips the test when AMQPSUB_ARTEMIS_URL or
+// AMQPSUB_ARTEMIS_CTL is unset.
+func dedicatedBroker(t testing.TB) *faultBroker {
+	t.Helper()
+	artemisURL(t)
+	ctl := os.Getenv("AMQPSUB_ARTEMIS_CTL")
+	if ctl == "" {
+		t.Skip("AMQPSUB_ARTEMIS_CTL is empty: the fault tests start their own Artemis (port 5702) with " +
+			"integration/artemis.sh; set AMQPSUB_ARTEMIS_CTL=$PWD/integration/artemis.sh (`make test` does)")
+	}
+	faultOnce.Do(func() { faultB, faultErr = startFaultBroker(ctl) })
+	if faultErr != nil {
+		t.Fatalf("dedicated broker: %v", faultErr)
+	}
+	return faultB
+}
+
+func cacheDir() string {
+	if d := os.Getenv("AMQPSUB_CACHE"); d != "" {
+		return d
+	}
+	home, err := os.UserHomeDir()
+	if err != nil {
+		home = "/root"
+	}
+	return filepath.Join(home, ".cache", "amqpsub")
+}
+
+func startFaultBroker(ctl string) (*faultBroker, error) {
+	ctl, err := filepath.Abs(ctl)
+	if err != nil {
+		return nil, err
+	}
+	home := filepath.Join(cacheDir(), "artemis-faults")
+	tlsDir := home + ".tls"
+	if err := os.MkdirAll(tlsDir, 0o700); err != nil {
+		return nil, err
+	}
+	keystore, ksPassword, roots, err := makeServerTLS(tlsDir)
+	if err != nil {
+		return nil, fmt.Errorf("TLS material: %w", err)
+	}
+	xmlPath := filepath.Join(tlsDir, "broker.xml")
+	if err := writeFaultBrokerXML(filepath.Join(filepath.Dir(ctl), "artemis", "broker.xml"), xmlPath, keystore, ksPassword); err != nil {
+		return nil, err
+	}
+	b := &faultBroker{
+		url:     fmt.Sprintf("amqp://127.0.0.1:%d", faultPort),
+		addr:    fmt.Sprintf("127.0.0.1:%d", faultPort),
+		tlsAddr: fmt.Sprintf("127.0.0.1:%d", faultTLSPort),
+		roots:   roots,
+		ctlPath: ctl,
+		home:    home,
+		env: []string{
+			"AMQPSUB_ARTEMIS_HOME=" + home,
+			"AMQPSUB_ARTEMIS_PORT=" + strconv.Itoa(faultPort),
+			"AMQPSUB_ARTEMIS_CORE_PORT=" + strconv.Itoa(faultCorePort),
+			"AMQPSUB_ARTEMIS_BROKER_XML=" + xmlPath,
+		},
+	}
+	// The watchdog resets the broker when its stdin closes: when TestMain
+	// closes it, or when this process dies however it dies. Its own process
+	// group keeps a Ctrl-C meant for `go test` from killing it first.
+	b.watchdog = exec.Command("bash", "-c", `cat >/dev/null; exec bash "$0" reset >/dev/null 2>&1`, ctl)
+	b.watchdog.Env = append(os.Environ(), b.env...)
+	b.watchdog.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if b.watchIn, err = b.watchdog.StdinPipe(); err != nil {
+		return nil, err
+	}
+	if err := b.watchdog.Start(); err != nil {
+		return nil, fmt.Errorf("watchdog: %w", err)
+	}
+	// A run that died may have left the instance running with an old
+	// broker.xml: reset it, so it starts from an empty journal with ours.
+	for _, cmd := range []string{"reset", "start"} {
+		if out, err := b.run(cmd); err != nil {
+			stopFaultBrokerOf(b)
+			return nil, fmt.Errorf("artemis.sh %s: %w\n%s", cmd, err, out)
+		}
+	}
+	if err := addLeakUser(home); err != nil {
+		stopFaultBrokerOf(b)
+		return nil, err
+	}
+	return b, nil
+}
+
+// writeFaultBrokerXML copies the shared broker.xml with one more acceptor,
+// for TLS, so the dedicated broker has the same settings as the shared one.
+func writeFaultBrokerXML(src, dst, keystore, password string) error {
+	in, err := os.ReadFile(src)
+	if err != nil {
+		return err
+	}
+	var path bytes.Buffer
+	if err := xml.EscapeText(&path, []byte(keystore)); err != nil {
+		return err
+	}
+	acceptor := fmt.Sprintf(`   <!-- Added by integration/faults_test.go: TLS for the security tests. -->
+         <acceptor name="amqps">tcp://127.0.0.1:%d?protocols=AMQP;sslEnabled=true;keyStoreType=PKCS12;keyStorePath=%s;keyStorePassword=%s;amqpCredits=1000;amqpLowCredits=300</acceptor>
+      </acceptors>`, faultTLSPort, path.String(), password)
+	if !bytes.Contains(in, []byte("</acceptors>")) {
+		return fmt.Errorf("%s has no </acceptors>", src)
+	}
+	out := bytes.Replace(in, []byte("</acceptors>"), []byte(acceptor), 1)
+	return os.WriteFile(dst, out, 0o600)
+}
+
+// run runs integration/artemis.sh cmd for the dedicated broker.
+func (b *faultBroker) run(cmd string) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	c := exec.CommandContext(ctx, "bash", b.ctlPath, cmd)
+	c.Env = append(os.Environ(), b.env...)
+	out, err := c.CombinedOutput()
+	return string(out), err
+}
+
+func (b *faultBroker) ctl(t testing.TB, cmd string) {
+	t.Helper()
+	out, err := b.run(cmd)
+	if err != nil {
+		t.Fatalf("artemis.sh %s (dedicated broker): %v\n%s", cmd, err, out)
+	}
+	t.Logf("artemis.sh %s: %s", cmd, strings.TrimSpace(out))
+}
+
+// ensureRunning is for the cleanup of tests that stop the broker.
+func (b *faultBroker) ensureRunning(t testing.TB) {
+	t.Helper()
+	if out, err := b.run("start"); err != nil {
+		t.Errorf("restarting the dedicated broker after the test: %v\n%s", err, out)
+	}
+}
+
+func stopFaultBroker() {
+	if faultB != nil {
+		stopFaultBrokerOf(faultB)
+	}
+}
+
+// stopFaultBrokerOf closes the watchdog's stdin and waits while it resets
+// the broker.
+func stopFaultBrokerOf(b *faultBroker) {
+	b.watchIn.Close()
+	done := make(chan error, 1)
+	go func() { done <- b.watchdog.Wait() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "stopping the dedicated broker: %v\n", err)
+		}
+	case <-time.After(2 * time.Minute):
+		fmt.Fprintf(os.Stderr, "the dedicated broker's watchdog (pid %d) did not finish within 2 min\n", b.watchdog.Process.Pid)
+	}
+}
+
+// uniqueSeqs returns n messages with seq 0..n-1 spread over groups group-ids.
+func uniqueSeqs(n, groups int) []msgSpec {
+	out := make([]msgSpec, n)
+	for i := range out {
+		out[i] = msgSpec{seq: i}
+		if groups > 0 {
+			out[i].group = fmt.Sprintf("g%03d", i%groups)
+		}
+	}
+	return out
+}
+
+// tally counts, per seq, how often a handler saw it.
+type tally struct {
+	counts   []atomic.Int32
+	total    atomic.Int64
+	distinct atomic.Int64
+	mark     atomic.Int64 // unix ns
+	first    atomic.Int64 // unix ns of the first delivery handled at or after mark
+}
+
+func newTally(n int) *tally { return &tally{counts: make([]atomic.Int32, n)} }
+
+func (c *tally) record(seq int) {
+	if seq < 0 || seq >= len(c.counts) {
+		return // the publisher's barrier
+	}
+	now := time.Now().UnixNano()
+	if c.counts[seq].Add(1) == 1 {
+		c.distinct.Add(1)
+	}
+	c.total.Add(1)
+	if m := c.mark.Load(); m != 0 && now >= m {
+		c.first.CompareAndSwap(0, now)
+	}
+}
+
+// setMark starts looking for the first delivery handled from now on.
+func (c *tally) setMark() {
+	c.first.Store(0)
+	c.mark.Store(time.Now().UnixNano())
+}
+
+func (c *tally) firstSinceMark() (time.Time, bool) {
+	f := c.first.Load()
+	return time.Unix(0, f), f != 0
+}
+
+func (c *tally) all() bool { return c.distinct.Load() == int64(len(c.counts)) }
+
+func (c *tally) duplicates() int64 { return c.total.Load() - c.distinct.Load() }
+
+func (c *tally) missing(max int) []int {
+	var out []int
+	for i := range c.counts {
+		if c.counts[i].Load() == 0 && len(out) < max {
+			out = append(out, i)
+		}
+	}
+	return out
+}
+
+// waitAll waits until every seq was handled; on timeout it names some that
+// were not.
+func (c *tally) waitAll(t testing.TB, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !c.all() {
+		if time.Now().After(deadline) {
+			t.Fatalf("after %v, %d of %d messages handled; never handled: %v…", within, c.distinct.Load(), len(c.counts), c.missing(10))
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func (c *tally) handler() amqpsub.Handler {
+	return amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		c.record(seqOf(d))
+		return nil
+	})
+}
+
+// assertQueueEmpty fails when anything is left on q.
+func assertQueueEmpty(t testing.TB, conn *amqp.Conn, q string) {
+	t.Helper()
+	if left := receiveN(t, rawReceiver(t, conn, q, 100), 100, 2*time.Second); len(left) != 0 {
+		t.Fatalf("%d messages left on %s (e.g. seq %v): a message was accepted twice or not at all",
+			len(left), q, left[0].ApplicationProperties["seq"])
+	}
+}
+
+// waitAccepting polls addr with TCP connects every 10 ms and returns when
+// one succeeds: the moment the broker (or proxy) accepts again.
+func waitAccepting(ctx context.Context, addr string) (time.Time, error) {
+	for {
+		c, err := net.DialTimeout("tcp", addr, 200*time.Millisecond)
+		if err == nil {
+			at := time.Now()
+			c.Close()
+			return at, nil
+		}
+		select {
+		case <-ctx.Done():
+			return time.Time{}, fmt.Errorf("%s never accepted: %w", addr, err)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// kill -9 the broker while 100,000 persistent messages are consumed with
+// WorkersByKey(8), start it again after 2 s: every message is handled, none
+// is left on the queue, duplicates are at most the credit, and consumption
+// resumes within 2 s of the broker accepting connections again.
+func TestFaultBrokerKill(t *testing.T) {
+	b := dedicatedBroker(t)
+	q := queueName(t)
+	const n, credit = 100_000, 256
+	conn := dial(t, b.url)
+	start := time.Now()
+	publishFast(t, conn, q, true, uniqueSeqs(n, 100))
+	t.Logf("published %d persistent messages in %v", n, time.Since(start).Round(time.Millisecond))
+	conn.Close()
+
+	c := newTally(n)
+	s, err := amqpsub.New(amqpsub.Dial(b.url, nil), q, c.handler(),
+		amqpsub.WorkersByKey(8), amqpsub.Credit(credit),
+		amqpsub.Backoff(100*time.Millisecond, time.Second), amqpsub.Logger(logger(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("stats at the end: %+v", s.Stats())
+		}
+	})
+	stop, wait := runSub(t, s)
+	waitFor(t, time.Minute, "20,000 handled", func() bool { return c.distinct.Load() >= 20_000 })
+
+	t.Cleanup(func() { b.ensureRunning(t) })
+	b.ctl(t, "kill9")
+	killedAt := time.Now()
+	handledAtKill := c.distinct.Load()
+	// The issue's scenario: the broker is down for 2 s.
+	time.Sleep(2 * time.Second)
+	c.setMark() // nothing is handled while the broker is down
+	acceptedAt := restartWatching(t, b)
+	t.Logf("killed with %d of %d handled; broker accepted again %v after the kill",
+		handledAtKill, n, acceptedAt.Sub(killedAt).Round(time.Millisecond))
+	waitFor(t, 30*time.Second, "a delivery handled after the restart", func() bool { _, ok := c.firstSinceMark(); return ok })
+	first, _ := c.firstSinceMark()
+	resume := first.Sub(acceptedAt)
+
+	c.waitAll(t, 2*time.Minute)
+	stop()
+	if err := wait(); err != nil {
+		t.Fatalf("Run = %v", err)
+	}
+	st := s.Stats()
+	t.Logf("resumed %v after the broker accepted; duplicates %d (credit %d); total %v; stats %+v",
+		resume.Round(time.Millisecond), c.duplicates(), credit, time.Since(start).Round(time.Second), st)
+	if resume > 2*time.Second {
+		t.Errorf("consumption resumed %v after the broker accepted connections, want ≤ 2s", resume)
+	}
+	if d := c.duplicates(); d > credit {
+		t.Errorf("%d duplicates after one restart, want ≤ the credit %d", d, credit)
+	}
+	if st.Reconnects < 1 || st.LinksLost < 1 {
+		t.Errorf("no reconnect recorded: %+v", st)
+	}
+	assertQueueEmpty(t, dial(t, b.url), q)
+}
+
+// restartWatching starts the dedicated broker and returns when its port
+// first accepted.
+func restartWatching(t *testing.T, b *faultBroker) time.Time {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	type res struct {
+		at  time.Time
+		err error
+	}
+	got := make(chan res, 1)
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer cancel()
+	wg.Go(func() {
+		at, err := waitAccepting(ctx, b.addr)
+		got <- res{at, err}
+	})
+	b.ctl(t, "start")
+	r := <-got
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	return r.at
+}
+
+// proxy forwards TCP connections to a broker and can cut them, refuse new
+// ones, or freeze them (keep the sockets open, forward nothing).
+type proxy struct {
+	ln     net.Listener
+	target string
+	wg     sync.WaitGroup
+
+	mu     sync.Mutex
+	conns  map[*proxyConn]struct{}
+	refuse bool
+	closed bool
+}
+
+type proxyConn struct {
+	client, server net.Conn
+	frozen         atomic.Bool
+	once           sync.Once
+}
+
+func (c *proxyConn) close() {
+	c.once.Do(func() {
+		c.client.Close()
+		c.server.Close()
+	})
+}
+
+func newProxy(t testing.TB, target string) *proxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &proxy{ln: ln, target: target, conns: map[*proxyConn]struct{}{}}
+	p.wg.Go(p.accept)
+	t.Cleanup(p.close)
+	return p
+}
+
+func (p *proxy) url() string { return "amqp://" + p.ln.Addr().String() }
+
+func (p *proxy) accept() {
+	for {
+		c, err := p.ln.Accept()
+		if err != nil {
+			return
+		}
+		p.mu.Lock()
+		refuse := p.refuse || p.closed
+		p.mu.Unlock()
+		if refuse {
+			c.Close()
+			continue
+		}
+		s, err := net.DialTimeout("tcp", p.target, 5*time.Second)
+		if err != nil {
+			c.Close()
+			continue
+		}
+		pc := &proxyConn{client: c, server: s}
+		p.mu.Lock()
+		if p.closed {
+			p.mu.Unlock()
+			pc.close()
+			continue
+		}
+		p.conns[pc] = struct{}{}
+		p.mu.Unlock()
+		p.wg.Go(func() { p.pipe(pc, s, c) })
+		p.wg.Go(func() { p.pipe(pc, c, s) })
+	}
+}
+
+// pipe copies src to dst until either side ends, then closes both. A
+// frozen connection's data is read and dropped: each side sees silence.
+func (p *proxy) pipe(pc *proxyConn, dst, src net.Conn) {
+	defer func() {
+		pc.close()
+		p.mu.Lock()
+		delete(p.conns, pc)
+		p.mu.Unlock()
+	}()
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 && !pc.frozen.Load() {
+			if _, err := dst.Write(buf[:n]); err != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// cut closes every connection and refuses new ones until accept.
+func (p *proxy) cut() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.refuse = true
+	for pc := range p.conns {
+		pc.close()
+	}
+	return len(p.conns)
+}
+
+// accept lets new connections through again.
+func (p *proxy) acceptAgain() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.refuse = false
+}
+
+// freeze stops forwarding on every open connection, keeping them open.
+func (p *proxy) freeze() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for pc := range p.conns {
+		pc.frozen.Store(true)
+	}
+	return len(p.conns)
+}
+
+func (p *proxy) close() {
+	p.mu.Lock()
+	p.closed = true
+	for pc := range p.conns {
+		pc.close()
+	}
+	p.mu.Unlock()
+	p.ln.Close()
+	p.wg.Wait()
+}
+
+// A proxy between subscriber and broker drops every connection mid-stream
+// three times and refuses new ones for 1 s each time: every message is
+// handled, none is left, duplicates are at most the credit per cut, and
+// consumption resumes within 2 s of the proxy accepting again.
+func TestFaultTCPCut(t *testing.T) {
+	b := dedicatedBroker(t)
+	q := queueName(t)
+	const n, credit, cuts = 30_000, 256, 3
+	conn := dial(t, b.url)
+	publishFast(t, conn, q, true, uniqueSeqs(n, 100))
+
+	p := newProxy(t, b.addr)
+	c := newTally(n)
+	s, err := amqpsub.New(amqpsub.Dial(p.url(), nil), q, c.handler(),
+		amqpsub.WorkersByKey(8), amqpsub.Credit(credit),
+		amqpsub.Backoff(100*time.Millisecond, time.Second), amqpsub.Logger(logger(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop, wait := runSub(t, s)
+	var resumes []time.Duration
+	for i := 1; i <= cuts; i++ {
+		at := int64(i * n / (cuts + 1))
+		waitFor(t, time.Minute, fmt.Sprintf("%d handled", at), func() bool { return c.distinct.Load() >= at })
+		dropped := p.cut()
+		// Down for 1 s: reconnect attempts fail meanwhile.
+		time.Sleep(time.Second)
+		c.setMark()
+		p.acceptAgain()
+		acceptedAt := time.Now()
+		waitFor(t, 30*time.Second, "a delivery after the cut", func() bool { _, ok := c.firstSinceMark(); return ok })
+		first, _ := c.firstSinceMark()
+		resumes = append(resumes, first.Sub(acceptedAt))
+		t.Logf("cut %d: dropped %d connection(s) at %d handled; resumed %v after the proxy accepted again",
+			i, dropped, at, first.Sub(acceptedAt).Round(time.Millisecond))
+	}
+	c.waitAll(t, 2*time.Minute)
+	stop()
+	if err := wait(); err != nil {
+		t.Fatalf("Run = %v", err)
+	}
+	st := s.Stats()
+	t.Logf("resumes %v; duplicates %d (bound %d); stats %+v", resumes, c.duplicates(), cuts*credit, st)
+	for i, r := range resumes {
+		if r > 2*time.Second {
+			t.Errorf("cut %d: resumed %v after the proxy accepted again, want ≤ 2s", i+1, r)
+		}
+	}
+	if d := c.duplicates(); d > cuts*credit {
+		t.Errorf("%d duplicates over %d cuts, want ≤ %d", d, cuts, cuts*credit)
+	}
+	if st.Reconnects < cuts {
+		t.Errorf("%d reconnects, want ≥ %d", st.Reconnects, cuts)
+	}
+	assertQueueEmpty(t, conn, q)
+}
+
+// The proxy stops forwarding but keeps the sockets open: with
+// IdleTimeout(2s) the subscriber finds the connection dead and reconnects.
+func TestFaultHalfOpen(t *testing.T) {
+	b := dedicatedBroker(t)
+	q := queueName(t)
+	const n, credit = 20_000, 256
+	const idle = 2 * time.Second
+	conn := dial(t, b.url)
+	publishFast(t, conn, q, true, uniqueSeqs(n, 100))
+
+	p := newProxy(t, b.addr)
+	c := newTally(n)
+	s, err := amqpsub.New(amqpsub.Dial(p.url(), nil), q, c.handler(),
+		amqpsub.WorkersByKey(8), amqpsub.Credit(credit), amqpsub.IdleTimeout(idle),
+		amqpsub.Backoff(100*time.Millisecond, time.Second), amqpsub.Logger(logger(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop, wait := runSub(t, s)
+	waitFor(t, time.Minute, "5,000 handled", func() bool { return c.distinct.Load() >= 5000 })
+	frozen := p.freeze()
+	frozenAt := time.Now()
+	waitFor(t, 3*idle, "the half-open connection detected", func() bool { return s.Stats().LinksLost >= 1 })
+	detection := time.Since(frozenAt)
+	c.setMark()
+	waitFor(t, 30*time.Second, "a delivery after the reconnect", func() bool { _, ok := c.firstSinceMark(); return ok })
+	first, _ := c.firstSinceMark()
+	resume := first.Sub(frozenAt)
+	c.waitAll(t, 2*time.Minute)
+	stop()
+	if err := wait(); err != nil {
+		t.Fatalf("Run = %v", err)
+	}
+	st := s.Stats()
+	t.Logf("froze %d connection(s); detected after %v (idle timeout %v); consuming again %v after the freeze; duplicates %d; stats %+v",
+		frozen, detection.Round(time.Millisecond), idle, resume.Round(time.Millisecond), c.duplicates(), st)
+	// go-amqp fails the read idle after the last frame; the broker sends
+	// one at least every idle/2, so detection takes idle plus scheduling.
+	if detection > idle+time.Second {
+		t.Errorf("half-open connection found after %v, want ≤ %v", detection, idle+time.Second)
+	}
+	if d := c.duplicates(); d > credit {
+		t.Errorf("%d duplicates, want ≤ the credit %d", d, credit)
+	}
+	if st.Reconnects != 1 {
+		t.Errorf("%d reconnects, want 1", st.Reconnects)
+	}
+	assertQueueEmpty(t, conn, q)
+}
+
+// The handler panics on every 100th message: the subscriber survives, each
+// of those is retried until the broker's max-delivery-attempts (5) and
+// dead-lettered, and the counts match.
+func TestFaultPanics(t *testing.T) {
+	url := artemisURL(t)
+	q := queueName(t)
+	const n, every, attempts = 2000, 100, 5
+	conn := dial(t, url)
+	publishFast(t, conn, q, true, uniqueSeqs(n, 20))
+	const poison = n / every
+
+	var accepted, panicking atomic.Int64
+	var mu sync.Mutex
+	calls := map[int]int{}
+	s, err := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		seq := seqOf(d)
+		if seq >= 0 && seq%every == every-1 {
+			mu.Lock()
+			calls[seq]++
+			mu.Unlock()
+			panicking.Add(1)
+			panic(fmt.Sprintf("bug on message %d", seq))
+		}
+		accepted.Add(1)
+		return nil
+	}), amqpsub.WorkersByKey(4), amqpsub.Logger(zap.NewNop()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop, wait := runSub(t, s)
+	waitFor(t, time.Minute, "every message handled or dead-lettered", func() bool {
+		st := s.Stats()
+		return accepted.Load() == n-poison+1 && st.Modified == poison*attempts
+	})
+	// Give a sixth delivery of a poison message the chance to show up.
+	time.Sleep(300 * time.Millisecond)
+	stop()
+	if err := wait(); err != nil {
+		t.Fatalf("Run = %v", err)
+	}
+	st := s.Stats()
+	t.Logf("panics %d, modified %d, accepted %d; stats %+v", st.Panics, st.Modified, st.Accepted, st)
+	if st.Panics != poison*attempts || st.Retries != poison*attempts || st.Modified != poison*attempts ||
+		st.Accepted != n-poison+1 || st.Rejected != 0 || st.Held != 0 {
+		t.Fatalf("stats %+v, want %d panics and modified, %d accepted", st, poison*attempts, n-poison+1)
+	}
+	mu.Lock()
+	for seq, k := range calls {
+		if k != attempts {
+			t.Errorf("message %d handled %d times, want %d", seq, k, attempts)
+		}
+	}
+	if len(calls) != poison {
+		t.Errorf("%d distinct poison messages, want %d", len(calls), poison)
+	}
+	mu.Unlock()
+	// The DLQ exists now (its queue is made by the first dead letter).
+	dead := receiveN(t, attachRetrying(t, conn, dlq(q)), poison+1, 5*time.Second)
+	seen := map[int64]bool{}
+	for _, m := range dead {
+		seq, _ := m.ApplicationProperties["seq"].(int64)
+		if seq%every != every-1 || seen[seq] {
+			t.Errorf("dead letter seq %d: not a poison message, or twice", seq)
+		}
+		seen[seq] = true
+	}
+	if len(dead) != poison {
+		t.Fatalf("DLQ holds %d messages, want %d", len(dead), poison)
+	}
+	assertQueueEmpty(t, conn, q)
+}
+
+// attachRetrying attaches a receiver to address, retrying amqp:not-found for
+// up to 10 s (a DLQ queue appears with its first dead letter).
+func attachRetrying(t testing.TB, conn *amqp.Conn, address string) *amqp.Receiver {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		sess, err := conn.NewSession(ctx, nil)
+		if err != nil {
+			cancel()
+			t.Fatalf("session: %v", err)
+		}
+		r, err := sess.NewReceiver(ctx, address, &amqp.ReceiverOptions{Credit: 100, SourceCapabilities: []string{"queue"}})
+		cancel()
+		if err == nil {
+			t.Cleanup(func() { closeSession(sess) })
+			return r
+		}
+		closeSession(sess)
+		var ae *amqp.Error
+		if !errors.As(err, &ae) || ae.Condition != amqp.ErrCondNotFound || time.Now().After(deadline) {
+			t.Fatalf("receiver on %s: %v", address, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// --- a consumer in its own process ---
+
+const (
+	childEnv       = "AMQPSUB_CHILD"
+	childConfigEnv = "AMQPSUB_CHILD_CONFIG"
+)
+
+// childConfig is what a consumer child runs.
+type childConfig struct {
+	URL     string
+	Queue   string
+	Credit  int
+	Workers int
+	ByKey   bool
+	// Delay is each handler call's work, after the first Warm deliveries,
+	// which are handled at once.
+	Delay time.Duration
+	Warm  int64
+	Grace time.Duration
+	// Stuck seqs block their handler until its ctx ends.
+	Stuck []int
+	// Report is the period of the stats lines.
+	Report time.Duration
+	// Handled prints "h <seq>" for each delivery the handler accepted.
+	Handled bool
+}
+
+// childStats is one "s {...}" line of a child.
+type childStats struct {
+	RSSKiB int64
+	// The Go runtime's view: memory obtained from the OS, heap in use.
+	GoSysKiB, HeapInuseKiB int64
+	Goroutines             int
+	Held                   int
+	MaxHeld                int
+	Received               uint64
+	Accepted               uint64
+	Released               uint64
+	Modified               uint64
+	Stale                  uint64
+	Handled                int64
+	Stuck                  int64
+	Final                  bool
+	// StopTook is, in the final line, the time from SIGTERM to Run's return.
+	StopTook time.Duration
+}
+
+// childMain runs a consumer as TestMain's child: it consumes until SIGTERM
+// and writes its stats (with its own RSS) every Report to stdout.
+func childMain() int {
+	var cfg childConfig
+	if err := json.Unmarshal([]byte(os.Getenv(childConfigEnv)), &cfg); err != nil {
+		fmt.Fprintf(os.Stderr, "child: bad %s: %v\n", childConfigEnv, err)
+		return 2
+	}
+	var outMu sync.Mutex
+	out := bufio.NewWriter(os.Stdout)
+	var handled, stuck atomic.Int64
+	h := amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		seq := seqOf(d)
+		if slices.Contains(cfg.Stuck, seq) {
+			stuck.Add(1)
+			defer stuck.Add(-1)
+			<-ctx.Done()
+			return ctx.Err()
+		}
+		if cfg.Delay > 0 && handled.Load() >= cfg.Warm {
+			time.Sleep(cfg.Delay) // the handler's work
+		}
+		handled.Add(1)
+		if cfg.Handled {
+			outMu.Lock()
+			fmt.Fprintf(out, "h %d\n", seq)
+			outMu.Unlock()
+		}
+		return nil
+	})
+	log := zap.New(zapcore.NewCore(zapcore.NewConsoleEncoder(zap.NewDevelopmentEncoderConfig()),
+		zapcore.Lock(os.Stderr), zap.WarnLevel))
+	opts := []amqpsub.Option{amqpsub.Credit(cfg.Credit), amqpsub.GracePeriod(cfg.Grace), amqpsub.Logger(log)}
+	if cfg.ByKey {
+		opts = append(opts, amqpsub.WorkersByKey(cfg.Workers))
+	} else {
+		opts = append(opts, amqpsub.Workers(cfg.Workers))
+	}
+	s, err := amqpsub.New(amqpsub.Dial(cfg.URL, nil), cfg.Queue, h, opts...)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "child: %v\n", err)
+		return 2
+	}
+	report := func(final bool, stopTook time.Duration) {
+		st := s.Stats()
+		var ms runtime.MemStats
+		runtime.ReadMemStats(&ms)
+		line, _ := json.Marshal(childStats{
+			RSSKiB: rssKiB(), GoSysKiB: int64(ms.Sys >> 10), HeapInuseKiB: int64(ms.HeapInuse >> 10),
+			Goroutines: runtime.NumGoroutine(), Held: st.Held, MaxHeld: st.MaxHeld, Received: st.Received,
+			Accepted: st.Accepted, Released: st.Released, Modified: st.Modified, Stale: st.Stale,
+			Handled: handled.Load(), Stuck: stuck.Load(), Final: final, StopTook: stopTook,
+		})
+		outMu.Lock()
+		defer outMu.Unlock()
+		fmt.Fprintf(out, "s %s\n", line)
+		out.Flush()
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+	rctx, cancelReport := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		tick := time.NewTicker(cfg.Report)
+		defer tick.Stop()
+		for {
+			select {
+			case <-tick.C:
+				report(false, 0)
+			case <-rctx.Done():
+				return
+			}
+		}
+	})
+	var sigAt atomic.Int64
+	wg.Go(func() {
+		select {
+		case <-ctx.Done():
+			sigAt.Store(time.Now().UnixNano())
+		case <-rctx.Done():
+		}
+	})
+	err = s.Run(ctx)
+	var stopTook time.Duration
+	if at := sigAt.Load(); at != 0 {
+		stopTook = time.Duration(time.Now().UnixNano() - at)
+	}
+	cancelReport()
+	wg.Wait()
+	report(true, stopTook)
+	outMu.Lock()
+	fmt.Fprintf(out, "exit %v\n", err)
+	out.Flush()
+	outMu.Unlock()
+	if err != nil {
+		return 1
+	}
+	return 0
+}
+
+// rssKiB reads this process's resident set size from /proc.
+func rssKiB() int64 {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return -1
+	}
+	for line := range strings.Lines(string(b)) {
+		if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			f := strings.Fields(rest)
+			if len(f) > 0 {
+				v, _ := strconv.ParseInt(f[0], 10, 64)
+				return v
+			}
+		}
+	}
+	return -1
+}
+
+// child is a consumer process started by a test.
+type child struct {
+	cmd    *exec.Cmd
+	exited chan struct{}
+
+	mu       sync.Mutex
+	stats    []childStats
+	handled  map[int]int
+	exit     string
+	exitedAt time.Time
+	waitErr  error
+	partial  []byte
+	stderr   bytes.Buffer
+}
+
+// startChild re-executes the test binary as a consumer (see TestMain). The
+// process is killed at the end of the test if it still runs.
+func startChild(t *testing.T, cfg childConfig) *child {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	js, _ := json.Marshal(cfg)
+	c := &child{exited: make(chan struct{}), handled: map[int]int{}}
+	c.cmd = exec.Command(exe, "-test.run=^$")
+	// A -race binary sleeps 1 s before it exits (GORACE atexit_sleep_ms,
+	// default 1000): not the consumer's time, so the child does not.
+	gorace := strings.TrimSpace(os.Getenv("GORACE") + " atexit_sleep_ms=0")
+	c.cmd.Env = append(os.Environ(), childEnv+"=consumer", childConfigEnv+"="+string(js), "GORACE="+gorace)
+	c.cmd.Stdout = writerFunc(c.onStdout)
+	c.cmd.Stderr = writerFunc(func(p []byte) (int, error) {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		return c.stderr.Write(p)
+	})
+	if err := c.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		err := c.cmd.Wait()
+		c.mu.Lock()
+		c.exitedAt, c.waitErr = time.Now(), err
+		c.mu.Unlock()
+		close(c.exited)
+	}()
+	t.Cleanup(func() {
+		select {
+		case <-c.exited:
+		default:
+			c.cmd.Process.Kill()
+			<-c.exited
+		}
+		if t.Failed() {
+			c.mu.Lock()
+			t.Logf("child stderr (tail):\n%s", tail(c.stderr.String(), 4000))
+			c.mu.Unlock()
+		}
+	})
+	return c
+}
+
+type writerFunc func(p []byte) (int, error)
+
+func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
+
+func tail(s string, n int) string {
+	if len(s) > n {
+		return "…" + s[len(s)-n:]
+	}
+	return s
+}
+
+func (c *child) onStdout(p []byte) (int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.partial = append(c.partial, p...)
+	for {
+		i := bytes.IndexByte(c.partial, '\n')
+		if i < 0 {
+			break
+		}
+		line := string(c.partial[:i])
+		c.partial = c.partial[i+1:]
+		switch {
+		case strings.HasPrefix(line, "h "):
+			seq, _ := strconv.Atoi(line[2:])
+			c.handled[seq]++
+		case strings.HasPrefix(line, "s "):
+			var st childStats
+			if err := json.Unmarshal([]byte(line[2:]), &st); err == nil {
+				c.stats = append(c.stats, st)
+			}
+		case strings.HasPrefix(line, "exit "):
+			c.exit = line[5:]
+		}
+	}
+	return len(p), nil
+}
+
+// last returns the child's latest stats line.
+func (c *child) last() childStats {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if len(c.stats) == 0 {
+		return childStats{}
+	}
+	return c.stats[len(c.stats)-1]
+}
+
+func (c *child) nstats() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.stats)
+}
+
+// statsSince returns the stats lines from the i-th on.
+func (c *child) statsSince(i int) []childStats {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return slices.Clone(c.stats[min(i, len(c.stats)):])
+}
+
+func (c *child) running() bool {
+	select {
+	case <-c.exited:
+		return false
+	default:
+		return true
+	}
+}
+
+// sigterm sends SIGTERM and waits until the process exited, at most within;
+// it returns how long that took.
+func (c *child) sigterm(t *testing.T, within time.Duration) time.Duration {
+	t.Helper()
+	at := time.Now()
+	if err := c.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-c.exited:
+	case <-time.After(within):
+		t.Fatalf("the consumer did not exit within %v of SIGTERM", within)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.waitErr != nil || c.exit != "<nil>" {
+		t.Fatalf("the consumer exited with %v (Run returned %q)", c.waitErr, c.exit)
+	}
+	return c.exitedAt.Sub(at)
+}
+
+// SIGTERM a consumer process under load: it exits within grace + 1 s and
+// nothing is lost: every message was accepted by the consumer exactly once
+// or is still on the queue.
+func TestFaultSigterm(t *testing.T) {
+	b := dedicatedBroker(t)
+	for _, tc := range []struct {
+		name  string
+		grace time.Duration
+		stuck []int
+	}{
+		{"handlers finish within the grace", 5 * time.Second, nil},
+		{"a handler outlives the grace", 2 * time.Second, []int{5000}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			q := queueName(t)
+			const n = 20_000
+			conn := dial(t, b.url)
+			publishFast(t, conn, q, true, uniqueSeqs(n, 100))
+			ch := startChild(t, childConfig{
+				URL: b.url, Queue: q, Credit: 256, Workers: 8, ByKey: true,
+				Delay: time.Millisecond, Grace: tc.grace, Stuck: tc.stuck,
+				Report: 50 * time.Millisecond, Handled: true,
+			})
+			waitFor(t, time.Minute, "the consumer under load", func() bool {
+				st := ch.last()
+				return st.Handled >= 6000 && (tc.stuck == nil || st.Stuck == int64(len(tc.stuck)))
+			})
+			if !ch.running() {
+				t.Fatal("the consumer exited by itself")
+			}
+			before := ch.last()
+			took := ch.sigterm(t, tc.grace+30*time.Second)
+			final := ch.last()
+			t.Logf("SIGTERM with %d held (%d handled): Run returned after %v, the process exited after %v (grace %v); final stats %+v",
+				before.Held, before.Handled, final.StopTook.Round(time.Millisecond), took.Round(time.Millisecond), tc.grace, final)
+			if took > tc.grace+time.Second {
+				t.Errorf("exited %v after SIGTERM, want ≤ grace + 1s = %v", took, tc.grace+time.Second)
+			}
+			if tc.stuck != nil && took < tc.grace {
+				t.Errorf("exited %v after SIGTERM, before the grace period %v ended for a handler in progress", took, tc.grace)
+			}
+			if !final.Final {
+				t.Fatalf("no final stats from the consumer")
+			}
+			// Without a stuck handler, every delivery was settled or
+			// released before Run returned.
+			if tc.stuck == nil && (final.Held != 0 || final.Received != final.Accepted+final.Released+final.Modified) {
+				t.Errorf("deliveries neither settled nor released: %+v", final)
+			}
+			// Everything not accepted by the child is still on the queue.
+			ch.mu.Lock()
+			handled := maps.Clone(ch.handled)
+			ch.mu.Unlock()
+			left := drainSeqs(t, conn, q, n+1-len(handled))
+			checkPartition(t, n, handled, left)
+		})
+	}
+}
+
+// drainSeqs takes every message off q (want of them, then waits 1 s for
+// more) and returns how often each seq came.
+func drainSeqs(t *testing.T, conn *amqp.Conn, q string, want int) map[int]int {
+	t.Helper()
+	r := rawReceiver(t, conn, q, 500)
+	got := map[int]int{}
+	n := 0
+	for _, m := range receiveN(t, r, want, time.Minute) {
+		seq, _ := m.ApplicationProperties["seq"].(int64)
+		got[int(seq)]++
+		n++
+	}
+	for _, m := range receiveN(t, r, 1000, time.Second) {
+		seq, _ := m.ApplicationProperties["seq"].(int64)
+		got[int(seq)]++
+		n++
+	}
+	t.Logf("drained %d messages from the queue (wanted %d)", n, want)
+	return got
+}
+
+// checkPartition checks that each seq in [-1, n) was accepted by the
+// consumer exactly once or is on the queue exactly once, not both.
+func checkPartition(t *testing.T, n int, handled, left map[int]int) {
+	t.Helper()
+	var lost, twice []int
+	for seq := -1; seq < n; seq++ {
+		switch k := handled[seq] + left[seq]; {
+		case k == 0:
+			lost = append(lost, seq)
+		case k > 1:
+			twice = append(twice, seq)
+		}
+	}
+	t.Logf("accepted by the consumer %d, left on the queue %d, lost %d, twice %d", len(handled), len(left), len(lost), len(twice))
+	if len(lost) > 0 || len(twice) > 0 {
+		t.Fatalf("lost %v (first 10 of %d); handled or queued twice %v (first 10 of %d)",
+			lost[:min(10, len(lost))], len(lost), twice[:min(10, len(twice))], len(twice))
+	}
+}
+
+// publisher sends small pre-settled messages over several links at once,
+// each batch confirmed by an unsettled barrier per link.
+type publisher struct {
+	senders []*amqp.Sender
+	sent    int
+}
+
+func newPublisher(t testing.TB, url, q string, links int) *publisher {
+	t.Helper()
+	conn := dial(t, url)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	p := &publisher{}
+	for range links {
+		sess, err := conn.NewSession(ctx, nil)
+		if err != nil {
+			t.Fatalf("session: %v", err)
+		}
+		mode := amqp.SenderSettleModeMixed
+		snd, err := sess.NewSender(ctx, q, &amqp.SenderOptions{SettlementMode: &mode, TargetCapabilities: []string{"queue"}})
+		if err != nil {
+			t.Fatalf("sender: %v", err)
+		}
+		p.senders = append(p.senders, snd)
+	}
+	return p
+}
+
+// send publishes n persistent messages of a few bytes, seq counting on,
+// and returns once the broker has them all.
+func (p *publisher) send(t testing.TB, n int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make([]error, len(p.senders))
+	for i, snd := range p.senders {
+		wg.Go(func() {
+			for k := i; k < n; k += len(p.senders) {
+				m := amqp.NewMessage([]byte("backlog"))
+				m.Header = &amqp.MessageHeader{Durable: true}
+				m.ApplicationProperties = map[string]any{"seq": int64(p.sent + k)}
+				if err := snd.Send(ctx, m, &amqp.SendOptions{Settled: true}); err != nil {
+					errs[i] = err
+					return
+				}
+			}
+			errs[i] = snd.Send(ctx, message(msgSpec{seq: -1}), nil)
+		})
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatalf("publish: %v", err)
+	}
+	p.sent += n + len(p.senders)
+}
+
+// A slow consumer (its own process, 4 workers of 20 ms) over a backlog of
+// 1,000,000 messages (200,000 with -short): it never holds more than the
+// credit, and its RSS with 1M waiting is within 10% of its RSS with 10k.
+func TestFaultBacklog(t *testing.T) {
+	b := dedicatedBroker(t)
+	target := 1_000_000
+	if testing.Short() {
+		target = 200_000
+	}
+	const credit = 256
+	q := queueName(t)
+	// Drop the backlog afterwards: restarting the broker over it is slow.
+	t.Cleanup(func() {
+		for _, cmd := range []string{"kill9", "reset", "start"} {
+			if out, err := b.run(cmd); err != nil {
+				t.Errorf("artemis.sh %s: %v\n%s", cmd, err, out)
+			}
+		}
+	})
+	pub := newPublisher(t, b.url, q, 4)
+	pub.send(t, 31_000)
+	ch := startChild(t, childConfig{
+		URL: b.url, Queue: q, Credit: credit, Workers: 4, Delay: 20 * time.Millisecond, Warm: 20_000,
+		Grace: 5 * time.Second, Report: 200 * time.Millisecond,
+	})
+	// sample waits for n more stats lines and returns them.
+	sample := func(n int) []childStats {
+		i := ch.nstats()
+		waitFor(t, time.Minute, fmt.Sprintf("%d stats lines", n), func() bool { return ch.nstats() >= i+n })
+		return ch.statsSince(i)
+	}
+	maxRSS := func(ss []childStats) int64 {
+		var m int64
+		for _, s := range ss {
+			m = max(m, s.RSSKiB)
+		}
+		return m
+	}
+	waitFor(t, time.Minute, "the consumer warmed up", func() bool { return ch.last().Accepted >= 20_000 })
+	small := sample(15)
+	rssSmall, backlogSmall := maxRSS(small), pub.sent-int(small[len(small)-1].Accepted)
+
+	start := time.Now()
+	for pub.sent-int(ch.last().Accepted) < target {
+		pub.send(t, min(100_000, target-(pub.sent-int(ch.last().Accepted))+1000))
+		t.Logf("published %d in %v; consumer: %+v", pub.sent, time.Since(start).Round(time.Second), ch.last())
+	}
+	big := sample(15)
+	rssBig, backlogBig := maxRSS(big), pub.sent-int(big[len(big)-1].Accepted)
+
+	took := ch.sigterm(t, time.Minute)
+	final := ch.last()
+	ch.mu.Lock()
+	maxHeldSeen := 0
+	for _, s := range ch.stats {
+		maxHeldSeen = max(maxHeldSeen, s.Held)
+	}
+	lines := len(ch.stats)
+	ch.mu.Unlock()
+	growth := float64(rssBig-rssSmall) / float64(rssSmall)
+	t.Logf("consumer RSS %d KiB at a backlog of %d, %d KiB at %d (%+.1f%%); held at most %d of credit %d (%d samples), MaxHeld %d; accepted %d; exit after SIGTERM %v",
+		rssSmall, backlogSmall, rssBig, backlogBig, 100*growth, maxHeldSeen, credit, lines, final.MaxHeld, final.Accepted, took.Round(time.Millisecond))
+	if backlogBig < target {
+		t.Errorf("backlog %d, want ≥ %d", backlogBig, target)
+	}
+	if final.MaxHeld > credit || maxHeldSeen > credit {
+		t.Errorf("held up to %d (MaxHeld %d), past the credit %d", maxHeldSeen, final.MaxHeld, credit)
+	}
+	if growth > 0.10 || growth < -0.10 {
+		t.Errorf("consumer RSS went from %d KiB to %d KiB (%+.1f%%), want within 10%%", rssSmall, rssBig, 100*growth)
+	}
+}
+
+// Bad configuration and addresses: clear errors, Run returns within its
+// dial timeout, and no goroutine is left behind.
+func TestFaultBadConfig(t *testing.T) {
+	url := artemisURL(t)
+	hostPort := strings.TrimPrefix(url, "amqp://")
+	nop := amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil })
+	const dialTimeout = 2 * time.Second
+
+	// run runs a subscriber that must fail, and checks it fails in time.
+	run := func(t *testing.T, c amqpsub.Connector, q string, opts ...amqpsub.Option) error {
+		t.Helper()
+		s, err := amqpsub.New(c, q, nop, append([]amqpsub.Option{amqpsub.DialTimeout(dialTimeout), amqpsub.Logger(logger(t))}, opts...)...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		start := time.Now()
+		err = s.Run(ctx)
+		took := time.Since(start)
+		t.Logf("Run = %v (after %v)", err, took.Round(time.Millisecond))
+		if err == nil {
+			t.Fatal("Run succeeded")
+		}
+		// The dial timeout bounds connect, session and attach together; a
+		// little more for this busy machine.
+		if took > dialTimeout+500*time.Millisecond {
+			t.Errorf("Run returned after %v, past its dial timeout %v", took, dialTimeout)
+		}
+		return err
+	}
+	wantCond := func(t *testing.T, err error, cond amqp.ErrCond, fatal bool, names ...string) {
+		t.Helper()
+		var ae *amqp.Error
+		if !errors.As(err, &ae) || ae.Condition != cond {
+			t.Errorf("error %v, want condition %s", err, cond)
+		}
+		if amqpsub.IsFatal(err) != fatal {
+			t.Errorf("IsFatal(%v) = %v, want %v", err, !fatal, fatal)
+		}
+		for _, n := range names {
+			if !strings.Contains(err.Error(), n) {
+				t.Errorf("error %q does not name %q", err, n)
+			}
+		}
+	}
+
+	t.Run("unreachable port", func(t *testing.T) {
+		defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+		addr := closedPort(t)
+		err := run(t, amqpsub.Dial("amqp://"+addr, nil), queueName(t))
+		if !errors.Is(err, syscall.ECONNREFUSED) || !strings.Contains(err.Error(), addr) {
+			t.Errorf("error %v, want connection refused naming %s", err, addr)
+		}
+	})
+	t.Run("silent listener", func(t *testing.T) {
+		defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+		// Accepts TCP, never speaks AMQP: only the dial timeout ends it.
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var held []net.Conn
+		var wg sync.WaitGroup
+		wg.Go(func() {
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				held = append(held, c)
+			}
+		})
+		err = run(t, amqpsub.Dial("amqp://"+ln.Addr().String(), nil), queueName(t))
+		ln.Close()
+		wg.Wait()
+		for _, c := range held {
+			c.Close()
+		}
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("error %v, want the dial timeout", err)
+		}
+	})
+	t.Run("wrong password", func(t *testing.T) {
+		defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+		err := run(t, amqpsub.Dial("amqp://amqpsub:wrong@"+hostPort, nil), queueName(t))
+		if !amqpsub.IsFatal(err) || !strings.Contains(err.Error(), "SASL") {
+			t.Errorf("error %v, want a fatal SASL error", err)
+		}
+	})
+	t.Run("Artemis queue capability on a multicast address", func(t *testing.T) {
+		q := queueName(t)
+		// A sender with capability topic makes q a multicast address.
+		func() {
+			conn := dial(t, url)
+			defer conn.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			sess, err := conn.NewSession(ctx, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := sess.NewSender(ctx, q, &amqp.SenderOptions{TargetCapabilities: []string{"topic"}}); err != nil {
+				t.Fatal(err)
+			}
+		}()
+		defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+		err := run(t, amqpsub.Dial(url, nil), q)
+		// Artemis answers amqp:illegal-state, which IsFatal does not list: on
+		// a reconnect it would be retried (see docs/reliability.md).
+		wantCond(t, err, amqp.ErrCondIllegalState, false, q, hostPort)
+	})
+	t.Run("Artemis DLQ before its first dead letter", func(t *testing.T) {
+		defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+		q := dlq(queueName(t))
+		err := run(t, amqpsub.Dial(url, nil), q)
+		wantCond(t, err, amqp.ErrCondNotFound, true, q, hostPort)
+	})
+	t.Run("RabbitMQ missing queue", func(t *testing.T) {
+		rabbit := rabbitURL(t)
+		defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+		q := "missing-" + strings.ReplaceAll(queueName(t), "/", ".")
+		err := run(t, amqpsub.Dial(rabbit, nil), q, amqpsub.WithProfile(amqpsub.RabbitMQ3))
+		wantCond(t, err, amqp.ErrCondNotFound, true, q, "127.0.0.1:5682")
+		if strings.Contains(err.Error(), "guest:guest") {
+			t.Errorf("credentials in the error: %v", err)
+		}
+	})
+	t.Run("invalid options", func(t *testing.T) {
+		defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+		c := amqpsub.Dial(url, nil)
+		batch := amqpsub.BatchHandlerFunc(func(context.Context, []*amqpsub.Delivery) []error { return nil })
+		for _, tc := range []struct {
+			name string
+			new  func() (*amqpsub.Subscriber, error)
+			says string
+		}{
+			{"Credit(0)", func() (*amqpsub.Subscriber, error) { return amqpsub.New(c, "q", nop, amqpsub.Credit(0)) }, "Credit(0)"},
+			{"Workers(0)", func() (*amqpsub.Subscriber, error) { return amqpsub.New(c, "q", nop, amqpsub.Workers(0)) }, "Workers(0)"},
+			{"WorkersByKey(-1)", func() (*amqpsub.Subscriber, error) { return amqpsub.New(c, "q", nop, amqpsub.WorkersByKey(-1)) }, "WorkersByKey(-1)"},
+			{"DialTimeout(0)", func() (*amqpsub.Subscriber, error) { return amqpsub.New(c, "q", nop, amqpsub.DialTimeout(0)) }, "DialTimeout(0s)"},
+			{"IdleTimeout(-1s)", func() (*amqpsub.Subscriber, error) {
+				return amqpsub.New(c, "q", nop, amqpsub.IdleTimeout(-time.Second))
+			}, "IdleTimeout(-1s)"},
+			{"Backoff(2s, 1s)", func() (*amqpsub.Subscriber, error) {
+				return amqpsub.New(c, "q", nop, amqpsub.Backoff(2*time.Second, time.Second))
+			}, "Backoff(2s, 1s)"},
+			{"LocalRetry(-1, …)", func() (*amqpsub.Subscriber, error) {
+				return amqpsub.New(c, "q", nop, amqpsub.LocalRetry(-1, time.Millisecond, time.Second))
+			}, "LocalRetry(-1"},
+			{"GracePeriod(-1s)", func() (*amqpsub.Subscriber, error) {
+				return amqpsub.New(c, "q", nop, amqpsub.GracePeriod(-time.Second))
+			}, "GracePeriod(-1s)"},
+			{"Logger(nil)", func() (*amqpsub.Subscriber, error) { return amqpsub.New(c, "q", nop, amqpsub.Logger(nil)) }, "Logger(nil)"},
+			{"zero Profile", func() (*amqpsub.Subscriber, error) {
+				return amqpsub.New(c, "q", nop, amqpsub.WithProfile(amqpsub.Profile{}))
+			}, "zero Profile"},
+			{"nil Option", func() (*amqpsub.Subscriber, error) { return amqpsub.New(c, "q", nop, nil) }, "nil Option"},
+			{"Batch with a Handler", func() (*amqpsub.Subscriber, error) { return amqpsub.New(c, "q", nop, amqpsub.Batch(10, 0)) }, "NewBatch"},
+			{"LocalRetry with a BatchHandler", func() (*amqpsub.Subscriber, error) {
+				return amqpsub.NewBatch(c, "q", batch, amqpsub.LocalRetry(1, time.Millisecond, time.Second))
+			}, "LocalRetry"},
+			{"nil Handler", func() (*amqpsub.Subscriber, error) { return amqpsub.New(c, "q", nil) }, "nil Handler"},
+			{"nil Connector", func() (*amqpsub.Subscriber, error) { return amqpsub.New(nil, "q", nop) }, "nil Connector"},
+			{"empty queue", func() (*amqpsub.Subscriber, error) { return amqpsub.New(c, "", nop) }, "empty queue"},
+		} {
+			s, err := tc.new()
+			if s != nil || !errors.Is(err, amqpsub.ErrInvalidOption) || !strings.Contains(err.Error(), tc.says) {
+				t.Errorf("%s: New = %v, %v; want ErrInvalidOption saying %q", tc.name, s, err, tc.says)
+			}
+		}
+		// Two bad options: both are reported.
+		_, err := amqpsub.New(c, "q", nop, amqpsub.Credit(0), amqpsub.Workers(0))
+		if err == nil || !strings.Contains(err.Error(), "Credit(0)") || !strings.Contains(err.Error(), "Workers(0)") {
+			t.Errorf("two bad options: %v", err)
+		}
+	})
+	t.Run("Conn(nil)", func(t *testing.T) {
+		defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+		err := run(t, amqpsub.Conn(nil), queueName(t))
+		if !strings.Contains(err.Error(), "Conn(nil)") {
+			t.Errorf("error %v does not say Conn(nil)", err)
+		}
+	})
+}

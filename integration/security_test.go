@@ -1,0 +1,391 @@
+package integration
+
+import (
+	"bytes"
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/hex"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"math/big"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/Azure/go-amqp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
+)
+
+// makeServerTLS makes a self-signed CA and a server certificate for
+// 127.0.0.1 and localhost signed by it, and writes the server's key and
+// chain as a PKCS#12 keystore Artemis reads (with openssl). It returns the
+// keystore's path and password and a pool holding only the CA.
+func makeServerTLS(dir string) (keystore, password string, roots *x509.CertPool, err error) {
+	openssl, err := exec.LookPath("openssl")
+	if err != nil {
+		return "", "", nil, fmt.Errorf("openssl is needed to write the broker's PKCS#12 keystore (apt-get install openssl): %w", err)
+	}
+	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return "", "", nil, err
+	}
+	now := time.Now()
+	caTmpl := &x509.Certificate{
+		SerialNumber:          big.NewInt(1),
+		Subject:               pkix.Name{CommonName: "amqpsub test CA"},
+		NotBefore:             now.Add(-time.Hour),
+		NotAfter:              now.Add(24 * time.Hour),
+		IsCA:                  true,
+		BasicConstraintsValid: true,
+		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign,
+	}
+	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
+	if err != nil {
+		return "", "", nil, err
+	}
+	ca, err := x509.ParseCertificate(caDER)
+	if err != nil {
+		return "", "", nil, err
+	}
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return "", "", nil, err
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(2),
+		Subject:      pkix.Name{CommonName: "127.0.0.1"},
+		NotBefore:    now.Add(-time.Hour),
+		NotAfter:     now.Add(24 * time.Hour),
+		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1)},
+		DNSNames:     []string{"localhost"},
+		KeyUsage:     x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
+	if err != nil {
+		return "", "", nil, err
+	}
+	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
+	if err != nil {
+		return "", "", nil, err
+	}
+	files := map[string][]byte{
+		"ca.pem":     pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER}),
+		"server.pem": pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
+		"server.key": pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: keyDER}),
+	}
+	for name, b := range files {
+		if err := os.WriteFile(filepath.Join(dir, name), b, 0o600); err != nil {
+			return "", "", nil, err
+		}
+	}
+	pw := make([]byte, 12)
+	rand.Read(pw)
+	password = hex.EncodeToString(pw)
+	keystore = filepath.Join(dir, "server.p12")
+	cmd := exec.Command(openssl, "pkcs12", "-export", "-name", "server",
+		"-in", filepath.Join(dir, "server.pem"), "-inkey", filepath.Join(dir, "server.key"),
+		"-certfile", filepath.Join(dir, "ca.pem"), "-out", keystore, "-passout", "pass:"+password)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", "", nil, fmt.Errorf("openssl pkcs12 -export: %w\n%s", err, out)
+	}
+	roots = x509.NewCertPool()
+	roots.AddCert(ca)
+	return keystore, password, roots, nil
+}
+
+// The leak tests log in as this user, whose password is distinctive enough
+// to look for in every log entry and error.
+const (
+	leakUser     = "leaktest"
+	leakPassword = "Zq7leakCanary93xT"
+)
+
+// addLeakUser adds leakUser to the dedicated broker's users and role amq.
+// The JAAS properties module of our login.config reloads the files when
+// they change.
+func addLeakUser(home string) error {
+	users := filepath.Join(home, "etc", "artemis-users.properties")
+	roles := filepath.Join(home, "etc", "artemis-roles.properties")
+	u, err := os.ReadFile(users)
+	if err != nil {
+		return err
+	}
+	if !bytes.Contains(u, []byte("\n"+leakUser+" = ")) {
+		u = append(u, []byte("\n"+leakUser+" = "+leakPassword+"\n")...)
+		if err := os.WriteFile(users, u, 0o644); err != nil {
+			return err
+		}
+	}
+	r, err := os.ReadFile(roles)
+	if err != nil {
+		return err
+	}
+	lines := strings.Split(string(r), "\n")
+	for i, l := range lines {
+		if k, v, ok := strings.Cut(l, "="); ok && strings.TrimSpace(k) == "amq" && !strings.Contains(v, leakUser) {
+			lines[i] = strings.TrimRight(l, " ") + "," + leakUser
+		}
+	}
+	return os.WriteFile(roles, []byte(strings.Join(lines, "\n")), 0o644)
+}
+
+// consumeOne publishes one message to a fresh queue over plain AMQP on the
+// dedicated broker and consumes it through connector; it returns Run's
+// error, or nil once the message was handled and Run stopped.
+func consumeOne(t *testing.T, b *faultBroker, connector amqpsub.Connector, opts ...amqpsub.Option) error {
+	t.Helper()
+	q := queueName(t)
+	publishFast(t, dial(t, b.url), q, true, []msgSpec{{seq: 1}})
+	var got atomic.Int64
+	s, err := amqpsub.New(connector, q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		if seqOf(d) == 1 {
+			got.Add(1)
+		}
+		return nil
+	}), append([]amqpsub.Option{amqpsub.DialTimeout(10 * time.Second)}, opts...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	errc := make(chan error, 1)
+	go func() { errc <- s.Run(ctx) }()
+	deadline := time.After(30 * time.Second)
+	for got.Load() == 0 {
+		select {
+		case err := <-errc:
+			return err
+		case <-deadline:
+			cancel()
+			<-errc
+			t.Fatal("no delivery within 30 s")
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	cancel()
+	if err := <-errc; err != nil {
+		t.Fatalf("Run after a stop = %v", err)
+	}
+	return nil
+}
+
+// amqps with certificate verification: the test CA verifies the broker, the
+// system roots do not.
+func TestSecurityTLS(t *testing.T) {
+	b := dedicatedBroker(t)
+	tlsURL := "amqps://" + b.tlsAddr
+	t.Run("verified with the test CA", func(t *testing.T) {
+		err := consumeOne(t, b, amqpsub.Dial(tlsURL, &amqp.ConnOptions{TLSConfig: &tls.Config{RootCAs: b.roots}}))
+		if err != nil {
+			t.Fatalf("Run over amqps = %v", err)
+		}
+	})
+	t.Run("SASL PLAIN over TLS", func(t *testing.T) {
+		u := "amqps://amqpsub:amqpsub@" + b.tlsAddr
+		err := consumeOne(t, b, amqpsub.Dial(u, &amqp.ConnOptions{TLSConfig: &tls.Config{RootCAs: b.roots}}))
+		if err != nil {
+			t.Fatalf("Run over amqps with SASL PLAIN = %v", err)
+		}
+	})
+	for _, tc := range []struct {
+		name string
+		opts *amqp.ConnOptions
+	}{
+		{"system roots refuse the test CA", nil},
+		{"system roots with a TLS config", &amqp.ConnOptions{TLSConfig: &tls.Config{}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			start := time.Now()
+			err := consumeOne(t, b, amqpsub.Dial(tlsURL, tc.opts), amqpsub.DialTimeout(5*time.Second))
+			t.Logf("after %v: %v", time.Since(start).Round(time.Millisecond), err)
+			var unknown x509.UnknownAuthorityError
+			var verify *tls.CertificateVerificationError
+			if err == nil || !errors.As(err, &verify) || !errors.As(err, &unknown) {
+				t.Fatalf("Run = %v, want a certificate verification error (unknown authority)", err)
+			}
+			if !strings.Contains(err.Error(), b.tlsAddr) {
+				t.Errorf("the error does not name the broker: %v", err)
+			}
+		})
+	}
+}
+
+// SASL PLAIN on the shared broker: the right password consumes, a wrong one
+// ends Run with a fatal error, at once.
+func TestSecuritySASL(t *testing.T) {
+	url := artemisURL(t)
+	hostPort := strings.TrimPrefix(url, "amqp://")
+	q := queueName(t)
+	publishFast(t, dial(t, url), q, true, []msgSpec{{seq: 1}})
+	t.Run("right password", func(t *testing.T) {
+		var got atomic.Int64
+		s, err := amqpsub.New(amqpsub.Dial("amqp://amqpsub:amqpsub@"+hostPort, nil), q,
+			amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { got.Add(1); return nil }),
+			amqpsub.Logger(logger(t)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		stop, wait := runSub(t, s)
+		waitFor(t, 30*time.Second, "the message and the barrier", func() bool { return got.Load() == 2 })
+		stop()
+		if err := wait(); err != nil {
+			t.Fatal(err)
+		}
+	})
+	t.Run("wrong password", func(t *testing.T) {
+		s, err := amqpsub.New(amqpsub.Dial("amqp://amqpsub:not-the-password@"+hostPort, nil), q,
+			amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.DialTimeout(5*time.Second), amqpsub.Logger(logger(t)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		err = s.Run(context.Background())
+		took := time.Since(start)
+		t.Logf("Run = %v after %v", err, took.Round(time.Millisecond))
+		if err == nil || !amqpsub.IsFatal(err) {
+			t.Fatalf("Run = %v, want a fatal error", err)
+		}
+		if took > 5*time.Second {
+			t.Errorf("Run took %v to report a refused login", took)
+		}
+		if strings.Contains(err.Error(), "not-the-password") {
+			t.Errorf("the password is in the error: %v", err)
+		}
+	})
+}
+
+// Credentials never appear in logs or errors: success and failure cases
+// with a distinctive password, every log entry captured at debug level.
+func TestSecurityNoCredentialLeak(t *testing.T) {
+	b := dedicatedBroker(t)
+	secrets := []string{leakPassword}
+	core, logs := observer.New(zapcore.DebugLevel)
+	log := zap.New(core)
+
+	check := func(t *testing.T, what string, err error) {
+		t.Helper()
+		if err == nil {
+			return
+		}
+		for _, text := range []string{err.Error(), fmt.Sprintf("%v", err), fmt.Sprintf("%+v", err)} {
+			for _, s := range secrets {
+				if strings.Contains(text, s) {
+					t.Errorf("%s: the password is in the error: %s", what, text)
+					return
+				}
+			}
+		}
+	}
+	withPassword := func(hostPort, pw string) string {
+		return fmt.Sprintf("amqp://%s:%s@%s", leakUser, pw, hostPort)
+	}
+
+	t.Run("success, a cut and a reconnect", func(t *testing.T) {
+		p := newProxy(t, b.addr)
+		q := queueName(t)
+		const n = 200
+		publishFast(t, dial(t, b.url), q, true, uniqueSeqs(n, 0))
+		c := newTally(n)
+		s, err := amqpsub.New(amqpsub.Dial(withPassword(p.ln.Addr().String(), leakPassword), nil), q, c.handler(),
+			amqpsub.Credit(16), amqpsub.Backoff(50*time.Millisecond, 200*time.Millisecond), amqpsub.Logger(log))
+		if err != nil {
+			t.Fatal(err)
+		}
+		stop, wait := runSub(t, s)
+		waitFor(t, 30*time.Second, "100 handled", func() bool { return c.distinct.Load() >= 100 })
+		p.cut()
+		// Let a few reconnect attempts fail (and log) before accepting.
+		waitFor(t, 10*time.Second, "failed reconnect attempts", func() bool {
+			return logs.FilterMessage("reconnect failed; retrying").Len() >= 2
+		})
+		p.acceptAgain()
+		waitFor(t, 30*time.Second, "every message", c.all)
+		stop()
+		if err := wait(); err != nil {
+			t.Fatal(err)
+		}
+		if s.Stats().Reconnects < 1 {
+			t.Fatalf("no reconnect: %+v", s.Stats())
+		}
+	})
+
+	runErr := func(t *testing.T, url string, opts *amqp.ConnOptions) error {
+		t.Helper()
+		s, err := amqpsub.New(amqpsub.Dial(url, opts), queueName(t),
+			amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.DialTimeout(5*time.Second), amqpsub.Logger(log))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		err = s.Run(ctx)
+		if err == nil {
+			t.Fatalf("Run with %s succeeded", amqpsub.Dial(url, nil))
+		}
+		t.Logf("Run = %v", err)
+		return err
+	}
+	closed := closedPort(t)
+	for _, tc := range []struct {
+		name string
+		url  string
+		opts *amqp.ConnOptions
+	}{
+		{"wrong password", withPassword(b.addr, leakPassword+"x"), nil},
+		{"refused TCP connection", withPassword(closed, leakPassword), nil},
+		{"TLS verification failure", fmt.Sprintf("amqps://%s:%s@%s", leakUser, leakPassword, b.tlsAddr), nil},
+		{"unparsable address", withPassword("127.0.0.1:notaport", leakPassword), nil},
+		// url.Error quotes the address: a '"' in it comes out escaped.
+		{"unparsable address, a quote in the password", withPassword("127.0.0.1:notaport", leakPassword+`"q`), nil},
+		{"percent-encoded password", withPassword(b.addr, leakPassword+"%21"), nil},
+		{"unknown scheme", strings.Replace(withPassword(b.addr, leakPassword), "amqp:", "amqpx:", 1), nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			check(t, tc.name, runErr(t, tc.url, tc.opts))
+		})
+	}
+
+	entries := logs.AllUntimed()
+	if len(entries) == 0 {
+		t.Fatal("no log entries captured")
+	}
+	for _, e := range entries {
+		text := e.Message + " " + fmt.Sprint(e.ContextMap())
+		for _, s := range secrets {
+			if strings.Contains(text, s) {
+				t.Errorf("the password is in a log entry: %s %s", e.Level, text)
+			}
+		}
+	}
+	t.Logf("%d log entries checked", len(entries))
+}
+
+// closedPort returns a 127.0.0.1 address nothing listens on.
+func closedPort(t testing.TB) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	return addr
+}

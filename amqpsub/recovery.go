@@ -18,14 +18,16 @@ import (
 // reconnecting cannot mend: the broker refusing the credentials (SASL) or
 // access (amqp:unauthorized-access), an address that does not exist
 // (amqp:not-found), and a link the broker will not attach as asked
-// (amqp:invalid-field, amqp:not-implemented). Lost connections, links and
-// sessions, timeouts and refused TCP connections are not fatal.
+// (amqp:invalid-field, amqp:not-implemented, and amqp:illegal-state, which
+// Artemis sends for capability "queue" on a multicast address). Lost
+// connections, links and sessions, timeouts and refused TCP connections are
+// not fatal.
 func IsFatal(err error) bool {
 	var ae *amqp.Error
 	if errors.As(err, &ae) {
 		switch ae.Condition {
 		case amqp.ErrCondUnauthorizedAccess, amqp.ErrCondNotFound,
-			amqp.ErrCondInvalidField, amqp.ErrCondNotImplemented:
+			amqp.ErrCondInvalidField, amqp.ErrCondNotImplemented, amqp.ErrCondIllegalState:
 			return true
 		}
 	}

@@ -127,6 +127,7 @@ func TestIsFatal(t *testing.T) {
 		{fmt.Errorf("attach: %w", &amqp.Error{Condition: amqp.ErrCondNotFound}), true},
 		{&amqp.LinkError{RemoteErr: &amqp.Error{Condition: amqp.ErrCondNotFound}}, true},
 		{errors.New("SASL PLAIN auth failed with code 0x1: "), true},
+		{&amqp.Error{Condition: amqp.ErrCondIllegalState}, true},
 		{&amqp.ConnError{}, false},
 		{&amqp.LinkError{}, false},
 		{&amqp.Error{Condition: amqp.ErrCondDetachForced}, false},

@@ -78,26 +78,52 @@ func Run[T any](in <-chan T, cfg Config[T]) {
 		queues[i] = make(chan T, depth)
 		wg.Go(func() { runLane(i, queues[i], &cfg) })
 	}
-	dispatch(in, queues, cfg.Key)
+	dispatch(in, queues, &cfg)
 	for _, q := range queues {
 		close(q)
 	}
 	wg.Wait()
 }
 
-// dispatch routes each item to its lane until in is closed.
-func dispatch[T any](in <-chan T, queues []chan T, key func(T) string) {
+// dispatch routes each item to its lane until in is closed. Once Stop is
+// closed it empties every lane's queue into Drop, so the deliveries queued
+// behind a handler that is still running go back at once rather than when
+// it returns, and drops whatever else arrives.
+func dispatch[T any](in <-chan T, queues []chan T, cfg *Config[T]) {
 	n := uint64(len(queues))
 	var next uint64
-	for item := range in {
-		var lane uint64
-		if k := key(item); k != "" {
-			lane = xxhash.Sum64String(k) % n
-		} else {
-			lane = next % n
-			next++
+	stop, stopped := cfg.Stop, false
+	for {
+		select {
+		case item, ok := <-in:
+			if !ok {
+				return
+			}
+			if stopped {
+				cfg.Drop(item)
+				continue
+			}
+			var lane uint64
+			if k := cfg.Key(item); k != "" {
+				lane = xxhash.Sum64String(k) % n
+			} else {
+				lane = next % n
+				next++
+			}
+			queues[lane] <- item
+		case <-stop:
+			stop, stopped = nil, true
+			for _, q := range queues {
+				for drained := false; !drained; {
+					select {
+					case item := <-q:
+						cfg.Drop(item)
+					default:
+						drained = true
+					}
+				}
+			}
 		}
-		queues[lane] <- item
 	}
 }
 

@@ -251,3 +251,35 @@ func TestSkippedItemsAreDropped(t *testing.T) {
 		t.Fatalf("handled %d dropped %d", handled.Load(), dropped.Load())
 	}
 }
+
+// At a stop, the items queued behind a handler that is still running are
+// dropped at once, not when the handler returns.
+func TestStopDropsQueuedBehindABusyHandler(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		in := make(chan item, 16)
+		stop := make(chan struct{})
+		finish := make(chan struct{})
+		var dropped atomic.Int64
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			lanes.Run(in, lanes.Config[item]{
+				Lanes: 2, Key: keyOf, Stop: stop,
+				Handle: func(int, item) { <-finish },
+				Drop:   func(item) { dropped.Add(1) },
+			})
+		}()
+		for i := range 10 {
+			in <- item{"one-key", i}
+		}
+		synctest.Wait() // one in the handler, nine queued in its lane
+		close(stop)
+		synctest.Wait()
+		if n := dropped.Load(); n != 9 {
+			t.Fatalf("dropped %d while the handler runs, want the 9 queued", n)
+		}
+		close(finish)
+		close(in)
+		<-done
+	})
+}

@@ -5,7 +5,9 @@ package fake
 import (
 	"context"
 	"errors"
+	"runtime"
 	"sync"
+	"time"
 
 	"github.com/Azure/go-amqp"
 )
@@ -34,7 +36,8 @@ type Settlement struct {
 // concurrent use.
 type Source struct {
 	mu        sync.Mutex
-	queue     []*amqp.Message
+	queue     []*amqp.Message // queued from head on
+	head      int
 	credit    int64
 	overshoot int
 	err       error
@@ -43,10 +46,24 @@ type Source struct {
 	counts    map[Outcome]int
 	sent      int
 	wake      chan struct{}
+	next      time.Time // when the next paced message is due
 
 	// Recycle, when set, puts every settled message back at the tail of the
 	// queue: an endless source for benchmarks.
 	Recycle bool
+
+	// Interval, when > 0, paces Receive like a broker sending at a steady
+	// rate: a message is handed over no sooner than Interval after the one
+	// before it was due, and a Receive that comes late (waiting for credit,
+	// or a slow consumer) does not make up for lost time with a burst. Waits
+	// under a millisecond spin (yielding the processor), so pacing at
+	// microsecond intervals holds. Set it before the first Receive.
+	Interval time.Duration
+
+	// OnReceive, when set, is called with each message just before Receive
+	// returns it, such as to take the time it was handed over. Set it
+	// before the first Receive.
+	OnReceive func(m *amqp.Message)
 }
 
 // New returns a Source holding msgs. If record is true it keeps every
@@ -65,7 +82,7 @@ func (s *Source) signal() {
 // Push appends messages to the queue.
 func (s *Source) Push(msgs ...*amqp.Message) {
 	s.mu.Lock()
-	s.queue = append(s.queue, msgs...)
+	s.enqueue(msgs...)
 	s.mu.Unlock()
 	s.signal()
 }
@@ -90,6 +107,51 @@ func (s *Source) Fail(err error) {
 
 // Receive returns the next message within the credit.
 func (s *Source) Receive(ctx context.Context, _ *amqp.ReceiveOptions) (*amqp.Message, error) {
+	if s.Interval > 0 {
+		if err := s.pace(ctx); err != nil {
+			return nil, err
+		}
+	}
+	m, err := s.receive(ctx)
+	if err == nil && s.OnReceive != nil {
+		s.OnReceive(m)
+	}
+	return m, err
+}
+
+// pace waits until the next message is due.
+func (s *Source) pace(ctx context.Context) error {
+	s.mu.Lock()
+	now := time.Now()
+	due := s.next
+	if due.Before(now) {
+		due = now
+	}
+	s.next = due.Add(s.Interval)
+	s.mu.Unlock()
+	for {
+		d := time.Until(due)
+		if d <= 0 {
+			return nil
+		}
+		if d > time.Millisecond {
+			t := time.NewTimer(d - time.Millisecond/2)
+			select {
+			case <-t.C:
+			case <-ctx.Done():
+				t.Stop()
+				return ctx.Err()
+			}
+			continue
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		runtime.Gosched()
+	}
+}
+
+func (s *Source) receive(ctx context.Context) (*amqp.Message, error) {
 	for {
 		s.mu.Lock()
 		if s.err != nil {
@@ -97,10 +159,10 @@ func (s *Source) Receive(ctx context.Context, _ *amqp.ReceiveOptions) (*amqp.Mes
 			s.mu.Unlock()
 			return nil, err
 		}
-		if len(s.queue) > 0 && (s.credit > 0 || s.overshoot > 0) {
-			m := s.queue[0]
-			s.queue[0] = nil
-			s.queue = s.queue[1:]
+		if s.queued() > 0 && (s.credit > 0 || s.overshoot > 0) {
+			m := s.queue[s.head]
+			s.queue[s.head] = nil
+			s.head++
 			// Like go-amqp's link credit, the count goes below zero when the
 			// broker overshoots, and later grants win it back.
 			if s.credit <= 0 {
@@ -150,8 +212,8 @@ func (s *Source) settle(m *amqp.Message, st Settlement) error {
 		s.settled = append(s.settled, st)
 	}
 	if s.Recycle || st.Outcome == Released || st.Outcome == Modified {
-		s.queue = append(s.queue, m)
-		if len(s.queue) == 1 {
+		s.enqueue(m)
+		if s.queued() == 1 {
 			s.signalLocked()
 		}
 	}
@@ -213,7 +275,21 @@ func (s *Source) Credit() int64 {
 func (s *Source) Queued() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return len(s.queue)
+	return s.queued()
+}
+
+func (s *Source) queued() int { return len(s.queue) - s.head }
+
+// enqueue appends msgs to the queue. Before it would grow the queue's array
+// it moves the queued messages to its front if that frees at least half of
+// it, so an endless (Recycle) source allocates nothing once warm.
+func (s *Source) enqueue(msgs ...*amqp.Message) {
+	if len(s.queue)+len(msgs) > cap(s.queue) && s.head >= len(s.queue)/2 {
+		n := copy(s.queue, s.queue[s.head:])
+		clear(s.queue[n:])
+		s.queue, s.head = s.queue[:n], 0
+	}
+	s.queue = append(s.queue, msgs...)
 }
 
 // ErrLinkLost is a convenient error for Fail.

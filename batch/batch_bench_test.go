@@ -1,0 +1,22 @@
+package batch
+
+import (
+	"testing"
+	"time"
+)
+
+// BenchmarkBatcher measures batch assembly alone: Add until full, then
+// Flush, asking UntilNext as a lane does. One op is one item.
+func BenchmarkBatcher(b *testing.B) {
+	type item struct{ n int }
+	it := &item{}
+	bt := New[*item](100, 10*time.Millisecond)
+	now := time.Now()
+	b.ReportAllocs()
+	for range b.N {
+		if bt.Add(now, it) {
+			bt.Flush()
+		}
+		bt.UntilNext(now)
+	}
+}

@@ -1,0 +1,346 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"iter"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/Azure/go-amqp"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
+)
+
+// broker is one broker under test and what differs between brokers on the
+// wire.
+type broker struct {
+	name    string // "artemis" or "rabbitmq"
+	url     string
+	profile amqpsub.Profile
+	// windowed: grant credit only once the previous window has arrived
+	// (RabbitMQ 3.10 sends past its credit and miscounts a flow frame that
+	// arrives while transfers are in flight).
+	windowed bool
+	// detach: the broker answers a link detach. RabbitMQ 3.10 does not, so
+	// only its session is closed.
+	detach bool
+	pid    int    // broker process, for its CPU time; 0 if unknown
+	pidErr string // why pid is 0
+	label  string // product and version, from the connection's open frame
+}
+
+// sendAddress is where the preload sender sends; receiveAddress is what the
+// hand-written loop attaches to; amqpsub is given the bare queue name and
+// maps it through its profile.
+func (b *broker) sendAddress(q string) string {
+	if b.name == "rabbitmq" {
+		// Creates the queue; with a durable target terminus it is a durable
+		// queue (without, RabbitMQ 3.10 makes it non-durable).
+		return "/queue/" + q
+	}
+	return q
+}
+
+func (b *broker) receiveAddress(q string) string {
+	if b.name == "rabbitmq" {
+		return "/amq/queue/" + q
+	}
+	return q
+}
+
+func (b *broker) sourceCaps() []string {
+	if b.name == "artemis" {
+		return []string{"queue"}
+	}
+	return nil
+}
+
+func (b *broker) dial(ctx context.Context) (*amqp.Conn, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	c, err := amqp.Dial(ctx, b.url, nil)
+	if err != nil {
+		return nil, fmt.Errorf("dial %s: %w", b.name, err)
+	}
+	return c, nil
+}
+
+// closeLink closes a receiver (if the broker answers a detach) and its
+// session, each within 5 s. Errors are of no interest to a benchmark that
+// already has its figures.
+func (b *broker) closeLink(rcv *amqp.Receiver, sess *amqp.Session) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if rcv != nil && b.detach {
+		_ = rcv.Close(ctx)
+	}
+	if sess != nil {
+		_ = sess.Close(ctx)
+	}
+}
+
+// newBroker describes the broker at url, finds its process and reads its
+// version from the open frame.
+func newBroker(ctx context.Context, name, url string, pidFlag int) (*broker, error) {
+	b := &broker{name: name, url: url}
+	switch name {
+	case "artemis":
+		b.profile, b.detach = amqpsub.Artemis, true
+	case "rabbitmq":
+		b.profile, b.windowed = amqpsub.RabbitMQ3, true
+	default:
+		return nil, fmt.Errorf("unknown broker %q", name)
+	}
+	c, err := b.dial(ctx)
+	if err != nil {
+		return nil, err
+	}
+	props := c.Properties()
+	b.label = strings.TrimSpace(fmt.Sprintf("%v %v", props["product"], props["version"]))
+	_ = c.Close()
+	if pidFlag > 0 {
+		b.pid = pidFlag
+	} else if name == "artemis" {
+		b.pid, err = artemisPID()
+	} else {
+		b.pid, err = rabbitPID()
+	}
+	if b.pid > 0 {
+		if _, _, err2 := procCPU(b.pid); err2 != nil {
+			b.pid, err = 0, err2
+		}
+	}
+	if b.pid == 0 {
+		if err == nil {
+			err = errors.New("not found")
+		}
+		b.pidErr = err.Error()
+	}
+	return b, nil
+}
+
+// artemisPID asks integration/artemis.sh (AMQPSUB_ARTEMIS_CTL, or the
+// script relative to the module root) for the broker's java PID.
+func artemisPID() (int, error) {
+	ctl := os.Getenv("AMQPSUB_ARTEMIS_CTL")
+	if ctl == "" {
+		ctl = filepath.Join("integration", "artemis.sh")
+	}
+	if _, err := os.Stat(ctl); err != nil {
+		return 0, fmt.Errorf("artemis.sh not found (set AMQPSUB_ARTEMIS_CTL or -artemis-pid): %w", err)
+	}
+	out, err := exec.Command("bash", ctl, "pid").Output()
+	if err != nil {
+		return 0, fmt.Errorf("%s pid: %w", ctl, err)
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(out)))
+	if err != nil {
+		return 0, fmt.Errorf("%s pid printed %q: %w", ctl, out, err)
+	}
+	return pid, nil
+}
+
+// rabbitPID reads the Erlang VM's PID from the file integration/rabbitmq.sh
+// has RabbitMQ write ($AMQPSUB_CACHE/rabbitmq/rabbitmq.pid) and checks that
+// it is a beam process.
+func rabbitPID() (int, error) {
+	cache := os.Getenv("AMQPSUB_CACHE")
+	if cache == "" {
+		home, err := os.UserHomeDir()
+		if err != nil {
+			return 0, fmt.Errorf("no AMQPSUB_CACHE and no home: %w", err)
+		}
+		cache = filepath.Join(home, ".cache", "amqpsub")
+	}
+	file := filepath.Join(cache, "rabbitmq", "rabbitmq.pid")
+	raw, err := os.ReadFile(file)
+	if err != nil {
+		return 0, fmt.Errorf("read RabbitMQ PID file: %w", err)
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(raw)))
+	if err != nil {
+		return 0, fmt.Errorf("%s holds %q: %w", file, raw, err)
+	}
+	cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	if err != nil {
+		return 0, fmt.Errorf("RabbitMQ PID %d: %w", pid, err)
+	}
+	if !strings.Contains(string(cmd), "beam") {
+		return 0, fmt.Errorf("PID %d from %s is not a beam process", pid, file)
+	}
+	return pid, nil
+}
+
+// payload is the kind of message preloaded.
+type payload struct {
+	name    string // flag value
+	title   string
+	size    int
+	durable bool
+}
+
+var payloads = []payload{
+	{name: "p100", title: "100 B persistent", size: 100, durable: true},
+	{name: "t1k", title: "1 KiB non-persistent", size: 1024, durable: false},
+}
+
+// preload sends n+1 messages to queue over links senders, each on its own
+// session: pre-settled, except the last of each sender, sent unsettled,
+// whose acceptance tells that every message the sender sent before it
+// arrived (one link, in order). Message i has group-id
+// groups[i%len(groups)], none if groups is empty.
+func preload(ctx context.Context, b *broker, queue string, n, links int, p payload, groups []string) (time.Duration, error) {
+	conn, err := b.dial(ctx)
+	if err != nil {
+		return 0, err
+	}
+	defer conn.Close()
+	body := make([]byte, p.size)
+	for i := range body {
+		body[i] = byte('a' + i%26)
+	}
+	msg := func(i int) *amqp.Message {
+		m := amqp.NewMessage(body)
+		m.Header = &amqp.MessageHeader{Durable: p.durable}
+		m.Properties = &amqp.MessageProperties{}
+		if len(groups) > 0 {
+			m.Properties.GroupID = &groups[i%len(groups)]
+		}
+		return m
+	}
+	total := n + 1
+	links = max(1, min(links, total))
+	start := time.Now()
+	errs := make([]error, links)
+	var wg sync.WaitGroup
+	for l := range links {
+		// Sender l sends messages l, l+links, l+2·links, ...
+		wg.Go(func() {
+			errs[l] = preloadLink(ctx, b, conn, queue, func(yield func(*amqp.Message) bool) {
+				for i := l; i < total; i += links {
+					if !yield(msg(i)) {
+						return
+					}
+				}
+			})
+		})
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return 0, err
+	}
+	return time.Since(start), nil
+}
+
+func preloadLink(ctx context.Context, b *broker, conn *amqp.Conn, queue string, msgs iter.Seq[*amqp.Message]) error {
+	sess, err := conn.NewSession(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("preload session: %w", err)
+	}
+	// Closing the session ends the link too; RabbitMQ 3.10 never answers a
+	// link detach, so the sender is never closed on its own.
+	defer b.closeLink(nil, sess)
+	mode := amqp.SenderSettleModeMixed
+	opts := &amqp.SenderOptions{SettlementMode: &mode}
+	if b.name == "artemis" {
+		opts.TargetCapabilities = []string{"queue"}
+	} else {
+		opts.TargetDurability = amqp.DurabilityUnsettledState
+	}
+	snd, err := sess.NewSender(ctx, b.sendAddress(queue), opts)
+	if err != nil {
+		return fmt.Errorf("preload sender on %s: %w", b.sendAddress(queue), err)
+	}
+	settled := &amqp.SendOptions{Settled: true}
+	var last *amqp.Message
+	sent := 0
+	for m := range msgs {
+		if last != nil {
+			if err := snd.Send(ctx, last, settled); err != nil {
+				return fmt.Errorf("preload send after %d: %w", sent, err)
+			}
+			sent++
+		}
+		last = m
+	}
+	if last != nil {
+		if err := snd.Send(ctx, last, nil); err != nil {
+			return fmt.Errorf("preload barrier after %d: %w", sent, err)
+		}
+	}
+	return nil
+}
+
+// probeEmpty checks that queue is empty: a receiver with credit 1 gets
+// nothing within wait. Messages it does get are accepted and counted.
+func probeEmpty(ctx context.Context, b *broker, queue string, wait time.Duration) error {
+	conn, err := b.dial(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	sess, err := conn.NewSession(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("probe session: %w", err)
+	}
+	rcv, err := sess.NewReceiver(ctx, b.receiveAddress(queue), &amqp.ReceiverOptions{
+		Credit:             1,
+		SourceCapabilities: b.sourceCaps(),
+	})
+	if err != nil {
+		b.closeLink(nil, sess)
+		return fmt.Errorf("probe receiver: %w", err)
+	}
+	defer b.closeLink(rcv, sess)
+	left := 0
+	for {
+		rctx, cancel := context.WithTimeout(ctx, wait)
+		m, err := rcv.Receive(rctx, nil)
+		cancel()
+		if err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			if !errors.Is(err, context.DeadlineExceeded) {
+				return fmt.Errorf("probe receive: %w", err)
+			}
+			break
+		}
+		left++
+		if err := rcv.AcceptMessage(ctx, m); err != nil {
+			return fmt.Errorf("probe accept: %w", err)
+		}
+	}
+	if left > 0 {
+		return fmt.Errorf("queue %s not empty after the drain: %d messages were left", queue, left)
+	}
+	return nil
+}
+
+// deleteQueue removes a RabbitMQ queue the preload declared durable, through
+// integration/rabbitmq.sh (AMQPSUB_RABBITMQ_CTL). Artemis deletes its
+// auto-created queues itself once they are empty and unused.
+func deleteQueue(b *broker, queue string) error {
+	if b.name != "rabbitmq" {
+		return nil
+	}
+	ctl := os.Getenv("AMQPSUB_RABBITMQ_CTL")
+	if ctl == "" {
+		ctl = filepath.Join("integration", "rabbitmq.sh")
+	}
+	if _, err := os.Stat(ctl); err != nil {
+		return fmt.Errorf("rabbitmq.sh not found; delete queue %s by hand: %w", queue, err)
+	}
+	out, err := exec.Command("bash", ctl, "delete", queue).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("delete queue %s: %w: %s", queue, err, out)
+	}
+	return nil
+}

@@ -1,0 +1,352 @@
+// Command bench measures amqpsub against a hand-written go-amqp loop on real
+// brokers (issue 5, docs/performance.md).
+//
+// For each broker and payload it preloads a queue, then drains it with each
+// scenario in turn: (a) the best plain go-amqp loop, the reference; (b)
+// amqpsub with a no-op handler under Workers(1), Workers(8),
+// WorkersByKey(8) and NewBatch; (c) amqpsub with a 1 ms handler under
+// WorkersByKey(n) for n = 1, 4, 16, 64. Runs are interleaved (every scenario
+// once, then again), so the ratio to (a) compares runs taken close together.
+// It prints a Markdown table per broker and payload: msgs/s (median, min–max),
+// the ratio to (a) in the same run, the CPU of this process and of the broker
+// over each drain, and the most deliveries amqpsub held.
+//
+// Every drain is bounded: no progress for -stall, or longer than -timeout,
+// fails the run; after each drain a probe checks that the queue is empty.
+//
+//	go run ./integration/bench -n 10000 -runs 1            # quick
+//	go run ./integration/bench -brokers artemis -scenarios loop,w1,key8
+//	make bench                                             # the full set on both brokers
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"net/url"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"runtime"
+	"runtime/debug"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+)
+
+type options struct {
+	artemisURL, rabbitURL string
+	brokers               []string
+	scenarios             []string
+	payloads              []string
+	n, runs, credit       int
+	groups, perLane       int
+	preloadLinks          int
+	stall, timeout, probe time.Duration
+	out, profileDir       string
+	artemisPID, rabbitPID int
+	verbose               bool
+}
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+func envOr(key, def string) string {
+	if v := os.Getenv(key); v != "" {
+		return v
+	}
+	return def
+}
+
+func list(s string) []string {
+	var out []string
+	for f := range strings.SplitSeq(s, ",") {
+		if f = strings.TrimSpace(f); f != "" {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+func parseFlags() (*options, error) {
+	o := &options{}
+	var brokers, scens, pays string
+	flag.StringVar(&o.artemisURL, "artemis", envOr("AMQPSUB_ARTEMIS_URL", "amqp://127.0.0.1:5672"), "Artemis URL (default $AMQPSUB_ARTEMIS_URL)")
+	flag.StringVar(&o.rabbitURL, "rabbitmq", envOr("AMQPSUB_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5682"), "RabbitMQ 3.10 URL (default $AMQPSUB_RABBITMQ_URL)")
+	flag.StringVar(&brokers, "brokers", "artemis,rabbitmq", "brokers to run, in order: artemis, rabbitmq")
+	flag.StringVar(&scens, "scenarios", "all", "scenarios to run: all, or a list of loop, w1, w8, key8, batch, slow1, slow4, slow16, slow64")
+	flag.StringVar(&pays, "payloads", "p100,t1k", "payloads: p100 (100 B persistent), t1k (1 KiB non-persistent)")
+	flag.IntVar(&o.n, "n", 100000, "messages preloaded per drain (plus one barrier)")
+	flag.IntVar(&o.runs, "runs", 3, "runs of every scenario; the table shows the median")
+	flag.IntVar(&o.credit, "credit", 256, "credit of the loop and of amqpsub")
+	flag.IntVar(&o.groups, "groups", 100, "group-ids the messages spread over, round robin; 0 sends none")
+	flag.IntVar(&o.preloadLinks, "preload-links", 4, "senders that preload in parallel, each ending with an unsettled barrier")
+	flag.IntVar(&o.perLane, "slow-per-lane", 5000, "1 ms scenarios drain at most this many messages per lane (0: -n)")
+	flag.DurationVar(&o.stall, "stall", 20*time.Second, "a drain with no progress for this long fails")
+	flag.DurationVar(&o.timeout, "timeout", 10*time.Minute, "a drain taking longer fails")
+	flag.DurationVar(&o.probe, "probe", time.Second, "the queue counts as empty after a drain when a receiver gets nothing for this long")
+	flag.StringVar(&o.out, "out", "", "also write the report to this file")
+	flag.StringVar(&o.profileDir, "profile-dir", "", "write a CPU profile of each drain into this directory")
+	flag.IntVar(&o.artemisPID, "artemis-pid", 0, "Artemis PID for its CPU (default: from $AMQPSUB_ARTEMIS_CTL pid)")
+	flag.IntVar(&o.rabbitPID, "rabbitmq-pid", 0, "RabbitMQ beam PID for its CPU (default: from the PID file rabbitmq.sh has it write)")
+	flag.BoolVar(&o.verbose, "v", false, "log amqpsub's warnings to stderr")
+	flag.Parse()
+	if flag.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments %q", flag.Args())
+	}
+	o.brokers = list(brokers)
+	for _, b := range o.brokers {
+		if b != "artemis" && b != "rabbitmq" {
+			return nil, fmt.Errorf("-brokers: unknown broker %q", b)
+		}
+	}
+	all := scenarios(o.groups)
+	if scens == "all" {
+		for _, s := range all {
+			o.scenarios = append(o.scenarios, s.name)
+		}
+	} else {
+		o.scenarios = list(scens)
+		for _, name := range o.scenarios {
+			if !slices.ContainsFunc(all, func(s scenario) bool { return s.name == name }) {
+				return nil, fmt.Errorf("-scenarios: unknown scenario %q", name)
+			}
+		}
+	}
+	o.payloads = list(pays)
+	for _, p := range o.payloads {
+		if !slices.ContainsFunc(payloads, func(q payload) bool { return q.name == p }) {
+			return nil, fmt.Errorf("-payloads: unknown payload %q", p)
+		}
+	}
+	switch {
+	case o.n < 1, o.runs < 1, o.credit < 1, o.preloadLinks < 1, o.groups < 0, o.perLane < 0:
+		return nil, fmt.Errorf("-n, -runs, -credit and -preload-links must be ≥ 1, -groups and -slow-per-lane ≥ 0")
+	case o.stall <= 0, o.timeout <= 0, o.probe <= 0:
+		return nil, fmt.Errorf("-stall, -timeout and -probe must be > 0")
+	}
+	return o, nil
+}
+
+func logf(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, "%s "+format+"\n", append([]any{time.Now().Format("15:04:05")}, args...)...)
+}
+
+func createFile(name string) (*os.File, error) {
+	if err := os.MkdirAll(filepath.Dir(name), 0o755); err != nil {
+		return nil, fmt.Errorf("create %s: %w", name, err)
+	}
+	f, err := os.Create(name)
+	if err != nil {
+		return nil, fmt.Errorf("create %s: %w", name, err)
+	}
+	return f, nil
+}
+
+// redact drops the password from a broker URL.
+func redact(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "(unparsable URL)"
+	}
+	if u.User != nil {
+		u.User = url.User(u.User.Username())
+	}
+	return u.String()
+}
+
+// goAMQPVersion returns the go-amqp version built in.
+func goAMQPVersion() string {
+	if info, ok := debug.ReadBuildInfo(); ok {
+		for _, d := range info.Deps {
+			if d.Path == "github.com/Azure/go-amqp" {
+				return d.Version
+			}
+		}
+	}
+	return "unknown"
+}
+
+func gitRevision() string {
+	out, err := exec.Command("git", "describe", "--always", "--dirty").Output()
+	if err != nil {
+		return "unknown"
+	}
+	return strings.TrimSpace(string(out))
+}
+
+// sleepCost measures what time.Sleep(time.Millisecond) really takes here,
+// which bounds a lane running the 1 ms handler.
+func sleepCost() time.Duration {
+	const n = 200
+	start := time.Now()
+	for range n {
+		time.Sleep(time.Millisecond)
+	}
+	return time.Since(start) / n
+}
+
+// report collects the output, printing each part as it comes.
+type report struct{ strings.Builder }
+
+func (r *report) add(s string) {
+	fmt.Print(s)
+	r.WriteString(s)
+}
+
+func run() error {
+	o, err := parseFlags()
+	if err != nil {
+		flag.Usage()
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+
+	log := zap.NewNop()
+	if o.verbose {
+		cfg := zap.NewDevelopmentConfig()
+		cfg.Level = zap.NewAtomicLevelAt(zapcore.WarnLevel)
+		if log, err = cfg.Build(); err != nil {
+			return fmt.Errorf("logger: %w", err)
+		}
+	}
+
+	rep := &report{}
+	err = bench(ctx, o, log, rep)
+	if o.out != "" {
+		f, ferr := createFile(o.out)
+		if ferr == nil {
+			_, ferr = f.WriteString(rep.String())
+			if cerr := f.Close(); ferr == nil {
+				ferr = cerr
+			}
+		}
+		if ferr != nil && err == nil {
+			err = fmt.Errorf("write -out: %w", ferr)
+		}
+	}
+	return err
+}
+
+func bench(ctx context.Context, o *options, log *zap.Logger, rep *report) error {
+	sleep := sleepCost()
+	load := loadAvg()
+	rep.add(fmt.Sprintf("## Broker benchmark, %s\n\n", time.Now().UTC().Format("2006-01-02 15:04 MST")))
+	rep.add(fmt.Sprintf("- machine: %d CPUs (%s), %s %s/%s; load average at start %s\n",
+		runtime.NumCPU(), cpuModel(), runtime.Version(), runtime.GOOS, runtime.GOARCH, load))
+	rep.add(fmt.Sprintf("- amqpsub %s, go-amqp %s; `-n %d -runs %d -credit %d -groups %d -slow-per-lane %d`\n",
+		gitRevision(), goAMQPVersion(), o.n, o.runs, o.credit, o.groups, o.perLane))
+	rep.add(fmt.Sprintf("- time.Sleep(time.Millisecond) takes %v here (mean of 200)\n", sleep.Round(time.Microsecond)))
+
+	all := scenarios(o.groups)
+	var chosen []scenario
+	for _, s := range all {
+		if slices.Contains(o.scenarios, s.name) {
+			chosen = append(chosen, s)
+		}
+	}
+	if notes := keyNotes(chosen, o.groups, sleep); notes != "" {
+		rep.add("\nHow far the key spread lets the 1 ms scenarios go, one sleep per message per lane:\n\n" + notes)
+	}
+	rep.add("\n")
+	groups := make([]string, o.groups)
+	for i := range groups {
+		groups[i] = groupName(i)
+	}
+	for _, name := range o.brokers {
+		addr := o.artemisURL
+		pid := o.artemisPID
+		if name == "rabbitmq" {
+			addr, pid = o.rabbitURL, o.rabbitPID
+		}
+		b, err := newBroker(ctx, name, addr, pid)
+		if err != nil {
+			return err
+		}
+		for _, pname := range o.payloads {
+			i := slices.IndexFunc(payloads, func(p payload) bool { return p.name == pname })
+			if err := benchPayload(ctx, o, log, rep, b, payloads[i], chosen, groups); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+func benchPayload(ctx context.Context, o *options, log *zap.Logger, rep *report, b *broker, p payload,
+	chosen []scenario, groups []string) (err error) {
+	queue := fmt.Sprintf("bench.%s.%s.%d", b.name, p.name, time.Now().UnixNano())
+	set := make([]*series, len(chosen))
+	var loop *series
+	for i, sc := range chosen {
+		set[i] = &series{sc: sc}
+		if sc.loop {
+			loop = set[i]
+		}
+	}
+	loadBefore := loadAvg()
+	// The table goes out even when a drain fails, with what was measured.
+	defer func() {
+		rep.add(fmt.Sprintf("### %s, %s: %s\n\n", b.label, p.title, redact(b.url)))
+		pidNote := fmt.Sprintf("broker PID %d", b.pid)
+		if b.pid == 0 {
+			pidNote = "broker CPU unknown: " + b.pidErr
+		}
+		rep.add(fmt.Sprintf("Queue `%s`, %s; load average %s before, %s after.\n\n", queue, pidNote, loadBefore, loadAvg()))
+		rep.add(table(set, loop, o.credit))
+		if err != nil {
+			rep.add(fmt.Sprintf("\n**Stopped by an error:** %v\n", err))
+		}
+		rep.add("\n")
+		if derr := deleteQueue(b, queue); derr != nil {
+			logf("%v", derr)
+		}
+	}()
+
+	for r := 1; r <= o.runs; r++ {
+		for _, s := range set {
+			n := s.sc.messages(o.n, o.perLane)
+			tag := fmt.Sprintf("%s %s run %d/%d %s", b.name, p.name, r, o.runs, s.sc.name)
+			took, err := preload(ctx, b, queue, n, o.preloadLinks, p, groups)
+			if err != nil {
+				return fmt.Errorf("%s: %w", tag, err)
+			}
+			logf("%s: preloaded %d in %v (%s msgs/s)", tag, n+1, took.Round(time.Millisecond), num(float64(n+1)/took.Seconds()))
+			rc := runConfig{credit: o.credit, stall: o.stall, timeout: o.timeout, log: log}
+			if o.profileDir != "" {
+				rc.profile = filepath.Join(o.profileDir, fmt.Sprintf("%s-%s-%s-run%d.cpu.pprof", b.name, p.name, s.sc.name, r))
+			}
+			res, err := drain(ctx, b, queue, n+1, s.sc, rc)
+			if err != nil {
+				return fmt.Errorf("%s: %w", tag, err)
+			}
+			if err := probeEmpty(ctx, b, queue, o.probe); err != nil {
+				return fmt.Errorf("%s: %w", tag, err)
+			}
+			s.runs = append(s.runs, res)
+			logf("%s: drained %d in %v: %s msgs/s, client %.2f cores, broker %.2f cores, max held %d, overshoot %d",
+				tag, res.msgs, res.elapsed.Round(time.Millisecond), num(res.rate()),
+				res.client.Seconds()/res.elapsed.Seconds(), res.broker.Seconds()/res.elapsed.Seconds(),
+				res.maxHeld, res.overshoot)
+		}
+		if loop != nil && len(loop.runs) == r {
+			ref := loop.runs[r-1].rate()
+			for _, s := range set {
+				if s != loop && len(s.runs) == r {
+					s.ratios = append(s.ratios, s.runs[r-1].rate()/ref)
+				}
+			}
+		}
+	}
+	return nil
+}

@@ -1,0 +1,51 @@
+package main
+
+import (
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestMedian(t *testing.T) {
+	for _, tc := range []struct {
+		in   []float64
+		want float64
+	}{
+		{nil, 0},
+		{[]float64{3}, 3},
+		{[]float64{5, 1, 3}, 3},
+		{[]float64{4, 1, 3, 2}, 2.5},
+	} {
+		if got := median(tc.in); got != tc.want {
+			t.Errorf("median(%v) = %v, want %v", tc.in, got, tc.want)
+		}
+	}
+}
+
+func TestNum(t *testing.T) {
+	for in, want := range map[float64]string{0: "0", 999: "999", 1000: "1,000", 1234567.4: "1,234,567", -12345: "-12,345"} {
+		if got := num(in); got != want {
+			t.Errorf("num(%v) = %q, want %q", in, got, want)
+		}
+	}
+}
+
+func TestTableRatiosAndTargets(t *testing.T) {
+	run := func(msgs int, secs float64) result {
+		return result{msgs: msgs, elapsed: time.Duration(secs * float64(time.Second)), maxHeld: 200}
+	}
+	list := scenarios(100)
+	loop := &series{sc: list[0], runs: []result{run(10000, 1)}}
+	w1 := &series{sc: list[1], runs: []result{run(10000, 0.5)}, ratios: []float64{2}}
+	slow4 := &series{sc: list[6], runs: []result{run(10000, 2.6)}, ratios: []float64{0.38}}
+	out := table([]*series{loop, w1, slow4}, loop, 256)
+	for _, want := range []string{
+		"| (a) | go-amqp loop", "10,000 (10,000–10,000)", "reference",
+		"| 20,000 (20,000–20,000) | 2.00 |", "≥ 1.25× (a): met", "200 / 256",
+		"96% of 4·1000 = 4,000 (≥ 95%): met",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("table lacks %q:\n%s", want, out)
+		}
+	}
+}

@@ -323,29 +323,23 @@ func (p *Pump) waitIdle(ctx context.Context) error {
 	return ErrStopped
 }
 
-type received struct {
-	msg *amqp.Message
-	err error
-}
-
 // serve runs one link until it fails (its error), Stop took effect
 // (ErrStopped) or ctx ended.
 func (p *Pump) serve(ctx context.Context, src Source) error {
 	gen := p.link.Load()
 	rctx, cancelReceive := context.WithCancel(ctx)
-	inbox := make(chan received, min(p.cfg.Credit, 64))
+	in := newInbox(p.cfg.Credit)
 	var wg sync.WaitGroup
-	wg.Go(func() { receiveLoop(rctx, src, inbox) })
+	wg.Go(func() { receiveLoop(rctx, src, in) })
 	defer func() {
 		cancelReceive()
-		// Whatever the receive loop still hands over was never seen by a
-		// consumer: give it back.
-		for r := range inbox {
-			if r.msg != nil {
-				p.releaseUnheld(ctx, src, r.msg)
-			}
-		}
 		wg.Wait()
+		// Whatever the receive loop still handed over was never seen by a
+		// consumer: give it back.
+		msgs, _ := in.take()
+		for _, m := range msgs {
+			p.releaseUnheld(ctx, src, m)
+		}
 	}()
 
 	stop := p.stop
@@ -371,35 +365,15 @@ func (p *Pump) serve(ctx context.Context, src Source) error {
 			head, out = p.backlog[0], p.out
 		}
 		select {
-		case r, ok := <-inbox:
-			if !ok {
-				// The receive loop ends without an error only when ctx did.
-				return ctx.Err()
+		case <-in.wake:
+			msgs, err := in.take()
+			for _, m := range msgs {
+				p.received(ctx, p.take(m, src, gen), stopping)
 			}
-			if r.err != nil {
-				return r.err
+			in.recycle(msgs)
+			if err != nil {
+				return err
 			}
-			d := p.take(r.msg, src, gen)
-			if p.acct.Received() {
-				s := p.acct.Snapshot()
-				p.log.Warn("broker sent past the credit it was given; granting in windows from now on",
-					zap.Int("credit", s.Limit), zap.Int64("outstanding", s.Outstanding))
-				p.stats.windowed.Store(true)
-			}
-			p.stats.received.Add(1)
-			p.noteHeld()
-			if stopping {
-				p.apply(ctx, settlement{d, Outcome{Kind: Release}})
-				continue
-			}
-			if len(p.backlog) == 0 {
-				select {
-				case p.out <- d:
-					continue
-				default:
-				}
-			}
-			p.backlog = append(p.backlog, d)
 		case out <- head:
 			p.backlog[0] = nil
 			p.backlog = p.backlog[1:]
@@ -433,20 +407,43 @@ func (p *Pump) serve(ctx context.Context, src Source) error {
 	}
 }
 
-// receiveLoop hands every delivery of src to inbox until src fails or ctx
-// ends; it closes inbox when it returns. The pump always drains inbox, so the
-// loop never blocks after the pump stops reading.
-func receiveLoop(ctx context.Context, src Source, inbox chan<- received) {
-	defer close(inbox)
+// received counts a new delivery and puts it in Out, or in the backlog
+// while Out is full; while stopping it releases it at once.
+func (p *Pump) received(ctx context.Context, d *Delivery, stopping bool) {
+	if p.acct.Received() {
+		s := p.acct.Snapshot()
+		p.log.Warn("broker sent past the credit it was given; granting in windows from now on",
+			zap.Int("credit", s.Limit), zap.Int64("outstanding", s.Outstanding))
+		p.stats.windowed.Store(true)
+	}
+	p.stats.received.Add(1)
+	p.noteHeld()
+	if stopping {
+		p.apply(ctx, settlement{d, Outcome{Kind: Release}})
+		return
+	}
+	if len(p.backlog) == 0 {
+		select {
+		case p.out <- d:
+			return
+		default:
+		}
+	}
+	p.backlog = append(p.backlog, d)
+}
+
+// receiveLoop hands every delivery of src to the inbox until src fails or
+// ctx ends. It is the only goroutine that blocks on the link.
+func receiveLoop(ctx context.Context, src Source, in *inbox) {
 	for {
 		msg, err := src.Receive(ctx, nil)
 		if err != nil {
 			if ctx.Err() == nil {
-				inbox <- received{err: fmt.Errorf("pump: receive: %w", err)}
+				in.fail(fmt.Errorf("pump: receive: %w", err))
 			}
 			return
 		}
-		inbox <- received{msg: msg}
+		in.push(msg)
 	}
 }
 

@@ -77,6 +77,17 @@ type msgSpec struct {
 // acceptance tells that all before it arrived (one link, in order).
 func publishFast(t testing.TB, conn *amqp.Conn, address string, artemis bool, msgs []msgSpec) {
 	t.Helper()
+	ms := make([]*amqp.Message, len(msgs))
+	for i, m := range msgs {
+		ms[i] = message(m)
+	}
+	publishMessages(t, conn, address, artemis, ms)
+}
+
+// publishMessages is publishFast for messages built by the caller (with a
+// group-sequence, say).
+func publishMessages(t testing.TB, conn *amqp.Conn, address string, artemis bool, msgs []*amqp.Message) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	sess, err := conn.NewSession(ctx, nil)
@@ -96,12 +107,31 @@ func publishFast(t testing.TB, conn *amqp.Conn, address string, artemis bool, ms
 		t.Fatalf("sender on %s: %v", address, err)
 	}
 	for _, m := range msgs {
-		if err := snd.Send(ctx, message(m), &amqp.SendOptions{Settled: true}); err != nil {
+		if err := snd.Send(ctx, m, &amqp.SendOptions{Settled: true}); err != nil {
 			t.Fatalf("send: %v", err)
 		}
 	}
 	if err := snd.Send(ctx, message(msgSpec{seq: -1}), nil); err != nil {
 		t.Fatalf("send barrier: %v", err)
+	}
+}
+
+// waitProgress waits until done() reaches want, failing the test when it
+// makes no progress for 10 s (a stall) or takes longer than within.
+func waitProgress(t testing.TB, done func() int64, want int64, within time.Duration, stats func() amqpsub.Stats) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	last, lastAt := int64(-1), time.Now()
+	for done() < want {
+		if h := done(); h != last {
+			last, lastAt = h, time.Now()
+		} else if time.Since(lastAt) > 10*time.Second {
+			t.Fatalf("stalled at %d of %d: %+v", h, want, stats())
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d after %v: %+v", done(), want, within, stats())
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }
 

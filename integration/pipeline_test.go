@@ -445,16 +445,7 @@ func TestRabbitMQDrainsWithoutStall(t *testing.T) {
 			}), amqpsub.Credit(256), amqpsub.Workers(4), amqpsub.WithProfile(amqpsub.RabbitMQ3), amqpsub.Logger(logger(t)))
 			start := time.Now()
 			stop, wait := runSub(t, s)
-			// A stall shows as no progress for 10 s.
-			last, lastAt := int64(-1), time.Now()
-			for handled.Load() < n+1 {
-				if h := handled.Load(); h != last {
-					last, lastAt = h, time.Now()
-				} else if time.Since(lastAt) > 10*time.Second {
-					t.Fatalf("stalled at %d of %d: %+v", h, n+1, s.Stats())
-				}
-				time.Sleep(20 * time.Millisecond)
-			}
+			waitProgress(t, handled.Load, n+1, 5*time.Minute, s.Stats)
 			elapsed := time.Since(start)
 			stop()
 			if err := wait(); err != nil {
@@ -491,15 +482,7 @@ func TestRabbitMQSmallCreditOvershootDoesNotStall(t *testing.T) {
 	}), amqpsub.Credit(8), amqpsub.Workers(8), amqpsub.WithProfile(amqpsub.Generic),
 		amqpsub.CloseTimeout(time.Second), amqpsub.Logger(logger(t)))
 	stop, wait := runSub(t, s)
-	last, lastAt := int64(-1), time.Now()
-	for handled.Load() < n+1 {
-		if h := handled.Load(); h != last {
-			last, lastAt = h, time.Now()
-		} else if time.Since(lastAt) > 10*time.Second {
-			t.Fatalf("stalled at %d of %d: %+v", h, n+1, s.Stats())
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	waitProgress(t, handled.Load, n+1, 5*time.Minute, s.Stats)
 	stop()
 	if err := wait(); err != nil {
 		t.Fatal(err)

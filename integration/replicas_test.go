@@ -475,32 +475,6 @@ func queueAttribute(t testing.TB, conn *amqp.Conn, queue, attr string) string {
 	return strings.Trim(v, "[]\"")
 }
 
-// publishMessages sends msgs pre-settled and then a barrier, like
-// publishFast, for messages publishFast cannot express (group-sequence).
-func publishMessages(t testing.TB, conn *amqp.Conn, queue string, msgs []*amqp.Message) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	sess, err := conn.NewSession(ctx, nil)
-	if err != nil {
-		t.Fatalf("session: %v", err)
-	}
-	defer closeSession(sess)
-	mode := amqp.SenderSettleModeMixed
-	snd, err := sess.NewSender(ctx, queue, &amqp.SenderOptions{SettlementMode: &mode, TargetCapabilities: []string{"queue"}})
-	if err != nil {
-		t.Fatalf("sender on %s: %v", queue, err)
-	}
-	for _, m := range msgs {
-		if err := snd.Send(ctx, m, &amqp.SendOptions{Settled: true}); err != nil {
-			t.Fatalf("send: %v", err)
-		}
-	}
-	if err := snd.Send(ctx, message(msgSpec{seq: -1}), nil); err != nil {
-		t.Fatalf("send barrier: %v", err)
-	}
-}
-
 // Three replica processes on one Artemis queue, and what happens to the
 // groups when one stops gracefully, is killed, closes a group, or joins a
 // queue with group-rebalance. The figures each scenario logs are in
@@ -778,7 +752,7 @@ func TestArtemisReplicas(t *testing.T) {
 		}
 		const groupsN, closeAt, last = 30, 10, 20
 		specs1, msgs1 := closing(groupsN, 0, closeAt, closeAt)
-		publishMessages(t, conn, q, msgs1)
+		publishMessages(t, conn, q, true, msgs1)
 		run.waitHandled(len(msgs1), time.Minute)
 		// Every closed group's binding is gone; the open group's stays.
 		if n := queueAttribute(t, conn, q, "groupCount"); n != "1" {
@@ -786,7 +760,7 @@ func TestArtemisReplicas(t *testing.T) {
 		}
 		run.start("r4")
 		specs2, msgs2 := closing(groupsN, closeAt+1, last, -1)
-		publishMessages(t, conn, q, msgs2)
+		publishMessages(t, conn, q, true, msgs2)
 		run.waitHandled(len(msgs1)+len(msgs2), time.Minute)
 		run.stopAll()
 		run.logSummaries()
@@ -835,7 +809,7 @@ func TestArtemisReplicas(t *testing.T) {
 		}
 		const groupsN, closeAt, last = 31, 10, 20
 		specs, msgs := closing(groupsN, 0, last, closeAt)
-		publishMessages(t, conn, q, msgs)
+		publishMessages(t, conn, q, true, msgs)
 		run.waitHandled(len(msgs), time.Minute)
 		run.stopAll()
 		run.logSummaries()
@@ -902,7 +876,7 @@ func TestArtemisReplicas(t *testing.T) {
 					}
 					stalls++
 					t.Logf("the queue stopped dispatching at %d of %d handled (%s messages waiting, none delivering); nudging it with one message", h, n, waiting)
-					publishMessages(t, conn, q, nil)
+					publishMessages(t, conn, q, true, nil)
 				}
 				lastAt = time.Now()
 			}
@@ -930,7 +904,7 @@ func TestArtemisReplicas(t *testing.T) {
 		q := prefix + "." + queueName(t)
 		// The queue takes the address settings when it is created (here,
 		// by this publish of nothing but a barrier).
-		publishMessages(t, conn, q, nil)
+		publishMessages(t, conn, q, true, nil)
 		got := queueAttribute(t, conn, q, "groupRebalance") + "/" + queueAttribute(t, conn, q, "groupRebalancePauseDispatch")
 		if want := fmt.Sprintf("true/%t", pause); got != want {
 			t.Skipf("queue %s has group-rebalance/pause-dispatch %s, want %s: the broker at %s runs without the %s.# "+

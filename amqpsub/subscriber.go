@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"runtime/debug"
 	"sync"
 	"sync/atomic"
@@ -231,6 +232,15 @@ func (s *Subscriber) attach(ctx context.Context) (*link, error) {
 	defer cancel()
 	conn, owned, err := s.connector.connect(ctx, s.cfg.idleTimeout)
 	if err != nil {
+		// go-amqp sets the socket's deadline from ctx's, so a dial timeout
+		// shows as the socket's i/o timeout or as ctx's, whichever fires
+		// first: report it as ctx's either way.
+		var nerr net.Error
+		if cerr := ctx.Err(); cerr != nil && !errors.Is(err, cerr) {
+			err = fmt.Errorf("%w: %w", cerr, err)
+		} else if _, ok := ctx.Deadline(); ok && cerr == nil && errors.As(err, &nerr) && nerr.Timeout() {
+			err = fmt.Errorf("%w: %w", context.DeadlineExceeded, err)
+		}
 		return nil, fmt.Errorf("amqpsub: connect to %s: %w", s.connector, err)
 	}
 	l := &link{conn: conn, owned: owned}

@@ -14,18 +14,25 @@ INTEGRATION_ENV := AMQPSUB_ARTEMIS_URL=$(AMQPSUB_ARTEMIS_URL) \
 	AMQPSUB_ARTEMIS_CTL=$(ARTEMIS_CTL) \
 	AMQPSUB_RABBITMQ_CTL=$(RABBITMQ_CTL)
 
-.PHONY: all brokers brokers-stop artemis rabbitmq unit integration test demo bench fuzz fmt vet lint check
+.PHONY: all prereqs prereqs-demo brokers brokers-stop artemis rabbitmq unit integration test demo bench fuzz fmt vet lint check
 
 all: lint unit
 
+## prereqs: install what `make test` needs (Debian packages, as root); idempotent
+prereqs:
+	bash integration/prereqs.sh test
+
+prereqs-demo:
+	bash integration/prereqs.sh demo
+
 ## brokers: start Artemis (127.0.0.1:5672) and RabbitMQ (127.0.0.1:5682); idempotent
-brokers:
+brokers: prereqs
 	bash $(ARTEMIS_CTL) start && bash $(RABBITMQ_CTL) start
 
-artemis:
+artemis: prereqs-demo
 	bash $(ARTEMIS_CTL) start
 
-rabbitmq:
+rabbitmq: prereqs
 	bash $(RABBITMQ_CTL) start
 
 ## brokers-stop: stop both brokers (idempotent)
@@ -42,7 +49,7 @@ integration: brokers
 	$(INTEGRATION_ENV) $(GO) test -race -count=1 -timeout $(INTEGRATION_TIMEOUT) ./integration/...
 
 ## test: unit + integration; stops the brokers it started, even on failure
-test:
+test: prereqs
 	GO=$(GO) INTEGRATION_TIMEOUT=$(INTEGRATION_TIMEOUT) bash integration/test.sh
 
 ## demo: the orders example against Artemis

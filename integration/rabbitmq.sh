@@ -122,28 +122,9 @@ with_lock() {
   flock -w 300 9 || die "could not lock $RDIR/.lock"
 }
 
-apt_install() {
-  # Install Debian packages without starting their system services.
-  [ "$(id -u)" = 0 ] || die "rabbitmq-server is not installed; run as root (or: apt-get install rabbitmq-server)"
-  local rc_saved=""
-  if [ -e /usr/sbin/policy-rc.d ]; then
-    rc_saved=$(mktemp); cp -p /usr/sbin/policy-rc.d "$rc_saved"
-  fi
-  printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
-  chmod 755 /usr/sbin/policy-rc.d
-  local rc=0
-  {
-    DEBIAN_FRONTEND=noninteractive apt-get update -q &&
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@"
-  } </dev/null || rc=$?
-  if [ -n "$rc_saved" ]; then mv -f "$rc_saved" /usr/sbin/policy-rc.d; else rm -f /usr/sbin/policy-rc.d; fi
-  [ "$rc" = 0 ] || die "apt-get install $* failed"
-}
-
 ensure_installed() {
   [ -x "$RMQ_BIN/rabbitmq-server" ] && command -v epmd >/dev/null && return 0
-  log "installing Debian package rabbitmq-server"
-  apt_install rabbitmq-server
+  bash "$(dirname "${BASH_SOURCE[0]}")/prereqs.sh" rabbitmq
   [ -x "$RMQ_BIN/rabbitmq-server" ] || die "rabbitmq-server still missing after install"
 }
 

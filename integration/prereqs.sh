@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Installs what `make demo` and `make test` need on Debian 12,
+# idempotently: a second run that finds everything present changes nothing
+# and takes well under a second. Run by the Makefile before those targets and
+# by .ci/run; run it by hand as `bash integration/prereqs.sh test`.
+#
+#   prereqs.sh demo    Java 17+ and Maven (Artemis is downloaded with Maven),
+#                      flock, Go
+#   prereqs.sh rabbitmq  rabbitmq-server only (rabbitmq.sh start runs this)
+#   prereqs.sh test    demo's, plus a JDK (the JMS producer is built with
+#                      Maven), gcc (go test -race needs cgo), openssl (the
+#                      TLS test writes a keystore), rabbitmq-server (the
+#                      second broker), python3-qpid-proton (the Python
+#                      producer)
+#
+# Missing Debian packages are installed with apt-get as root, with a
+# temporary /usr/sbin/policy-rc.d so that no system service starts (a
+# rabbitmq-server service would take port 5672 from Artemis). Not root and
+# something missing: it says what to install and exits 1.
+set -euo pipefail
+
+log() { printf 'prereqs.sh: %s\n' "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+# apt_install PKG...: install without starting services; restore policy-rc.d.
+apt_install() {
+  [ "$(id -u)" = 0 ] || die "missing Debian packages: $*; install them as root (apt-get install $*)"
+  log "installing Debian packages: $*"
+  local saved="" rc=0
+  if [ -e /usr/sbin/policy-rc.d ]; then saved=$(mktemp); cp -p /usr/sbin/policy-rc.d "$saved"; fi
+  printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+  chmod 755 /usr/sbin/policy-rc.d
+  {
+    DEBIAN_FRONTEND=noninteractive apt-get update -q &&
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@"
+  } </dev/null || rc=$?
+  if [ -n "$saved" ]; then mv -f "$saved" /usr/sbin/policy-rc.d; else rm -f /usr/sbin/policy-rc.d; fi
+  [ "$rc" = 0 ] || die "apt-get install $* failed (exit $rc)"
+}
+
+set_=${1:-test}
+case "$set_" in demo|test|rabbitmq) ;; *) die "usage: prereqs.sh demo|test|rabbitmq" ;; esac
+
+need=()
+rabbit_ok() { [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] && command -v epmd >/dev/null; }
+if [ "$set_" = rabbitmq ]; then
+  rabbit_ok || apt_install rabbitmq-server
+  exit 0
+fi
+command -v java >/dev/null || need+=(openjdk-17-jre-headless)
+command -v mvn >/dev/null || need+=(maven)
+command -v flock >/dev/null || need+=(util-linux)
+if [ "$set_" != demo ]; then
+  command -v javac >/dev/null || need+=(openjdk-17-jdk-headless)
+  command -v gcc >/dev/null || need+=(gcc libc6-dev)
+  command -v openssl >/dev/null || need+=(openssl)
+  rabbit_ok || need+=(rabbitmq-server)
+  # The tests run Debian's python, not one earlier on PATH (pyenv's, say).
+  /usr/bin/python3 -c 'import proton' 2>/dev/null || need+=(python3-qpid-proton)
+fi
+if [ "${#need[@]}" -gt 0 ]; then
+  apt_install "${need[@]}"
+fi
+
+jv=$(java -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -1)
+[ -n "$jv" ] && [ "$jv" -ge 17 ] || die "Java 17+ needed, found: $(java -version 2>&1 | head -1)"
+command -v go >/dev/null || die "go not found on PATH (Go 1.25+ is needed)"
+/usr/bin/python3 -c 'import proton' 2>/dev/null || [ "$set_" = demo ] || die "python3-qpid-proton installed, but /usr/bin/python3 cannot import proton"
+exit 0

@@ -2,25 +2,28 @@ package amqpsub
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
+	"fmt"
+	"net"
 	"net/url"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/Azure/go-amqp"
+
+	"github.com/amqpsub/amqpsub/internal/wire"
 )
 
 // A Connector gives a Subscriber its AMQP connection. Make one with Dial or
 // Conn.
 type Connector interface {
-	// connect returns a connection; owned says whether the subscriber closes
-	// it when it is done, and also whether it can dial a new one after a
-	// loss.
-	connect(ctx context.Context, idle time.Duration) (conn *amqp.Conn, owned bool, err error)
-	// redials says whether connect can make a new connection after one was
-	// lost.
-	redials() bool
+	// connect returns a connection: owned says whether the subscriber
+	// closes it when it is done (and can dial another after a loss); abort,
+	// when not nil, closes its socket at once, for a close that must end
+	// within a bound.
+	connect(ctx context.Context, idle time.Duration) (conn *amqp.Conn, owned bool, abort func(), err error)
 	// String names the broker for errors and logs, without credentials.
 	String() string
 }
@@ -31,13 +34,30 @@ type dialer struct {
 }
 
 // Dial returns a Connector that dials url (amqp://host:port or
-// amqps://host:port, with user:password@ for SASL PLAIN) with go-amqp's
-// options (nil for the defaults). The subscriber owns the connections it
-// dials and closes them when it stops. Errors and logs name the address
-// without its credentials.
+// amqps://host:port, with user:password@ for SASL PLAIN; the port defaults
+// to 5672 and 5671) with go-amqp's options (nil for the defaults; for amqps,
+// TLSConfig's ServerName defaults to the host). The subscriber owns the
+// connections it dials and closes them when it stops; after a lost
+// connection it dials a new one. Errors and logs name the address without
+// its credentials.
 func Dial(url string, opts *amqp.ConnOptions) Connector { return &dialer{url: url, opts: opts} }
 
-func (d *dialer) connect(ctx context.Context, idle time.Duration) (*amqp.Conn, bool, error) {
+func (d *dialer) connect(ctx context.Context, idle time.Duration) (*amqp.Conn, bool, func(), error) {
+	c, abort, err := d.dial(ctx, idle)
+	if err != nil {
+		return nil, false, nil, scrub(err, d.url)
+	}
+	return c, true, abort, nil
+}
+
+// dial opens the socket itself, rather than through amqp.Dial, so that the
+// subscriber can close it within CloseTimeout even when go-amqp's own close
+// waits on a write to a peer that no longer reads.
+func (d *dialer) dial(ctx context.Context, idle time.Duration) (*amqp.Conn, func(), error) {
+	u, err := url.Parse(d.url)
+	if err != nil {
+		return nil, nil, err
+	}
 	var opts amqp.ConnOptions
 	if d.opts != nil {
 		opts = *d.opts
@@ -45,16 +65,64 @@ func (d *dialer) connect(ctx context.Context, idle time.Duration) (*amqp.Conn, b
 	if opts.IdleTimeout == 0 {
 		opts.IdleTimeout = idle
 	}
-	c, err := amqp.Dial(ctx, d.url, &opts)
-	if err != nil {
-		return nil, false, scrub(err, d.url)
+	host, port := u.Hostname(), u.Port()
+	secure := false
+	switch u.Scheme {
+	case "amqp", "":
+		if port == "" {
+			port = "5672"
+		}
+	case "amqps", "amqp+ssl":
+		secure = true
+		if port == "" {
+			port = "5671"
+		}
+	default:
+		return nil, nil, fmt.Errorf("unsupported scheme %q", u.Scheme)
 	}
-	return c, true, nil
+	if u.User != nil {
+		pw, _ := u.User.Password()
+		opts.SASLType = amqp.SASLTypePlain(u.User.Username(), pw)
+	}
+	if opts.HostName == "" {
+		opts.HostName = host
+	}
+	var nd net.Dialer
+	raw, err := nd.DialContext(ctx, "tcp", net.JoinHostPort(host, port))
+	if err != nil {
+		return nil, nil, err
+	}
+	var nc net.Conn = raw
+	if secure {
+		cfg := &tls.Config{}
+		if opts.TLSConfig != nil {
+			cfg = opts.TLSConfig.Clone()
+		}
+		if cfg.ServerName == "" && !cfg.InsecureSkipVerify {
+			cfg.ServerName = host
+		}
+		tc := tls.Client(raw, cfg)
+		if err := tc.HandshakeContext(ctx); err != nil {
+			_ = raw.Close()
+			return nil, nil, err
+		}
+		nc = tc
+	}
+	opts.TLSConfig = nil // the socket is already secured, or plain as asked
+	// Frames go out through a wire.Conn: what go-amqp writes while a write
+	// is in progress goes out together in the next one, one syscall for
+	// several frames; and a refused SASL outcome is read off the wire.
+	wc := wire.New(nc, raw, wire.Options{})
+	abort := func() { _ = wc.Abort() }
+	c, err := amqp.NewConn(ctx, wc, &opts)
+	if err != nil {
+		abort()
+		return nil, nil, wire.HandshakeError(wc, err)
+	}
+	return c, abort, nil
 }
 
 func (d *dialer) String() string { return redact(d.url) }
-
-func (d *dialer) redials() bool { return true }
 
 type given struct{ c *amqp.Conn }
 
@@ -65,16 +133,14 @@ type given struct{ c *amqp.Conn }
 // ErrLinkLost, since it cannot dial another.
 func Conn(c *amqp.Conn) Connector { return given{c} }
 
-func (g given) connect(context.Context, time.Duration) (*amqp.Conn, bool, error) {
+func (g given) connect(context.Context, time.Duration) (*amqp.Conn, bool, func(), error) {
 	if g.c == nil {
-		return nil, false, errors.New("amqpsub: Conn(nil)")
+		return nil, false, nil, errors.New("amqpsub: Conn(nil)")
 	}
-	return g.c, false, nil
+	return g.c, false, nil, nil
 }
 
 func (given) String() string { return "the given connection" }
-
-func (given) redials() bool { return false }
 
 // redact returns the URL without its password.
 func redact(raw string) string {

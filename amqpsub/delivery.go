@@ -38,23 +38,24 @@ func (k BodyKind) String() string {
 // when the message's body is of another kind; the message says which.
 var ErrBodyKind = errors.New("amqpsub: body is of another kind")
 
-// Delivery is one message given to a handler. It is valid only until the
-// handler returns: the subscriber reuses it for the next delivery, so a
-// handler that keeps something for later copies it out first (Message()
-// stays valid).
+// Delivery is one message given to a handler. It stays valid, and keeps
+// describing the same message, after the handler returns: a handler may
+// hand it to another goroutine. It is settled by the handler's result
+// alone.
 type Delivery struct {
-	pd   *pump.Delivery
 	msg  *amqp.Message
 	lane int
+	t    pump.Ticket // settles it; the pump refuses a second settlement
 }
 
-func (d *Delivery) reset(pd *pump.Delivery, lane int) {
-	d.pd, d.lane = pd, lane
-	if pd != nil {
-		d.msg = pd.Message()
-	} else {
-		d.msg = nil
-	}
+func newDelivery(t pump.Ticket, lane int) *Delivery {
+	return &Delivery{msg: t.Message(), lane: lane, t: t}
+}
+
+// event returns an Event of kind about d.
+func (d *Delivery) event(kind EventKind, err error) Event {
+	return Event{Kind: kind, Err: err, MessageID: d.MessageID(), GroupID: d.GroupID(),
+		DeliveryCount: d.DeliveryCount(), Lane: d.lane}
 }
 
 // Message returns the underlying go-amqp message, for anything Delivery does
@@ -171,15 +172,15 @@ func (d *Delivery) DeliveryCount() uint32 {
 	return 0
 }
 
-// FirstAcquirer returns the AMQP header's first-acquirer flag, true when
-// the message has no header. RabbitMQ 3.10 sets it false on a redelivery;
-// Artemis passes on whatever the producer set (go-amqp sends false), so on
-// Artemis it says nothing about redelivery.
+// FirstAcquirer returns the AMQP header's first-acquirer flag; false when
+// the message has no header, the AMQP default. RabbitMQ 3.10 sets it false
+// on a redelivery; Artemis passes on whatever the producer set (go-amqp
+// sends false), so on Artemis it says nothing about redelivery.
 func (d *Delivery) FirstAcquirer() bool {
 	if h := d.msg.Header; h != nil {
 		return h.FirstAcquirer
 	}
-	return true
+	return false
 }
 
 // ApplicationProperties returns the message's application properties; nil

@@ -86,7 +86,7 @@ func TestBodyAccessorsSayWhatTheBodyIs(t *testing.T) {
 				return errors.New("Sequence on empty")
 			}
 			if _, ok := d.GroupSequence(); ok || d.GroupID() != "" || d.MessageID() != nil || d.ContentType() != "" ||
-				d.DeliveryCount() != 0 || !d.FirstAcquirer() || d.ApplicationProperties() != nil {
+				d.DeliveryCount() != 0 || d.FirstAcquirer() || d.ApplicationProperties() != nil {
 				return errors.New("absent properties")
 			}
 			if _, ok := d.Annotation("x"); ok {

@@ -29,6 +29,7 @@ type config struct {
 	credit       int
 	workers      int
 	byKey        bool
+	workersSet   string // the option that set workers, to refuse a second one
 	batchSize    int
 	batchWait    time.Duration
 	batchSet     bool
@@ -43,9 +44,8 @@ type config struct {
 	backoffMax   time.Duration
 	isFatal      func(error) bool
 	onReconnect  func(attempts int, cause error)
-	localRetries int
-	localMin     time.Duration
-	localMax     time.Duration
+	onEvent      func(Event)
+	localRetry   RetryPolicy
 	maxDelivery  uint32
 	errs         []error
 
@@ -89,36 +89,39 @@ func Credit(n int) Option {
 }
 
 // Workers runs up to n handlers at once, with no order between deliveries.
-// Must be ≥ 1. Default: Workers(1), which handles deliveries one at a time
-// in queue order.
+// Must be ≥ 1, and not given with WorkersByKey. Default: Workers(1), which
+// handles deliveries one at a time in queue order.
 func Workers(n int) Option {
-	return optionFunc(func(c *config) {
-		if n < 1 {
-			c.invalid("Workers(%d): must be ≥ 1", n)
-			return
-		}
-		c.workers, c.byKey = n, false
-	})
+	return optionFunc(func(c *config) { c.setWorkers(fmt.Sprintf("Workers(%d)", n), n, false) })
 }
 
 // WorkersByKey runs n lanes. A delivery goes to the lane its group-id hashes
 // to, and a lane handles its deliveries one at a time in arrival order, so
 // each group keeps its order while groups run side by side. Deliveries
 // without a group-id (or with an empty one) rotate over the lanes. Must be
-// ≥ 1. Default: off (Workers(1)).
+// ≥ 1, and not given with Workers. Default: off (Workers(1)).
 func WorkersByKey(n int) Option {
-	return optionFunc(func(c *config) {
-		if n < 1 {
-			c.invalid("WorkersByKey(%d): must be ≥ 1", n)
-			return
-		}
-		c.workers, c.byKey = n, true
-	})
+	return optionFunc(func(c *config) { c.setWorkers(fmt.Sprintf("WorkersByKey(%d)", n), n, true) })
+}
+
+func (c *config) setWorkers(name string, n int, byKey bool) {
+	if c.workersSet != "" {
+		c.invalid("%s after %s: give one of Workers and WorkersByKey, once", name, c.workersSet)
+		return
+	}
+	c.workersSet = name
+	if n < 1 {
+		c.invalid("%s: must be ≥ 1", name)
+		return
+	}
+	c.workers, c.byKey = n, byKey
 }
 
 // Batch sets the size and wait of the batches a BatchHandler gets: a batch
 // closes at size deliveries or wait after its first delivery, whichever
-// comes first. A wait of 0 means the default. Only for NewBatch. Size must be
+// comes first. A wait of 0 means no wait: a batch closes as soon as no more
+// deliveries are waiting, so batches are as large as the backlog allows and
+// a lone delivery is handed over at once. Only for NewBatch. Size must be
 // ≥ 1, wait ≥ 0. Default: Batch(100, 10*time.Millisecond).
 func Batch(size int, wait time.Duration) Option {
 	return optionFunc(func(c *config) {
@@ -131,17 +134,15 @@ func Batch(size int, wait time.Duration) Option {
 			c.invalid("Batch(%d, %v): wait must be ≥ 0", size, wait)
 			return
 		}
-		c.batchSize = size
-		if wait > 0 {
-			c.batchWait = wait
-		}
+		c.batchSize, c.batchWait = size, wait
 	})
 }
 
 // GracePeriod bounds how long a graceful stop waits for the handlers in
-// progress. When it runs out their context is cancelled and the connection
-// closed; the broker redelivers what was not settled. Must be ≥ 0.
-// Default: 30 s.
+// progress. When it runs out their context is cancelled, their results are
+// ignored and the connection is closed; the broker redelivers what was not
+// settled. GracePeriod(0) releases the buffered deliveries and cancels the
+// handlers at once. Must be ≥ 0. Default: 30 s.
 func GracePeriod(d time.Duration) Option {
 	return optionFunc(func(c *config) {
 		if d < 0 {
@@ -164,8 +165,9 @@ func DialTimeout(d time.Duration) Option {
 	})
 }
 
-// CloseTimeout bounds each step of closing the link, session and
-// connection. Must be > 0. Default: 5 s.
+// CloseTimeout bounds closing the link, session and connection at the end
+// of Run, all steps together, and how long Run then still waits for
+// handlers whose context it cancelled. Must be > 0. Default: 5 s.
 func CloseTimeout(d time.Duration) Option {
 	return optionFunc(func(c *config) {
 		if d <= 0 {
@@ -209,11 +211,12 @@ func LinkName(name string) Option {
 // broker is asked to send a frame at least every half of it, and a
 // connection that stays silent for longer is taken as lost (a half-open TCP
 // connection is found that way) and reconnected. It applies when Dial's
-// amqp.ConnOptions leave IdleTimeout at 0. Must be > 0. Default: 30 s.
+// amqp.ConnOptions leave IdleTimeout at 0. Must be ≥ 100 ms: below that a
+// broker's heartbeats cannot keep a healthy connection alive. Default: 30 s.
 func IdleTimeout(d time.Duration) Option {
 	return optionFunc(func(c *config) {
-		if d <= 0 {
-			c.invalid("IdleTimeout(%v): must be > 0", d)
+		if d < 100*time.Millisecond {
+			c.invalid("IdleTimeout(%v): must be ≥ 100ms", d)
 			return
 		}
 		c.idleTimeout = d
@@ -250,25 +253,63 @@ func FatalErrors(isFatal func(error) bool) Option {
 
 // OnReconnect sets a function called after the subscriber attached a new
 // link in place of a lost one, with the number of attempts it took and the
-// error that ended the old link. It runs on the pump's goroutine: keep it
-// short. Default: none.
+// error that ended the old link. It runs on the goroutine that attaches
+// links, before the new link receives anything; keep it short. The same
+// news reaches OnEvent as EventReconnected. Default: none.
 func OnReconnect(f func(attempts int, cause error)) Option {
 	return optionFunc(func(c *config) { c.onReconnect = f })
 }
 
-// LocalRetry retries a delivery in its lane, up to n times, before a Retry
-// outcome goes to the broker: attempt k waits min(max, initial·2^k) first.
-// The lane does nothing else meanwhile, so the delivery's group keeps its
-// order, which a broker redelivery would break. A stop or Close ends the
-// waiting and sends the Retry to the broker. n ≥ 0 and 0 < initial ≤ max.
-// Default: off (n = 0).
-func LocalRetry(n int, initial, max time.Duration) Option {
+// OnEvent sets a function that hears of every error and lifecycle event the
+// subscriber meets while it runs: handler failures and panics, deliveries
+// dead-lettered for their delivery count, failed settlements, lost links and
+// reconnects, a broker sending past its credit, handlers abandoned at a
+// stop (see EventKind). Each Event names its kind, its error, and the
+// delivery's identity when there is one. Events are passed to f in order,
+// on a goroutine of their own, so f never slows the pump or a lane; if f
+// falls more than 1024 events behind, later ones are dropped and counted
+// (Stats.EventsDropped). Run waits for f to finish the events queued before
+// it returns, within CloseTimeout. Default: none (events are only logged).
+func OnEvent(f func(Event)) Option {
+	return optionFunc(func(c *config) { c.onEvent = f })
+}
+
+// RetryPolicy says how LocalRetry retries a failed delivery in its lane.
+type RetryPolicy struct {
+	// Attempts is the most retries after the first failure; 0 means no
+	// limit on attempts, so that Budget alone bounds them.
+	Attempts int
+	// Budget is how long after the first failure retries go on; 0 means no
+	// limit in time, so that Attempts alone bounds them.
+	Budget time.Duration
+	// Initial and Max bound the wait before retry k: min(Max, Initial·2^k).
+	// Zero values mean 100 ms and 5 s.
+	Initial, Max time.Duration
+}
+
+// LocalRetry retries a delivery (or, for a BatchHandler, the deliveries of
+// a batch that failed, as a batch of their own) in its lane before a Retry
+// outcome goes to the broker. The lane does nothing else meanwhile, so the
+// delivery's group keeps its order, which a broker redelivery would break:
+// give a Budget that outlasts the outages you expect (a store restarting,
+// say), and let the broker's own redelivery count (Artemis
+// max-delivery-attempts, with redelivery-delay) handle what outlasts it. A
+// stop or Close ends the waiting and sends the Retry to the broker. Only
+// Retry outcomes are retried, never Release or Reject. p needs Attempts or
+// Budget > 0, both ≥ 0, and 0 ≤ Initial ≤ Max. Default: off.
+func LocalRetry(p RetryPolicy) Option {
 	return optionFunc(func(c *config) {
-		if n < 0 || initial <= 0 || max < initial {
-			c.invalid("LocalRetry(%d, %v, %v): want n ≥ 0 and 0 < initial ≤ max", n, initial, max)
+		if p.Initial == 0 {
+			p.Initial = 100 * time.Millisecond
+		}
+		if p.Max == 0 {
+			p.Max = max(5*time.Second, p.Initial)
+		}
+		if p.Attempts < 0 || p.Budget < 0 || p.Attempts == 0 && p.Budget == 0 || p.Initial < 0 || p.Max < p.Initial {
+			c.invalid("LocalRetry(%+v): want Attempts or Budget > 0, neither negative, and 0 ≤ Initial ≤ Max", p)
 			return
 		}
-		c.localRetries, c.localMin, c.localMax = n, initial, max
+		c.localRetry = p
 	})
 }
 

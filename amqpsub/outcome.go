@@ -21,9 +21,10 @@ var outcomeNames = [...]string{"accept", "release", "retry", "reject"}
 // settled other than by accepting it. Make one with Release, Retry or
 // Reject; it may be wrapped (errors.As finds it).
 type OutcomeError struct {
-	kind   outcomeKind
-	reason string
-	err    error
+	kind     outcomeKind
+	reason   string
+	err      error
+	poisoned bool // a Reject of MaxDeliveryCount's, not a handler's
 }
 
 func (e *OutcomeError) Error() string {

@@ -31,14 +31,7 @@ var (
 	// the broker auto-creates queues) rather than a throwaway subscription.
 	// Retry is settled as modified{delivery-failed}: Artemis counts it and
 	// dead-letters at max-delivery-attempts.
-	Artemis = Profile{
-		name:       "artemis",
-		sourceCaps: []string{"queue"},
-		address:    func(q string) string { return q },
-		retry:      pump.Outcome{Kind: pump.Modify, DeliveryFailed: true},
-		creditMode: credit.Continuous,
-		detach:     true,
-	}
+	Artemis = artemis()
 
 	// RabbitMQ3 is for RabbitMQ 3.x with the rabbitmq_amqp1_0 plugin. A
 	// queue name q is addressed as /amq/queue/q (the queue must exist); a
@@ -48,24 +41,43 @@ var (
 	// always). Credit is granted in windows, because the broker sends past
 	// its credit. The link is never detached (RabbitMQ 3.10 does not answer
 	// a detach): the session is closed instead.
-	RabbitMQ3 = Profile{
+	RabbitMQ3 = rabbitMQ3()
+
+	// Generic assumes only the AMQP 1.0 specification: the queue name is the
+	// address, Retry is modified{delivery-failed}.
+	Generic = generic()
+)
+
+func artemis() Profile {
+	return Profile{
+		name:       "artemis",
+		sourceCaps: []string{"queue"},
+		address:    func(q string) string { return q },
+		retry:      pump.Outcome{Kind: pump.Modify, DeliveryFailed: true},
+		creditMode: credit.Continuous,
+		detach:     true,
+	}
+}
+
+func rabbitMQ3() Profile {
+	return Profile{
 		name:       "rabbitmq3",
 		address:    rabbitAddress,
 		retry:      pump.Outcome{Kind: pump.Release},
 		creditMode: credit.Windowed,
 		detach:     false,
 	}
+}
 
-	// Generic assumes only the AMQP 1.0 specification: the queue name is the
-	// address, Retry is modified{delivery-failed}.
-	Generic = Profile{
+func generic() Profile {
+	return Profile{
 		name:       "generic",
 		address:    func(q string) string { return q },
 		retry:      pump.Outcome{Kind: pump.Modify, DeliveryFailed: true},
 		creditMode: credit.Continuous,
 		detach:     true,
 	}
-)
+}
 
 func rabbitAddress(q string) string {
 	if len(q) > 0 && q[0] == '/' {

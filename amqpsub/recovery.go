@@ -4,24 +4,25 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
-	"strings"
 	"time"
 
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
 
+	"github.com/amqpsub/amqpsub/internal/backoff"
+	"github.com/amqpsub/amqpsub/internal/wire"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
 // IsFatal is the default test of FatalErrors. It takes as fatal what
-// reconnecting cannot mend: the broker refusing the credentials (SASL) or
-// access (amqp:unauthorized-access), an address that does not exist
-// (amqp:not-found), and a link the broker will not attach as asked
+// reconnecting cannot mend: the broker refusing the credentials (a SASL
+// outcome of auth or sys-perm, whatever the mechanism) or access
+// (amqp:unauthorized-access), an address that does not exist
+// (amqp:not-found), a link the broker will not attach as asked
 // (amqp:invalid-field, amqp:not-implemented, and amqp:illegal-state, which
-// Artemis sends for capability "queue" on a multicast address). Lost
-// connections, links and sessions, timeouts and refused TCP connections are
-// not fatal.
+// Artemis sends for capability "queue" on a multicast address), and a
+// connection given with Conn that is gone (ErrLinkLost). Lost connections,
+// links and sessions, timeouts and refused TCP connections are not fatal.
 func IsFatal(err error) bool {
 	var ae *amqp.Error
 	if errors.As(err, &ae) {
@@ -31,24 +32,17 @@ func IsFatal(err error) bool {
 			return true
 		}
 	}
-	// go-amqp reports a refused SASL outcome as a plain error.
-	return err != nil && strings.Contains(err.Error(), "SASL PLAIN auth failed")
-}
-
-// backoff returns the wait before reconnect attempt k (from 0): a random
-// time in [0, min(max, initial·2^k)].
-func backoff(k int, initial, max time.Duration) time.Duration {
-	ceil := initial
-	for i := 0; i < k && ceil < max; i++ {
-		ceil *= 2
+	var se *wire.SASLError
+	if errors.As(err, &se) {
+		// sys and sys-temp are the peer's own trouble: try again.
+		return se.Code == wire.SASLAuth || se.Code == wire.SASLSysPerm
 	}
-	ceil = min(ceil, max)
-	return rand.N(ceil + 1)
+	return errors.Is(err, ErrLinkLost)
 }
 
 // attacher gives the pump its links: the first one at start, and a new one,
 // after backoff, each time a link is lost. The pump calls it from one
-// goroutine at a time.
+// goroutine at a time, and Run reads current once the pump has returned.
 type attacher struct {
 	s          *Subscriber
 	current    *link // nil under the test source
@@ -69,7 +63,7 @@ const healthy = 10 * time.Second
 func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) {
 	s := a.s
 	if a.current != nil {
-		s.closeLink(a.current)
+		s.closeLink(ctx, a.current)
 		a.current = nil
 	}
 	first := 0
@@ -79,8 +73,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			first = a.quick // start further up the backoff
 			s.log.Error("link lost soon after it was attached; backing off", zap.Error(lost),
 				zap.Int("in_a_row", a.quick))
-			wait := backoff(first-1, s.cfg.backoffMin, s.cfg.backoffMax)
-			if !sleep(ctx, wait) {
+			if !sleep(ctx, backoff.Jittered(first-1, s.cfg.backoffMin, s.cfg.backoffMax)) {
 				return nil, ctx.Err()
 			}
 		} else {
@@ -92,16 +85,17 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 		if err == nil {
 			a.current, a.attachedAt = l, time.Now()
 			if a.before {
+				n := attempt - first + 1
 				s.reconnects.Add(1)
-				s.log.Info("reconnected", zap.Int("attempts", attempt-first+1), zap.NamedError("cause", lost))
+				s.log.Info("reconnected", zap.Int("attempts", n), zap.NamedError("cause", lost))
+				s.events.send(Event{Kind: EventReconnected, Err: lost, Queue: s.queue, Lane: -1, Attempt: n})
 				if s.cfg.onReconnect != nil {
-					s.cfg.onReconnect(attempt-first+1, lost)
+					s.cfg.onReconnect(n, lost)
 				}
 			}
 			a.before = true
 			return src, nil
 		}
-		var connErr *amqp.ConnError
 		switch {
 		case ctx.Err() != nil:
 			return nil, ctx.Err()
@@ -109,14 +103,15 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			// The first connection: report it rather than wait.
 			return nil, err
 		case s.cfg.isFatal(err):
-			s.log.Error("reconnect failed with a fatal error", zap.Error(err))
-			return nil, err
-		case errors.As(err, &connErr) && !s.connector.redials():
-			// A connection the caller gave us is gone; we cannot dial another.
-			return nil, fmt.Errorf("%w: %w", ErrLinkLost, err)
+			s.log.Error("reconnect failed with a fatal error; stopping", zap.Error(err))
+			if errors.Is(err, ErrLinkLost) {
+				return nil, err
+			}
+			return nil, fmt.Errorf("%w: reconnecting failed: %w", ErrLinkLost, err)
 		}
-		wait := backoff(attempt, s.cfg.backoffMin, s.cfg.backoffMax)
-		s.log.Warn("reconnect failed; retrying", zap.Error(err), zap.Int("attempt", attempt-first+1), zap.Duration("wait", wait))
+		wait := backoff.Jittered(attempt, s.cfg.backoffMin, s.cfg.backoffMax)
+		s.log.Warn("reconnect failed; trying again", zap.Error(err), zap.Int("attempt", attempt-first+1), zap.Duration("wait", wait))
+		s.events.send(Event{Kind: EventReconnectFailed, Err: err, Queue: s.queue, Lane: -1, Attempt: attempt - first + 1})
 		if !sleep(ctx, wait) {
 			return nil, ctx.Err()
 		}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/internal/fake"
+	"github.com/amqpsub/amqpsub/internal/wire"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -64,7 +65,7 @@ func TestLostLinkIsReplacedAfterBackoff(t *testing.T) {
 		first.Fail(fake.ErrLinkLost)
 		synctest.Wait()
 		close(block)
-		for s.Stats().Accepted < 5 {
+		for s.Stats().Settled.Accepted < 5 {
 			time.Sleep(time.Millisecond)
 		}
 		// The link died young, so even the first attempt waits (≤ 100 ms);
@@ -126,7 +127,13 @@ func TestIsFatal(t *testing.T) {
 		{&amqp.Error{Condition: amqp.ErrCondUnauthorizedAccess}, true},
 		{fmt.Errorf("attach: %w", &amqp.Error{Condition: amqp.ErrCondNotFound}), true},
 		{&amqp.LinkError{RemoteErr: &amqp.Error{Condition: amqp.ErrCondNotFound}}, true},
-		{errors.New("SASL PLAIN auth failed with code 0x1: "), true},
+		{&wire.SASLError{Code: wire.SASLAuth, Err: errors.New("SASL PLAIN auth failed with code 0x1: ")}, true},
+		{fmt.Errorf("connect: %w", &wire.SASLError{Code: wire.SASLSysPerm}), true},
+		{&wire.SASLError{Code: wire.SASLSysTemp}, false},
+		{&wire.SASLError{Code: wire.SASLSys}, false},
+		// The text alone is not enough: only what was read off the wire.
+		{errors.New("SASL PLAIN auth failed with code 0x1: "), false},
+		{fmt.Errorf("reconnecting: %w", amqpsub.ErrLinkLost), true},
 		{&amqp.Error{Condition: amqp.ErrCondIllegalState}, true},
 		{&amqp.ConnError{}, false},
 		{&amqp.LinkError{}, false},
@@ -157,7 +164,7 @@ func TestLocalRetryKeepsTheDeliveryInItsLane(t *testing.T) {
 				return errors.New("flaky")
 			}
 			return nil
-		}), amqpsub.WorkersByKey(2), amqpsub.LocalRetry(3, 10*time.Millisecond, 15*time.Millisecond), amqpsub.WithSource(src))
+		}), amqpsub.WorkersByKey(2), amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: 3, Initial: 10 * time.Millisecond, Max: 15 * time.Millisecond}), amqpsub.WithSource(src))
 		t0 = time.Now()
 		cancel, errc := run(t, s)
 		synctest.Wait()
@@ -167,7 +174,7 @@ func TestLocalRetryKeepsTheDeliveryInItsLane(t *testing.T) {
 		if got := fmt.Sprint(order); got != "[0@0s 0@10ms 0@25ms 1@25ms 2@25ms]" {
 			t.Fatalf("calls %s", got)
 		}
-		if st := s.Stats(); st.LocalRetries != 2 || st.Modified != 0 || st.Accepted != 3 {
+		if st := s.Stats(); st.Results.LocalRetries != 2 || st.Settled.Modified != 0 || st.Settled.Accepted != 3 {
 			t.Fatalf("stats %+v", st)
 		}
 	})
@@ -184,7 +191,7 @@ func TestLocalRetryGivesUpToTheBroker(t *testing.T) {
 				return errors.New("down")
 			}
 			return nil
-		}), amqpsub.LocalRetry(2, time.Millisecond, time.Millisecond), amqpsub.WithSource(src))
+		}), amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: 2, Initial: time.Millisecond, Max: time.Millisecond}), amqpsub.WithSource(src))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		time.Sleep(time.Second)
@@ -202,7 +209,7 @@ func TestStopCutsLocalRetryShort(t *testing.T) {
 		src := fake.New(true, fake.Messages(1)...)
 		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 			return errors.New("down")
-		}), amqpsub.LocalRetry(5, time.Hour, time.Hour), amqpsub.WithSource(src))
+		}), amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: 5, Initial: time.Hour, Max: time.Hour}), amqpsub.WithSource(src))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		start := time.Now()
@@ -240,7 +247,7 @@ func TestPoisonLimitRejectsBeforeTheHandler(t *testing.T) {
 			cancel()
 			<-errc
 			sts := src.Settlements()
-			if seen.Load() != 1 || len(sts) != 2 || s.Stats().Poisoned != 1 {
+			if seen.Load() != 1 || len(sts) != 2 || s.Stats().Results.Poisoned != 1 {
 				t.Fatalf("batch %v: handler saw %d, settlements %d", batch, seen.Load(), len(sts))
 			}
 			for _, st := range sts {
@@ -252,15 +259,13 @@ func TestPoisonLimitRejectsBeforeTheHandler(t *testing.T) {
 	})
 }
 
-func TestLocalRetryIsForHandlersOnly(t *testing.T) {
-	_, err := amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(context.Context, []*amqpsub.Delivery) []error { return nil }),
-		amqpsub.LocalRetry(1, time.Millisecond, time.Millisecond))
-	if !errors.Is(err, amqpsub.ErrInvalidOption) {
-		t.Fatalf("err = %v", err)
-	}
+func TestInvalidRecoveryOptions(t *testing.T) {
 	for _, o := range []amqpsub.Option{
 		amqpsub.Backoff(0, time.Second), amqpsub.Backoff(time.Second, time.Millisecond),
-		amqpsub.LocalRetry(-1, time.Millisecond, time.Millisecond), amqpsub.IdleTimeout(0),
+		amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: -1}), amqpsub.LocalRetry(amqpsub.RetryPolicy{}),
+		amqpsub.LocalRetry(amqpsub.RetryPolicy{Budget: -time.Second}),
+		amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: 1, Initial: time.Second, Max: time.Millisecond}),
+		amqpsub.IdleTimeout(0), amqpsub.IdleTimeout(99 * time.Millisecond),
 	} {
 		if _, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }), o); !errors.Is(err, amqpsub.ErrInvalidOption) {
 			t.Errorf("option accepted: %v", err)

@@ -1,49 +1,79 @@
 package amqpsub
 
+import (
+	"fmt"
+
+	"go.uber.org/zap/zapcore"
+)
+
 // Stats are a Subscriber's counters: totals since New, and a census of the
 // deliveries the process holds now.
 type Stats struct {
 	// Held is the number of deliveries held in the process now: waiting in
 	// the pump's channel, in a lane, in a handler, or waiting for their
-	// settlement. It never exceeds the credit on a broker that keeps within
-	// the credit it was given.
+	// settlement. It stays within the credit on a broker that keeps within
+	// the credit it was given (Artemis does; RabbitMQ 3.10 overshoots, see
+	// Overshoot).
 	Held int
 	// MaxHeld is the most deliveries held at once.
 	MaxHeld int
-	// Buffered and Handling split Held: waiting for a handler, and in one.
-	Buffered int
-	Handling int
+	// Buffered, Handling and Settling are a census of the held deliveries:
+	// waiting for a handler, in one, and waiting for the pump to send their
+	// settlement. It is taken delivery by delivery while the subscriber
+	// runs, so its sum is Held give or take the deliveries that moved
+	// meanwhile.
+	Buffered, Handling, Settling int
 
-	Received uint64 // deliveries received
-	Accepted uint64 // settled as accepted
-	Released uint64 // settled as released: Release(), stop, RabbitMQ3 retries
-	Modified uint64 // settled as modified: retries on Artemis and Generic
-	Rejected uint64 // settled as rejected
-
-	Retries  uint64 // handler results that meant Retry, panics included
-	Panics   uint64 // handler panics
-	Releases uint64 // handler results that were Release()
-	Rejects  uint64 // handler results that were Reject()
+	// Received counts deliveries received.
+	Received uint64
+	// Settled counts the settlements the broker took, by outcome.
+	Settled Settlements
+	// Results counts what handlers decided, one per delivery (the final
+	// result, after any LocalRetry).
+	Results Results
 
 	// SettleErrors counts settlements the broker did not take (the link was
 	// gone); the broker redelivers those deliveries.
 	SettleErrors uint64
+	// Stale counts settlements not sent because the delivery's link was
+	// lost while a handler had it; the broker redelivers those deliveries.
+	Stale uint64
+	// Dropped counts deliveries of a lost link dropped before a handler saw
+	// them; the broker redelivers those deliveries.
+	Dropped uint64
 	// Overshoot counts deliveries the broker sent past the credit.
 	Overshoot int64
 	// Links counts links attached; LinksLost those lost; Reconnects the
 	// links attached in place of a lost one.
 	Links, LinksLost, Reconnects uint64
+	// Abandoned counts handlers that had not returned when Run returned.
+	Abandoned uint64
+	// EventsDropped counts events OnEvent's function fell too far behind
+	// to get.
+	EventsDropped uint64
+}
+
+// Settlements count settlements by outcome.
+type Settlements struct {
+	Accepted uint64 // accepted: handled
+	Released uint64 // released: Release(), a stop, Retry under RabbitMQ3
+	Modified uint64 // modified: Retry on Artemis and Generic
+	Rejected uint64 // rejected: Reject(), MaxDeliveryCount
+}
+
+// Results count what handlers decided.
+type Results struct {
+	Accept  uint64 // nil
+	Release uint64 // Release()
+	Retry   uint64 // Retry(err), any other error, or a panic
+	Reject  uint64 // Reject(reason)
+	// Panics counts handler calls that panicked (each is also a Retry).
+	Panics uint64
 	// LocalRetries counts handler calls repeated in the lane (LocalRetry).
 	LocalRetries uint64
-	// Poisoned counts deliveries rejected for their delivery count
-	// (MaxDeliveryCount).
+	// Poisoned counts deliveries rejected for their delivery count before
+	// a handler saw them (MaxDeliveryCount); they are not in Reject.
 	Poisoned uint64
-	// Stale counts settlements skipped because their link was lost; the
-	// broker redelivers those deliveries.
-	Stale uint64
-	// Dropped counts deliveries of a lost link dropped before a handler saw
-	// them.
-	Dropped uint64
 }
 
 // Stats returns the subscriber's counters. It may be called at any time from
@@ -51,27 +81,90 @@ type Stats struct {
 func (s *Subscriber) Stats() Stats {
 	p := s.pump.Stats()
 	return Stats{
-		Held:         p.Held,
-		MaxHeld:      p.MaxHeld,
-		Buffered:     p.Buffered,
-		Handling:     p.Handling,
-		Received:     p.Received,
-		Accepted:     p.Accepted,
-		Released:     p.Released,
-		Modified:     p.Modified,
-		Rejected:     p.Rejected,
-		Retries:      s.retries.Load(),
-		Panics:       s.panics.Load(),
-		Releases:     s.releases.Load(),
-		Rejects:      s.rejects.Load(),
-		SettleErrors: p.SettleErrors,
-		Overshoot:    p.Overshoot,
-		Links:        p.Links,
-		LinksLost:    p.LinksLost,
-		Reconnects:   s.reconnects.Load(),
-		LocalRetries: s.localRetries.Load(),
-		Poisoned:     s.poisoned.Load(),
-		Stale:        p.Stale,
-		Dropped:      p.Dropped,
+		Held:     p.Held,
+		MaxHeld:  p.MaxHeld,
+		Buffered: p.Buffered,
+		Handling: p.Handling,
+		Settling: p.Settling,
+		Received: p.Received,
+		Settled: Settlements{
+			Accepted: p.Accepted,
+			Released: p.Released,
+			Modified: p.Modified,
+			Rejected: p.Rejected,
+		},
+		Results: Results{
+			Accept:       s.results.accept.Load(),
+			Release:      s.results.release.Load(),
+			Retry:        s.results.retry.Load(),
+			Reject:       s.results.reject.Load(),
+			Panics:       s.results.panics.Load(),
+			LocalRetries: s.results.localRetries.Load(),
+			Poisoned:     s.results.poisoned.Load(),
+		},
+		SettleErrors:  p.SettleErrors,
+		Stale:         p.Stale,
+		Dropped:       p.Dropped,
+		Overshoot:     p.Overshoot,
+		Links:         p.Links,
+		LinksLost:     p.LinksLost,
+		Reconnects:    s.reconnects.Load(),
+		Abandoned:     s.abandoned.Load(),
+		EventsDropped: s.events.droppedCount(),
 	}
+}
+
+// String returns the counters on one line, the ones that are usually zero
+// only when they are not.
+func (st Stats) String() string {
+	s := fmt.Sprintf("held=%d max=%d (buffered=%d handling=%d settling=%d) received=%d settled=%d/%d/%d/%d results=%d/%d/%d/%d",
+		st.Held, st.MaxHeld, st.Buffered, st.Handling, st.Settling, st.Received,
+		st.Settled.Accepted, st.Settled.Released, st.Settled.Modified, st.Settled.Rejected,
+		st.Results.Accept, st.Results.Release, st.Results.Retry, st.Results.Reject)
+	for _, c := range []struct {
+		name string
+		n    uint64
+	}{
+		{"panics", st.Results.Panics}, {"local_retries", st.Results.LocalRetries}, {"poisoned", st.Results.Poisoned},
+		{"settle_errors", st.SettleErrors}, {"stale", st.Stale}, {"dropped", st.Dropped},
+		{"overshoot", uint64(st.Overshoot)}, {"links_lost", st.LinksLost}, {"reconnects", st.Reconnects},
+		{"abandoned", st.Abandoned}, {"events_dropped", st.EventsDropped},
+	} {
+		if c.n != 0 {
+			s += fmt.Sprintf(" %s=%d", c.name, c.n)
+		}
+	}
+	return s
+}
+
+// MarshalLogObject logs the counters as fields of a zap object:
+// zap.Object("stats", sub.Stats()).
+func (st Stats) MarshalLogObject(enc zapcore.ObjectEncoder) error {
+	enc.AddInt("held", st.Held)
+	enc.AddInt("max_held", st.MaxHeld)
+	enc.AddInt("buffered", st.Buffered)
+	enc.AddInt("handling", st.Handling)
+	enc.AddInt("settling", st.Settling)
+	enc.AddUint64("received", st.Received)
+	enc.AddUint64("accepted", st.Settled.Accepted)
+	enc.AddUint64("released", st.Settled.Released)
+	enc.AddUint64("modified", st.Settled.Modified)
+	enc.AddUint64("rejected", st.Settled.Rejected)
+	enc.AddUint64("result_accept", st.Results.Accept)
+	enc.AddUint64("result_release", st.Results.Release)
+	enc.AddUint64("result_retry", st.Results.Retry)
+	enc.AddUint64("result_reject", st.Results.Reject)
+	enc.AddUint64("panics", st.Results.Panics)
+	enc.AddUint64("local_retries", st.Results.LocalRetries)
+	enc.AddUint64("poisoned", st.Results.Poisoned)
+	enc.AddUint64("settle_errors", st.SettleErrors)
+	enc.AddUint64("stale", st.Stale)
+	enc.AddUint64("dropped", st.Dropped)
+	enc.AddInt64("overshoot", st.Overshoot)
+	enc.AddUint64("links", st.Links)
+	enc.AddUint64("links_lost", st.LinksLost)
+	enc.AddUint64("reconnects", st.Reconnects)
+	enc.AddUint64("abandoned", st.Abandoned)
+	enc.AddUint64("events_dropped", st.EventsDropped)
+	return nil
 }

@@ -97,12 +97,12 @@ func TestHandlerResultsSettleAsDocumented(t *testing.T) {
 					t.Errorf("reject carried %+v", st.Error)
 				}
 				stats := s.Stats()
-				if stats.Panics != 1 || stats.Retries != 3 || stats.Rejects != 1 || stats.Releases != 1 {
+				if stats.Results.Panics != 1 || stats.Results.Retry != 3 || stats.Results.Reject != 1 || stats.Results.Release != 1 {
 					t.Errorf("stats %+v", stats)
 				}
 				// 0 at once; 1, 2, 4 and 5 when redelivered; 3 was rejected.
-				if stats.Accepted != 5 {
-					t.Errorf("accepted %d, want 5", stats.Accepted)
+				if stats.Settled.Accepted != 5 {
+					t.Errorf("accepted %d, want 5", stats.Settled.Accepted)
 				}
 			})
 		})
@@ -159,7 +159,7 @@ func TestHeldNeverExceedsCredit(t *testing.T) {
 			t.Fatalf("held %d handling %d buffered %d, want 8/3/5", st.Held, st.Handling, st.Buffered)
 		}
 		close(unblock)
-		for s.Stats().Accepted < 100 {
+		for s.Stats().Settled.Accepted < 100 {
 			time.Sleep(time.Millisecond)
 		}
 		cancel()
@@ -298,7 +298,7 @@ func TestBatchesAndTheirResults(t *testing.T) {
 			mu.Unlock()
 			res := make([]error, len(b))
 			for i, d := range b {
-				if index(d) == 7 && d.DeliveryCount() == 0 && d.FirstAcquirer() {
+				if index(d) == 7 && d.DeliveryCount() == 0 {
 					res[i] = amqpsub.Reject("seven")
 				}
 			}
@@ -336,7 +336,7 @@ func TestBatchHandlerContractBreachesRetry(t *testing.T) {
 				panic("batch boom")
 			}
 			return nil
-		}), amqpsub.Batch(3, 0), amqpsub.WithSource(src))
+		}), amqpsub.Batch(3, 10*time.Millisecond), amqpsub.WithSource(src))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		cancel()
@@ -344,7 +344,7 @@ func TestBatchHandlerContractBreachesRetry(t *testing.T) {
 		if src.Count(fake.Modified) != 6 || src.Count(fake.Accepted) != 3 {
 			t.Fatalf("modified %d accepted %d", src.Count(fake.Modified), src.Count(fake.Accepted))
 		}
-		if s.Stats().Panics != 1 {
+		if s.Stats().Results.Panics != 1 {
 			t.Fatal("panic not counted")
 		}
 	})

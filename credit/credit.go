@@ -74,20 +74,14 @@ type Account struct {
 }
 
 // New returns an Account that keeps at most limit deliveries in the process
-// and grants credit in chunks of at least chunk. A chunk of 0 picks
-// max(1, limit/8). It panics if limit < 1 or chunk > limit, which the
-// callers validate first.
-func New(limit, chunk int, mode Mode) *Account {
+// and grants credit in chunks of at least max(1, limit/8): one flow frame per
+// eighth of the credit settled, rather than one per delivery. It panics if
+// limit < 1, which callers validate first.
+func New(limit int, mode Mode) *Account {
 	if limit < 1 {
 		panic("credit: limit < 1")
 	}
-	if chunk <= 0 {
-		chunk = max(1, limit/8)
-	}
-	if chunk > limit {
-		panic("credit: chunk > limit")
-	}
-	return &Account{limit: int64(limit), chunk: int64(chunk), mode: mode}
+	return &Account{limit: int64(limit), chunk: int64(max(1, limit/8)), mode: mode}
 }
 
 // Attach starts the accounting of a new link. Deliveries still held from an
@@ -147,14 +141,11 @@ func (a *Account) Grant() uint32 {
 	return uint32(want)
 }
 
-// Revoke records that the broker drained the link: the credit it still had
-// is gone.
-func (a *Account) Revoke() {
-	a.granted = a.received
-}
-
 // Held returns the deliveries held in the process.
 func (a *Account) Held() int { return int(a.held) }
+
+// Overshoot returns the deliveries received past the credit, on all links.
+func (a *Account) Overshoot() int64 { return a.overshoot }
 
 // Snapshot is a copy of an Account's counters.
 type Snapshot struct {

@@ -3,7 +3,7 @@ package credit
 import "testing"
 
 func TestGrantKeepsHeldAndOutstandingWithinLimit(t *testing.T) {
-	a := New(32, 4, Continuous)
+	a := New(32, Continuous)
 	if g := a.Grant(); g != 32 {
 		t.Fatalf("first grant = %d, want 32", g)
 	}
@@ -37,7 +37,7 @@ func TestGrantKeepsHeldAndOutstandingWithinLimit(t *testing.T) {
 
 func TestDefaultChunk(t *testing.T) {
 	for _, tc := range []struct{ limit, chunk int64 }{{1, 1}, {7, 1}, {8, 1}, {256, 32}} {
-		if got := New(int(tc.limit), 0, Continuous).chunk; got != tc.chunk {
+		if got := New(int(tc.limit), Continuous).chunk; got != tc.chunk {
 			t.Errorf("limit %d: chunk %d, want %d", tc.limit, got, tc.chunk)
 		}
 	}
@@ -46,7 +46,7 @@ func TestDefaultChunk(t *testing.T) {
 // A broker that sends past its credit must neither stall the account nor
 // make it grant without bound.
 func TestOvershootSwitchesToWindowedAndWinsItBack(t *testing.T) {
-	a := New(8, 2, Continuous)
+	a := New(8, Continuous)
 	if g := a.Grant(); g != 8 {
 		t.Fatalf("grant %d", g)
 	}
@@ -89,7 +89,7 @@ func TestOvershootSwitchesToWindowedAndWinsItBack(t *testing.T) {
 }
 
 func TestAttachStartsCleanButKeepsHeld(t *testing.T) {
-	a := New(4, 1, Continuous)
+	a := New(4, Continuous)
 	a.Grant()
 	a.Received()
 	a.Received()
@@ -104,31 +104,20 @@ func TestAttachStartsCleanButKeepsHeld(t *testing.T) {
 	}
 }
 
-func TestRevoke(t *testing.T) {
-	a := New(4, 1, Windowed)
-	a.Grant()
-	a.Received()
-	a.Revoke() // drained: the 3 outstanding are gone
-	a.Settled(1)
-	if g := a.Grant(); g != 4 {
-		t.Fatalf("grant after drain = %d, want 4", g)
-	}
-}
-
 func TestSettledMoreThanHeldPanics(t *testing.T) {
 	defer func() {
 		if recover() == nil {
 			t.Fatal("no panic")
 		}
 	}()
-	New(1, 1, Continuous).Settled(1)
+	New(1, Continuous).Settled(1)
 }
 
 func FuzzAccountBound(f *testing.F) {
 	f.Add(uint8(16), []byte{0, 0, 1, 2, 0, 1, 1, 2})
 	f.Fuzz(func(t *testing.T, limit uint8, ops []byte) {
 		l := int(limit%64) + 1
-		a := New(l, 0, Continuous)
+		a := New(l, Continuous)
 		var granted, arrived int64
 		for _, op := range ops {
 			switch op % 3 {
@@ -157,14 +146,14 @@ func FuzzAccountBound(f *testing.F) {
 // With nothing held, the last credit below a chunk goes back too: no later
 // settlement would send it.
 func TestGrantTopsUpWhenNothingIsHeld(t *testing.T) {
-	a := New(10, 4, Continuous)
+	a := New(32, Continuous) // chunk 4
 	a.Grant()
-	for range 10 {
+	for range 32 {
 		a.Received()
 	}
-	a.Settled(8)
-	if g := a.Grant(); g != 8 {
-		t.Fatalf("grant = %d, want 8", g)
+	a.Settled(30)
+	if g := a.Grant(); g != 30 {
+		t.Fatalf("grant = %d, want 30", g)
 	}
 	a.Settled(2) // nothing held; 2 missing, below the chunk of 4
 	if g := a.Grant(); g != 2 {

@@ -704,18 +704,19 @@ func TestFaultPanics(t *testing.T) {
 	stop, wait := runSub(t, s)
 	waitFor(t, time.Minute, "every message handled or dead-lettered", func() bool {
 		st := s.Stats()
-		return accepted.Load() == n-poison+1 && st.Modified == poison*attempts
+		return accepted.Load() == n-poison+1 && st.Settled.Modified == poison*attempts
 	})
-	// Give a sixth delivery of a poison message the chance to show up.
-	time.Sleep(300 * time.Millisecond)
+	// No sixth delivery of a poison message can follow: nothing is left in
+	// the queue, queued or out.
+	waitFor(t, 30*time.Second, "the queue empty", func() bool { return queueAttribute(t, conn, q, "messageCount") == "0" })
 	stop()
 	if err := wait(); err != nil {
 		t.Fatalf("Run = %v", err)
 	}
 	st := s.Stats()
-	t.Logf("panics %d, modified %d, accepted %d; stats %+v", st.Panics, st.Modified, st.Accepted, st)
-	if st.Panics != poison*attempts || st.Retries != poison*attempts || st.Modified != poison*attempts ||
-		st.Accepted != n-poison+1 || st.Rejected != 0 || st.Held != 0 {
+	t.Logf("panics %d, modified %d, accepted %d; stats %v", st.Results.Panics, st.Settled.Modified, st.Settled.Accepted, st)
+	if st.Results.Panics != poison*attempts || st.Results.Retry != poison*attempts || st.Settled.Modified != poison*attempts ||
+		st.Settled.Accepted != n-poison+1 || st.Settled.Rejected != 0 || st.Held != 0 {
 		t.Fatalf("stats %+v, want %d panics and modified, %d accepted", st, poison*attempts, n-poison+1)
 	}
 	mu.Lock()
@@ -868,7 +869,7 @@ func childMain() int {
 		line, _ := json.Marshal(childStats{
 			RSSKiB: rssKiB(), GoSysKiB: int64(ms.Sys >> 10), HeapInuseKiB: int64(ms.HeapInuse >> 10),
 			Goroutines: runtime.NumGoroutine(), Held: st.Held, MaxHeld: st.MaxHeld, Received: st.Received,
-			Accepted: st.Accepted, Released: st.Released, Modified: st.Modified, Stale: st.Stale,
+			Accepted: st.Settled.Accepted, Released: st.Settled.Released, Modified: st.Settled.Modified, Stale: st.Stale,
 			Handled: handled.Load(), Stuck: stuck.Load(), Final: final, StopTook: stopTook,
 		})
 		outMu.Lock()
@@ -1466,9 +1467,12 @@ func TestFaultBadConfig(t *testing.T) {
 			{"Backoff(2s, 1s)", func() (*amqpsub.Subscriber, error) {
 				return amqpsub.New(c, "q", nop, amqpsub.Backoff(2*time.Second, time.Second))
 			}, "Backoff(2s, 1s)"},
-			{"LocalRetry(-1, …)", func() (*amqpsub.Subscriber, error) {
-				return amqpsub.New(c, "q", nop, amqpsub.LocalRetry(-1, time.Millisecond, time.Second))
-			}, "LocalRetry(-1"},
+			{"LocalRetry(Attempts: -1)", func() (*amqpsub.Subscriber, error) {
+				return amqpsub.New(c, "q", nop, amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: -1}))
+			}, "LocalRetry({Attempts:-1"},
+			{"Workers and WorkersByKey", func() (*amqpsub.Subscriber, error) {
+				return amqpsub.New(c, "q", nop, amqpsub.Workers(2), amqpsub.WorkersByKey(2))
+			}, "WorkersByKey(2) after Workers(2)"},
 			{"GracePeriod(-1s)", func() (*amqpsub.Subscriber, error) {
 				return amqpsub.New(c, "q", nop, amqpsub.GracePeriod(-time.Second))
 			}, "GracePeriod(-1s)"},
@@ -1478,9 +1482,9 @@ func TestFaultBadConfig(t *testing.T) {
 			}, "zero Profile"},
 			{"nil Option", func() (*amqpsub.Subscriber, error) { return amqpsub.New(c, "q", nop, nil) }, "nil Option"},
 			{"Batch with a Handler", func() (*amqpsub.Subscriber, error) { return amqpsub.New(c, "q", nop, amqpsub.Batch(10, 0)) }, "NewBatch"},
-			{"LocalRetry with a BatchHandler", func() (*amqpsub.Subscriber, error) {
-				return amqpsub.NewBatch(c, "q", batch, amqpsub.LocalRetry(1, time.Millisecond, time.Second))
-			}, "LocalRetry"},
+			{"Batch(0, …) on NewBatch", func() (*amqpsub.Subscriber, error) {
+				return amqpsub.NewBatch(c, "q", batch, amqpsub.Batch(0, time.Second))
+			}, "Batch(0, 1s)"},
 			{"nil Handler", func() (*amqpsub.Subscriber, error) { return amqpsub.New(c, "q", nil) }, "nil Handler"},
 			{"nil Connector", func() (*amqpsub.Subscriber, error) { return amqpsub.New(nil, "q", nop) }, "nil Connector"},
 			{"empty queue", func() (*amqpsub.Subscriber, error) { return amqpsub.New(c, "", nop) }, "empty queue"},

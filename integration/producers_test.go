@@ -182,7 +182,7 @@ func consumeGroups(t *testing.T, url, queue string, n, groups int,
 	if check.handled != n || check.dups != 0 || check.violations != 0 {
 		t.Errorf("handled %d of %d, %d duplicates, %d order violations", check.handled, n, check.dups, check.violations)
 	}
-	if st.Accepted != uint64(n) || st.Modified != 0 || st.Released != 0 || st.Rejected != 0 {
+	if st.Settled.Accepted != uint64(n) || st.Settled.Modified != 0 || st.Settled.Released != 0 || st.Settled.Rejected != 0 {
 		t.Errorf("settlements: %+v, want %d accepted and nothing else", st, n)
 	}
 	if len(check.seen) != groups {

@@ -47,13 +47,15 @@ func BenchmarkDispatch(b *testing.B) {
 			items := benchItems(1024, tc.groups)
 			in := make(chan *benchItem, 256)
 			cfg := lanes.Config[*benchItem]{
-				Lanes:       tc.lanes,
-				Key:         tc.key,
-				BatchSize:   tc.batch,
-				BatchWait:   10 * time.Millisecond,
-				Handle:      func(int, *benchItem) {},
-				HandleBatch: func(int, []*benchItem) {},
-				Drop:        func(*benchItem) { b.Error("dropped") },
+				Lanes:  tc.lanes,
+				Key:    tc.key,
+				Handle: func(int, *benchItem) {},
+				Drop:   func(*benchItem) { b.Error("dropped") },
+			}
+			if tc.batch > 0 {
+				cfg.Handle = nil
+				cfg.BatchSize, cfg.BatchWait = tc.batch, 10*time.Millisecond
+				cfg.HandleBatch = func(int, []*benchItem) {}
 			}
 			done := make(chan struct{})
 			go func() {

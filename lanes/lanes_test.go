@@ -80,6 +80,7 @@ func TestKeylessItemsRotateOverLanes(t *testing.T) {
 		Lanes:  8,
 		Key:    keyOf,
 		Handle: func(lane int, _ item) { counts[lane].Add(1) },
+		Drop:   func(item) { t.Error("dropped without a stop") },
 	})
 	for i := range counts {
 		if n := counts[i].Load(); n != 10 {
@@ -113,6 +114,7 @@ func TestSlowLaneDoesNotBlockTheOthers(t *testing.T) {
 					}
 					fastDone.Add(1)
 				},
+				Drop: func(item) { t.Error("dropped without a stop") },
 			})
 		}()
 		for i := range 40 {
@@ -148,6 +150,7 @@ func TestUnorderedWorkersRunConcurrently(t *testing.T) {
 				time.Sleep(time.Millisecond)
 				running.Add(-1)
 			},
+			Drop: func(item) { t.Error("dropped without a stop") },
 		})
 		if p := peak.Load(); p != 4 {
 			t.Fatalf("peak concurrency %d, want 4", p)
@@ -175,6 +178,7 @@ func TestBatchesCloseAtSizeAndAtWait(t *testing.T) {
 					batches = append(batches, got{len(items), time.Since(start)})
 					mu.Unlock()
 				},
+				Drop: func(item) { t.Error("dropped without a stop") },
 			})
 		}()
 		for i := range 25 {
@@ -202,22 +206,27 @@ func TestStopDropsWhatNoHandlerHasTaken(t *testing.T) {
 			finish := make(chan struct{})
 			var handled, dropped atomic.Int64
 			done := make(chan struct{})
+			cfg := lanes.Config[item]{
+				Lanes: 1, Key: keyOf, Stop: stop,
+				Drop: func(item) { dropped.Add(1) },
+			}
+			if size == 1 {
+				cfg.Handle = func(int, item) {
+					handled.Add(1)
+					inHandler <- struct{}{}
+					<-finish
+				}
+			} else {
+				cfg.BatchSize, cfg.BatchWait = size, time.Second
+				cfg.HandleBatch = func(_ int, items []item) {
+					handled.Add(int64(len(items)))
+					inHandler <- struct{}{}
+					<-finish
+				}
+			}
 			go func() {
 				defer close(done)
-				lanes.Run(in, lanes.Config[item]{
-					Lanes: 1, Key: keyOf, BatchSize: size, BatchWait: time.Second, Stop: stop,
-					Handle: func(int, item) {
-						handled.Add(1)
-						inHandler <- struct{}{}
-						<-finish
-					},
-					HandleBatch: func(_ int, items []item) {
-						handled.Add(int64(len(items)))
-						inHandler <- struct{}{}
-						<-finish
-					},
-					Drop: func(item) { dropped.Add(1) },
-				})
+				lanes.Run(in, cfg)
 			}()
 			for i := range 12 {
 				in <- item{"k", i}
@@ -234,7 +243,7 @@ func TestStopDropsWhatNoHandlerHasTaken(t *testing.T) {
 	})
 }
 
-func TestSkippedItemsAreDropped(t *testing.T) {
+func TestItemsTakeRefusesAreDropped(t *testing.T) {
 	in := make(chan item, 10)
 	for i := range 10 {
 		in <- item{"", i}
@@ -243,7 +252,7 @@ func TestSkippedItemsAreDropped(t *testing.T) {
 	var handled, dropped atomic.Int64
 	lanes.Run(in, lanes.Config[item]{
 		Lanes:  2,
-		Skip:   func(it item) bool { return it.seq%2 == 0 },
+		Take:   func(it item) bool { return it.seq%2 != 0 },
 		Handle: func(int, item) { handled.Add(1) },
 		Drop:   func(item) { dropped.Add(1) },
 	})

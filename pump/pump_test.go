@@ -5,7 +5,6 @@ import (
 	"errors"
 	"testing"
 	"testing/synctest"
-	"time"
 
 	"github.com/Azure/go-amqp"
 	"go.uber.org/goleak"
@@ -78,9 +77,9 @@ func TestEveryDeliveryIsSettledOnceAndHeldStaysWithinCredit(t *testing.T) {
 func TestSettlementsAppliedWhileOutIsFullAndUnpolled(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(true, fake.Messages(100)...)
-		p := pump.New(pump.Config{Credit: 4, Chunk: 1})
+		p := pump.New(pump.Config{Credit: 4})
 		cancel, errc := start(t, p, attachTo(src))
-		var taken []*pump.Delivery
+		var taken []pump.Ticket
 		for range 4 {
 			taken = append(taken, <-p.Out())
 		}
@@ -108,9 +107,9 @@ func TestOvershootIsCountedAndDoesNotStall(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(false, fake.Messages(200)...)
 		src.Overshoot(5)
-		p := pump.New(pump.Config{Credit: 8, Chunk: 2})
+		p := pump.New(pump.Config{Credit: 8})
 		_, errc := start(t, p, attachTo(src))
-		var first []*pump.Delivery
+		var first []pump.Ticket
 		for range 8 {
 			first = append(first, <-p.Out())
 		}
@@ -138,23 +137,26 @@ func TestOvershootIsCountedAndDoesNotStall(t *testing.T) {
 func TestStopReleasesBufferedAndSettlesInProgress(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(true, fake.Messages(50)...)
-		p := pump.New(pump.Config{Credit: 10, DrainTimeout: time.Second})
+		p := pump.New(pump.Config{Credit: 10})
 		_, errc := start(t, p, attachTo(src))
-		inHandler := []*pump.Delivery{<-p.Out(), <-p.Out()}
+		inHandler := []pump.Ticket{<-p.Out(), <-p.Out()}
 		for _, d := range inHandler {
-			d.SetState(pump.Handling)
+			if !d.Begin() {
+				t.Fatal("Begin refused a fresh delivery")
+			}
 		}
 		synctest.Wait()
 		if st := p.Stats(); st.Held != 10 || st.Handling != 2 || st.Buffered != 8 {
 			t.Fatalf("before stop %+v", st)
 		}
 		p.Stop()
-		synctest.Wait()
+		<-p.Released()
 		if n := src.Count(fake.Released); n != 8 {
 			t.Fatalf("released %d at stop, want the 8 buffered", n)
 		}
-		if src.Credit() != 0 {
-			t.Fatalf("credit %d left with the broker after stop", src.Credit())
+		synctest.Wait()
+		if n := src.Count(fake.Released); n != 8 {
+			t.Fatalf("released %d after stop, want the 8 buffered", n)
 		}
 		select {
 		case err := <-errc:
@@ -180,17 +182,19 @@ func TestLostLinkIsReplacedAndItsDeliveriesAreStale(t *testing.T) {
 		p := pump.New(pump.Config{Credit: 4})
 		_, errc := start(t, p, attachTo(first, second))
 		old := <-p.Out()
+		old.Begin() // in a handler when the link is lost
 		synctest.Wait()
 		first.Fail(fake.ErrLinkLost)
 		synctest.Wait()
 		if !old.Stale() {
 			t.Fatal("delivery of the lost link not stale")
 		}
-		// Settling it frees its entry without touching either link.
+		// Settling it frees its entry without touching either link; the
+		// other two of the first link were dropped, unhandled.
 		p.Settle(old, pump.Outcome{Kind: pump.Accept})
 		n := 0
 		for d := range p.Out() {
-			if d.Stale() {
+			if !d.Begin() {
 				p.Settle(d, pump.Outcome{Kind: pump.Drop})
 				continue
 			}
@@ -203,7 +207,7 @@ func TestLostLinkIsReplacedAndItsDeliveriesAreStale(t *testing.T) {
 			t.Fatalf("Run = %v", err)
 		}
 		st := p.Stats()
-		if st.Links != 2 || st.LinksLost != 1 || st.Held != 0 || st.Accepted != 4 || st.Stale != 1 {
+		if st.Links != 2 || st.LinksLost != 1 || st.Held != 0 || st.Accepted != 3 || st.Stale != 1 || st.Dropped != 2 {
 			t.Fatalf("stats %+v", st)
 		}
 		if second.Count(fake.Accepted) != 3 || first.Count(fake.Accepted) != 0 {
@@ -234,7 +238,7 @@ func TestStopDuringAttachReturns(t *testing.T) {
 func TestWindowedModeGrantsOnlyAfterTheWindowArrived(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(false, fake.Messages(3)...)
-		p := pump.New(pump.Config{Credit: 8, Chunk: 1, Mode: credit.Windowed})
+		p := pump.New(pump.Config{Credit: 8, Mode: credit.Windowed})
 		cancel, errc := start(t, p, attachTo(src))
 		for range 3 {
 			p.Settle(<-p.Out(), pump.Outcome{Kind: pump.Accept})

@@ -1,6 +1,10 @@
 package pump
 
-import "sync/atomic"
+import (
+	"sync/atomic"
+
+	"github.com/Azure/go-amqp"
+)
 
 type counters struct {
 	received     atomic.Uint64
@@ -8,6 +12,7 @@ type counters struct {
 	settled      [Drop + 1]atomic.Uint64
 	settleErrors atomic.Uint64
 	stale        atomic.Uint64
+	doubleSettle atomic.Uint64
 	links        atomic.Uint64
 	linksLost    atomic.Uint64
 	held         atomic.Int64
@@ -18,44 +23,52 @@ type counters struct {
 
 // Stats are a pump's counters. Counts are totals since New.
 type Stats struct {
-	Received     uint64 // deliveries received
-	Granted      uint64 // credit granted to the broker
-	Accepted     uint64 // settled as accepted
-	Released     uint64 // settled as released
-	Modified     uint64 // settled as modified
-	Rejected     uint64 // settled as rejected
-	Dropped      uint64 // freed without a settlement: their link was lost
-	SettleErrors uint64 // settlements the broker did not take
-	Stale        uint64 // settlements skipped because their link was lost
-	Links        uint64 // links attached
-	LinksLost    uint64 // links lost
-	Held         int    // deliveries held in the process now
-	MaxHeld      int    // the most deliveries held at once
-	Overshoot    int64  // deliveries the broker sent past the credit
-	Windowed     bool   // credit is granted in windows (after an overshoot)
-	Buffered     int    // held, waiting for a handler
-	Handling     int    // held, in a handler
+	Received uint64 // deliveries received
+	Granted  uint64 // credit granted to the broker
+	// Settlements the broker took, by outcome.
+	Accepted, Released, Modified, Rejected uint64
+	// Dropped counts deliveries freed without a settlement because their
+	// link was lost before a handler took them; the broker redelivers them.
+	Dropped uint64
+	// SettleErrors counts settlements the broker did not take.
+	SettleErrors uint64
+	// Stale counts settlements skipped because their link was lost.
+	Stale uint64
+	// DoubleSettles counts Settle calls refused because the delivery was
+	// already settled.
+	DoubleSettles uint64
+	Links         uint64 // links attached
+	LinksLost     uint64 // links lost
+	Held          int    // deliveries held in the process now
+	MaxHeld       int    // the most deliveries held at once
+	Overshoot     int64  // deliveries the broker sent past the credit
+	Windowed      bool   // credit is granted in windows (after an overshoot)
+	// A census of the book, taken entry by entry while the pump goes on:
+	// Buffered + Handling + Settling is Held give or take the deliveries that
+	// moved meanwhile.
+	Buffered, Handling, Settling int
 }
 
 // Stats returns the pump's counters and a census of its book. It may be
 // called from any goroutine.
 func (p *Pump) Stats() Stats {
 	s := Stats{
-		Received:     p.stats.received.Load(),
-		Granted:      p.stats.granted.Load(),
-		Accepted:     p.stats.settled[Accept].Load(),
-		Released:     p.stats.settled[Release].Load(),
-		Modified:     p.stats.settled[Modify].Load(),
-		Rejected:     p.stats.settled[Reject].Load(),
-		Dropped:      p.stats.settled[Drop].Load(),
-		SettleErrors: p.stats.settleErrors.Load(),
-		Stale:        p.stats.stale.Load(),
-		Links:        p.stats.links.Load(),
-		LinksLost:    p.stats.linksLost.Load(),
-		Held:         int(p.stats.held.Load()),
-		MaxHeld:      int(p.stats.maxHeld.Load()),
-		Overshoot:    p.stats.overshoot.Load(),
-		Windowed:     p.stats.windowed.Load(),
+		Received:      p.stats.received.Load(),
+		Granted:       p.stats.granted.Load(),
+		Accepted:      p.stats.settled[Accept].Load(),
+		Released:      p.stats.settled[Release].Load(),
+		Modified:      p.stats.settled[Modify].Load(),
+		Rejected:      p.stats.settled[Reject].Load(),
+		Dropped:       p.stats.settled[Drop].Load(),
+		SettleErrors:  p.stats.settleErrors.Load(),
+		Stale:         p.stats.stale.Load(),
+		DoubleSettles: p.stats.doubleSettle.Load(),
+		Links:         p.stats.links.Load(),
+		LinksLost:     p.stats.linksLost.Load(),
+		Held:          int(p.stats.held.Load()),
+		MaxHeld:       int(p.stats.maxHeld.Load()),
+		Overshoot:     p.stats.overshoot.Load(),
+		Windowed:      p.stats.windowed.Load(),
 	}
 	p.Each(func(d *Delivery) bool {
 		switch d.State() {
@@ -63,8 +76,33 @@ func (p *Pump) Stats() Stats {
 			s.Buffered++
 		case Handling:
 			s.Handling++
+		case Settling:
+			s.Settling++
 		}
 		return true
 	})
 	return s
+}
+
+// EventKind says what an Event reports.
+type EventKind uint8
+
+const (
+	// SettleFailed: the broker did not take a settlement (Err says why);
+	// it redelivers the delivery.
+	SettleFailed EventKind = iota
+	// LinkLost: the link failed (Err); the pump attaches another.
+	LinkLost
+	// Overshoot: the broker sent past its credit for the first time on a
+	// link; credit is granted in windows from now on.
+	Overshoot
+)
+
+// Event is something that happened on the pump's goroutine that the user
+// may want to hear of (Config.OnEvent).
+type Event struct {
+	Kind    EventKind
+	Err     error
+	Message *amqp.Message // the delivery's message, for SettleFailed
+	Outcome Kind          // for SettleFailed
 }

@@ -186,7 +186,7 @@ func consume(ctx context.Context, cfg config, stdout, stderr io.Writer) error {
 	st := sub.Stats()
 	if cfg.events {
 		fmt.Fprintf(stdout, "stats %s %d %d %d %d %d %d\n", cfg.id,
-			st.Received, st.Accepted, st.Released, st.Modified, st.Rejected, st.MaxHeld)
+			st.Received, st.Settled.Accepted, st.Settled.Released, st.Settled.Modified, st.Settled.Rejected, st.MaxHeld)
 	}
 	summary(stderr, cfg.id, t, st, time.Since(start))
 	if runErr != nil {
@@ -258,7 +258,7 @@ func summary(w io.Writer, id string, t *tally, st amqpsub.Stats, elapsed time.Du
 		fmt.Fprintf(w, "  violations per group: %s\n", strings.Join(bad, " "))
 	}
 	fmt.Fprintf(w, "  settled: accepted %d, released %d, modified %d, rejected %d; max held %d\n",
-		st.Accepted, st.Released, st.Modified, st.Rejected, st.MaxHeld)
+		st.Settled.Accepted, st.Settled.Released, st.Settled.Modified, st.Settled.Rejected, st.MaxHeld)
 }
 
 // publish sends n messages round-robin over groups group-ids, each with its

@@ -300,7 +300,7 @@ func drainSub(ctx context.Context, b *broker, conn *amqp.Conn, queue string, wan
 	}
 	// The handlers are done; wait for the pump to have sent every
 	// acceptance.
-	for s.Stats().Accepted < uint64(want) {
+	for s.Stats().Settled.Accepted < uint64(want) {
 		if dctx.Err() != nil {
 			return abort(context.Cause(dctx))
 		}
@@ -318,8 +318,8 @@ func drainSub(ctx context.Context, b *broker, conn *amqp.Conn, queue string, wan
 	if err := <-runErr; err != nil {
 		return result{}, fmt.Errorf("Run: %w", err)
 	}
-	if st.Accepted != uint64(want) || st.Received != uint64(want) {
-		return result{}, fmt.Errorf("received %d, accepted %d, want %d each", st.Received, st.Accepted, want)
+	if st.Settled.Accepted != uint64(want) || st.Received != uint64(want) {
+		return result{}, fmt.Errorf("received %d, accepted %d, want %d each", st.Received, st.Settled.Accepted, want)
 	}
 	r := measured(want, elapsed, before, after)
 	r.maxHeld, r.overshoot = st.MaxHeld, st.Overshoot

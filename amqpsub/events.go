@@ -1,0 +1,172 @@
+package amqpsub
+
+import (
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// EventKind says what an Event reports.
+type EventKind uint8
+
+const (
+	// EventHandlerFailed: a handler returned an error that means Retry (Err);
+	// the delivery went back to the broker as a failed attempt, or is
+	// retried in the lane (Attempt > 0) under LocalRetry.
+	EventHandlerFailed EventKind = iota + 1
+	// EventHandlerPanicked: a handler panicked (Err wraps ErrHandlerPanic
+	// and holds the value); the delivery is retried.
+	EventHandlerPanicked
+	// EventPoisoned: a delivery was dead-lettered before any handler saw
+	// it, its delivery count being past MaxDeliveryCount.
+	EventPoisoned
+	// EventSettleFailed: the broker did not take a settlement (Err); it
+	// redelivers the delivery.
+	EventSettleFailed
+	// EventLinkLost: the link or connection failed (Err); the subscriber
+	// reconnects.
+	EventLinkLost
+	// EventReconnectFailed: an attempt to replace a lost link failed (Err);
+	// another follows after a backoff, unless the error is fatal.
+	EventReconnectFailed
+	// EventReconnected: a new link replaced a lost one after Attempt
+	// attempts; Err is what ended the old one.
+	EventReconnected
+	// EventCreditOvershoot: the broker sent past the credit it was given;
+	// credit is granted in windows from now on.
+	EventCreditOvershoot
+	// EventAbandoned: at the end of Run, Count handlers had not returned
+	// within the grace period and CloseTimeout; their results are ignored
+	// and the broker redelivers their deliveries.
+	EventAbandoned
+)
+
+var eventNames = [...]string{"", "handler-failed", "handler-panicked", "poisoned", "settle-failed",
+	"link-lost", "reconnect-failed", "reconnected", "credit-overshoot", "abandoned"}
+
+func (k EventKind) String() string {
+	if int(k) < len(eventNames) && k > 0 {
+		return eventNames[k]
+	}
+	return fmt.Sprintf("EventKind(%d)", k)
+}
+
+// Event is an error or lifecycle event of a running Subscriber (OnEvent).
+type Event struct {
+	Kind  EventKind
+	Err   error
+	Queue string
+	// The delivery concerned, for the kinds about one: its message-id,
+	// group-id, delivery count and lane. Lane is -1 when no lane is
+	// concerned.
+	MessageID     any
+	GroupID       string
+	DeliveryCount uint32
+	Lane          int
+	// Attempt is the reconnect attempt (EventReconnected,
+	// EventReconnectFailed) or the retry in the lane (EventHandlerFailed),
+	// from 1; 0 otherwise.
+	Attempt int
+	// Count is how many handlers were abandoned (EventAbandoned).
+	Count int
+}
+
+func (e Event) String() string {
+	s := fmt.Sprintf("%s queue=%s", e.Kind, e.Queue)
+	if e.MessageID != nil || e.GroupID != "" {
+		s += fmt.Sprintf(" message_id=%v group_id=%q delivery_count=%d lane=%d", e.MessageID, e.GroupID, e.DeliveryCount, e.Lane)
+	}
+	if e.Attempt > 0 {
+		s += fmt.Sprintf(" attempt=%d", e.Attempt)
+	}
+	if e.Count > 0 {
+		s += fmt.Sprintf(" count=%d", e.Count)
+	}
+	if e.Err != nil {
+		s += ": " + e.Err.Error()
+	}
+	return s
+}
+
+// eventQueueSize is how far OnEvent's function may fall behind.
+const eventQueueSize = 1024
+
+// events passes Events to the user's function on a goroutine of its own. A
+// nil *events (no OnEvent) drops everything at the cost of a nil check.
+type events struct {
+	fn      func(Event)
+	ch      chan Event
+	mu      sync.RWMutex // held to send, so that close never races a send
+	closed  bool
+	dropped atomic.Uint64
+	done    chan struct{}
+}
+
+func newEvents(fn func(Event)) *events {
+	if fn == nil {
+		return nil
+	}
+	return &events{fn: fn, ch: make(chan Event, eventQueueSize), done: make(chan struct{})}
+}
+
+// start runs the goroutine that calls fn; it ends after close, once the
+// queued events are passed on.
+func (e *events) start() {
+	if e == nil {
+		return
+	}
+	go func() {
+		defer close(e.done)
+		for ev := range e.ch {
+			e.fn(ev)
+		}
+	}()
+}
+
+// send queues ev without ever blocking; past the queue's room, or after
+// close, it is dropped.
+func (e *events) send(ev Event) {
+	if e == nil {
+		return
+	}
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	if e.closed {
+		return
+	}
+	select {
+	case e.ch <- ev:
+	default:
+		e.dropped.Add(1)
+	}
+}
+
+// close stops taking events and waits until fn has had the queued ones, or
+// until by; false means fn was still busy at by (it goes on alone).
+func (e *events) close(by time.Time) bool {
+	if e == nil {
+		return true
+	}
+	e.mu.Lock()
+	if !e.closed {
+		e.closed = true
+		close(e.ch)
+	}
+	e.mu.Unlock()
+	t := time.NewTimer(time.Until(by))
+	defer t.Stop()
+	select {
+	case <-e.done:
+		return true
+	case <-t.C:
+		return false
+	}
+}
+
+func (e *events) droppedCount() uint64 {
+	if e == nil {
+		return 0
+	}
+	return e.dropped.Load()
+}

@@ -1,0 +1,322 @@
+package amqpsub
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime/debug"
+	"time"
+
+	"github.com/Azure/go-amqp"
+	"go.uber.org/zap"
+
+	"github.com/amqpsub/amqpsub/internal/backoff"
+	"github.com/amqpsub/amqpsub/lanes"
+	"github.com/amqpsub/amqpsub/pump"
+)
+
+// RejectCondition is the AMQP error condition sent with a Reject outcome;
+// its description is the reason given to Reject.
+const RejectCondition amqp.ErrCond = "amqpsub:rejected"
+
+// laneConfig wires the lanes to the pump and the handler. ctx is the
+// handlers' context, cancelled when Run gives up on them.
+func (s *Subscriber) laneConfig(ctx context.Context) lanes.Config[pump.Ticket] {
+	cfg := lanes.Config[pump.Ticket]{
+		Lanes: s.cfg.workers,
+		Stop:  s.pump.Stopping(),
+		Take:  pump.Ticket.Begin,
+		Drop: func(t pump.Ticket) {
+			kind := pump.Release
+			if t.Stale() {
+				kind = pump.Drop
+			}
+			s.pump.Settle(t, pump.Outcome{Kind: kind})
+		},
+	}
+	if s.cfg.byKey {
+		cfg.Key = func(t pump.Ticket) string { return groupID(t.Message()) }
+	}
+	if s.batch == nil {
+		cfg.Handle = func(lane int, t pump.Ticket) {
+			d := newDelivery(t, lane)
+			s.settle(d, s.handle(ctx, d))
+		}
+		return cfg
+	}
+	cfg.BatchSize, cfg.BatchWait = s.cfg.batchSize, s.cfg.batchWait
+	scratch := make([][]*Delivery, s.cfg.workers) // one per lane, reused
+	cfg.HandleBatch = func(lane int, ts []pump.Ticket) {
+		batch := scratch[lane][:0]
+		for _, t := range ts {
+			d := newDelivery(t, lane)
+			if err := s.poison(d); err != nil {
+				s.settle(d, err)
+				continue
+			}
+			batch = append(batch, d)
+		}
+		scratch[lane] = batch
+		if len(batch) > 0 {
+			s.handleBatch(ctx, lane, batch)
+		}
+		clear(batch)
+	}
+	return cfg
+}
+
+// handle runs the handler on d, after the poison check, and retries it in
+// the lane as LocalRetry says.
+func (s *Subscriber) handle(ctx context.Context, d *Delivery) error {
+	if err := s.poison(d); err != nil {
+		return err
+	}
+	err := s.call(ctx, d)
+	r := s.retrier()
+	for attempt := 1; isRetry(err) && r.allows(attempt); attempt++ {
+		s.failed(d, err, attempt)
+		if !s.pause(ctx, r.wait(attempt)) {
+			break
+		}
+		s.results.localRetries.Add(1)
+		err = s.call(ctx, d)
+	}
+	return err
+}
+
+// handleBatch runs the batch handler on batch, retries the deliveries that
+// failed in the lane as LocalRetry says (as a batch of their own), and
+// settles every delivery.
+func (s *Subscriber) handleBatch(ctx context.Context, lane int, batch []*Delivery) {
+	results := s.callBatch(ctx, batch)
+	r := s.retrier()
+	for attempt := 1; ; attempt++ {
+		var failed []*Delivery
+		var firstErr error
+		for i, d := range batch {
+			if isRetry(results[i]) && r.allows(attempt) {
+				if firstErr == nil {
+					firstErr = results[i]
+				}
+				failed = append(failed, d)
+				continue
+			}
+			s.settle(d, results[i])
+		}
+		if len(failed) == 0 {
+			return
+		}
+		s.batchFailed(lane, failed, firstErr, attempt)
+		if !s.pause(ctx, r.wait(attempt)) {
+			for _, d := range failed {
+				s.settle(d, Retry(firstErr))
+			}
+			return
+		}
+		s.results.localRetries.Add(uint64(len(failed)))
+		batch, results = failed, s.callBatch(ctx, failed)
+	}
+}
+
+// retry says whether and when a failed delivery is retried in the lane.
+type retry struct {
+	p     RetryPolicy
+	until time.Time // end of the budget; zero: none
+}
+
+func (s *Subscriber) retrier() retry {
+	r := retry{p: s.cfg.localRetry}
+	if r.p.Budget > 0 {
+		r.until = time.Now().Add(r.p.Budget)
+	}
+	return r
+}
+
+// allows reports whether retry number attempt (from 1) is within the
+// policy.
+func (r retry) allows(attempt int) bool {
+	if r.p.Attempts == 0 && r.p.Budget == 0 {
+		return false // LocalRetry off
+	}
+	if r.p.Attempts > 0 && attempt > r.p.Attempts {
+		return false
+	}
+	return r.until.IsZero() || time.Now().Before(r.until)
+}
+
+func isRetry(err error) bool {
+	kind, _ := decide(err)
+	return kind == outcomeRetry
+}
+
+// wait returns the wait before retry number attempt, within the budget.
+func (r retry) wait(attempt int) time.Duration {
+	w := backoff.Ceiling(attempt-1, r.p.Initial, r.p.Max)
+	if !r.until.IsZero() {
+		w = min(w, max(0, time.Until(r.until)))
+	}
+	return w
+}
+
+// pause waits d before a retry in the lane; false means the subscriber is
+// stopping and the retry goes to the broker instead.
+func (s *Subscriber) pause(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+	case <-s.pump.Stopping():
+	}
+	return false
+}
+
+// poison rejects a delivery whose delivery count is past MaxDeliveryCount.
+func (s *Subscriber) poison(d *Delivery) error {
+	if s.cfg.maxDelivery == 0 || d.DeliveryCount() <= s.cfg.maxDelivery {
+		return nil
+	}
+	s.results.poisoned.Add(1)
+	err := &OutcomeError{kind: outcomeReject, poisoned: true,
+		reason: fmt.Sprintf("amqpsub: delivery count %d is past the limit %d", d.DeliveryCount(), s.cfg.maxDelivery)}
+	s.log.Warn("delivery count past the limit; dead-lettering it unhandled", s.fields(d, err)...)
+	s.events.send(s.event(d, EventPoisoned, err))
+	return err
+}
+
+// call runs the handler, turning a panic into a Retry.
+func (s *Subscriber) call(ctx context.Context, d *Delivery) (err error) {
+	s.running.Add(1)
+	defer s.running.Add(-1)
+	defer func() {
+		if r := recover(); r != nil {
+			err = s.recovered(r, d)
+		}
+	}()
+	return s.handler.Handle(ctx, d)
+}
+
+func (s *Subscriber) callBatch(ctx context.Context, batch []*Delivery) (results []error) {
+	s.running.Add(1)
+	defer s.running.Add(-1)
+	defer func() {
+		if r := recover(); r != nil {
+			results = fill(len(batch), s.recovered(r, nil))
+		}
+	}()
+	results = s.batch.HandleBatch(ctx, batch)
+	switch {
+	case results == nil:
+		return make([]error, len(batch))
+	case len(results) != len(batch):
+		err := fmt.Errorf("amqpsub: BatchHandler returned %d results for %d deliveries", len(results), len(batch))
+		s.log.Error("batch handler broke its contract; the batch fails as a whole", zap.Error(err))
+		return fill(len(batch), err)
+	}
+	return results
+}
+
+func fill(n int, err error) []error {
+	out := make([]error, n)
+	for i := range out {
+		out[i] = err
+	}
+	return out
+}
+
+func (s *Subscriber) recovered(r any, d *Delivery) error {
+	s.results.panics.Add(1)
+	err := fmt.Errorf("%w: %v", ErrHandlerPanic, r)
+	if s.abandoning.Load() {
+		return err
+	}
+	fields := []zap.Field{zap.Error(err), zap.ByteString("stack", debug.Stack())}
+	if d != nil {
+		fields = append(s.fields(d, nil), fields...)
+		s.events.send(s.event(d, EventHandlerPanicked, err))
+	} else {
+		s.events.send(Event{Kind: EventHandlerPanicked, Err: err, Queue: s.queue, Lane: -1})
+	}
+	s.log.Error("handler panicked", fields...)
+	return err
+}
+
+// failed reports a handler failure that is retried in the lane.
+func (s *Subscriber) failed(d *Delivery, err error, attempt int) {
+	if s.abandoning.Load() {
+		return
+	}
+	if !errors.Is(err, ErrHandlerPanic) {
+		s.log.Warn("handler failed; retrying in the lane",
+			append(s.fields(d, err), zap.Int("attempt", attempt))...)
+	}
+	ev := s.event(d, EventHandlerFailed, err)
+	ev.Attempt = attempt
+	s.events.send(ev)
+}
+
+// batchFailed reports, in one log line, the deliveries of a batch that
+// failed and are retried in the lane; each is an event of its own.
+func (s *Subscriber) batchFailed(lane int, failed []*Delivery, err error, attempt int) {
+	if s.abandoning.Load() {
+		return
+	}
+	s.log.Warn("batch handler failed; retrying the failed deliveries in the lane",
+		zap.Int("lane", lane), zap.Int("failed", len(failed)), zap.Int("attempt", attempt),
+		zap.Any("first_message_id", failed[0].MessageID()), zap.Error(err))
+	for _, d := range failed {
+		ev := s.event(d, EventHandlerFailed, err)
+		ev.Attempt = attempt
+		s.events.send(ev)
+	}
+}
+
+// settle maps a handler's result to the broker settlement.
+func (s *Subscriber) settle(d *Delivery, err error) {
+	if s.abandoning.Load() {
+		s.log.Debug("result of an abandoned handler ignored", s.fields(d, err)...)
+		return
+	}
+	kind, oe := decide(err)
+	switch kind {
+	case outcomeAccept:
+		s.results.accept.Add(1)
+		s.pump.Settle(d.t, pump.Outcome{Kind: pump.Accept})
+	case outcomeRelease:
+		s.results.release.Add(1)
+		s.pump.Settle(d.t, pump.Outcome{Kind: pump.Release})
+	case outcomeReject:
+		if !oe.poisoned {
+			s.results.reject.Add(1)
+		}
+		s.pump.Settle(d.t, pump.Outcome{Kind: pump.Reject, Error: &amqp.Error{
+			Condition:   RejectCondition,
+			Description: oe.reason,
+		}})
+	default:
+		s.results.retry.Add(1)
+		if !errors.Is(err, ErrHandlerPanic) {
+			s.log.Warn("handler failed; the delivery goes back to the broker as a failed attempt", s.fields(d, err)...)
+		}
+		s.events.send(s.event(d, EventHandlerFailed, err))
+		s.pump.Settle(d.t, s.cfg.profile.retry)
+	}
+}
+
+// fields name d in a log line.
+func (s *Subscriber) fields(d *Delivery, err error) []zap.Field {
+	f := []zap.Field{zap.Any("message_id", d.MessageID()), zap.String("group_id", d.GroupID()),
+		zap.Uint32("delivery_count", d.DeliveryCount()), zap.Int("lane", d.lane)}
+	if err != nil {
+		f = append(f, zap.Error(err))
+	}
+	return f
+}
+
+// event returns an Event of kind about d.
+func (s *Subscriber) event(d *Delivery, kind EventKind, err error) Event {
+	ev := d.event(kind, err)
+	ev.Queue = s.queue
+	return ev
+}

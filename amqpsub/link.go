@@ -1,0 +1,114 @@
+package amqpsub
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"time"
+
+	"github.com/Azure/go-amqp"
+	"go.uber.org/zap"
+)
+
+// link is what one attach opened.
+type link struct {
+	conn  *amqp.Conn
+	owned bool
+	abort func() // closes the socket at once; nil for a given connection
+	sess  *amqp.Session
+	rcv   *amqp.Receiver
+}
+
+// attach connects (or takes the given connection), opens a session and
+// attaches a receiver to the queue, all within DialTimeout.
+func (s *Subscriber) attach(ctx context.Context) (*link, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.dialTimeout)
+	defer cancel()
+	conn, owned, abort, err := s.connector.connect(ctx, s.cfg.idleTimeout)
+	if err != nil {
+		// go-amqp sets the socket's deadline from ctx's, so a dial timeout
+		// shows as the socket's i/o timeout or as ctx's, whichever fires
+		// first: report it as ctx's either way.
+		var nerr net.Error
+		if cerr := ctx.Err(); cerr != nil && !errors.Is(err, cerr) {
+			err = fmt.Errorf("%w: %w", cerr, err)
+		} else if _, ok := ctx.Deadline(); ok && cerr == nil && errors.As(err, &nerr) && nerr.Timeout() {
+			err = fmt.Errorf("%w: %w", context.DeadlineExceeded, err)
+		}
+		return nil, fmt.Errorf("amqpsub: connect to %s: %w", s.connector, err)
+	}
+	l := &link{conn: conn, owned: owned, abort: abort}
+	fail := func(what string, err error) (*link, error) {
+		s.closeLink(ctx, l)
+		if !owned && conn.Err() != nil {
+			// A connection the caller gave us is gone: we cannot dial
+			// another.
+			err = fmt.Errorf("%w: %w", ErrLinkLost, err)
+		}
+		return nil, fmt.Errorf("amqpsub: %s on %s queue %q: %w", what, s.connector, s.queue, err)
+	}
+	if l.sess, err = conn.NewSession(ctx, nil); err != nil {
+		return fail("open session", err)
+	}
+	addr := s.cfg.profile.address(s.queue)
+	l.rcv, err = l.sess.NewReceiver(ctx, addr, &amqp.ReceiverOptions{
+		Credit:             -1,
+		SourceCapabilities: s.cfg.profile.sourceCaps,
+		Name:               s.cfg.linkName,
+	})
+	if err != nil {
+		return fail("attach receiver", err)
+	}
+	s.log.Info("attached", zap.Stringer("broker", s.connector), zap.String("address", addr),
+		zap.Stringer("profile", s.cfg.profile), zap.Int("credit", s.cfg.credit))
+	return l, nil
+}
+
+// closeLink closes what l opened, all steps within CloseTimeout and before
+// ctx ends. Brokers that never answer a detach (RabbitMQ 3.10) get their
+// session closed instead. A connection the subscriber owns whose close is
+// still waiting at the end (on a write to a peer that no longer reads) has
+// its socket closed under it.
+func (s *Subscriber) closeLink(ctx context.Context, l *link) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.closeTimeout)
+	defer cancel()
+	if l.rcv != nil && s.cfg.profile.detach {
+		if err := l.rcv.Close(ctx); err != nil {
+			s.log.Debug("close receiver", zap.Error(err))
+		}
+	}
+	if l.sess != nil {
+		if err := l.sess.Close(ctx); err != nil {
+			s.log.Debug("close session", zap.Error(err))
+		}
+	}
+	if !l.owned {
+		return
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- l.conn.Close() }()
+	var err error
+	select {
+	case err = <-closed:
+	case <-ctx.Done():
+		s.log.Debug("connection close took too long; closing its socket")
+		if l.abort != nil {
+			l.abort()
+		}
+		err = <-closed
+	}
+	if err != nil {
+		var ce *amqp.ConnError
+		if !errors.As(err, &ce) || ce.RemoteErr != nil {
+			s.log.Debug("close connection", zap.Error(err))
+		}
+	}
+}
+
+// closeWithin closes l, ending by the deadline by.
+func (s *Subscriber) closeWithin(l *link, by time.Time) {
+	ctx, cancel := context.WithDeadline(context.Background(), by)
+	defer cancel()
+	s.closeLink(ctx, l)
+}

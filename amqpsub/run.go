@@ -1,0 +1,270 @@
+package amqpsub
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/amqpsub/amqpsub/lanes"
+	"github.com/amqpsub/amqpsub/pump"
+)
+
+// Errors Run returns.
+var (
+	// ErrClosed is returned by Run when the Subscriber was already run, or
+	// closed or shut down before Run.
+	ErrClosed = errors.New("amqpsub: subscriber closed")
+	// ErrLinkLost is wrapped by the error Run returns when a lost link or
+	// connection could not be replaced: reconnecting failed with an error
+	// FatalErrors calls fatal, or the connection given with Conn is gone.
+	// A lost link that can be replaced is replaced, and Run goes on.
+	ErrLinkLost = errors.New("amqpsub: link lost")
+	// ErrAbandoned is wrapped by the error Run returns when handlers had
+	// not returned by the end of the stop (the grace period, then
+	// CloseTimeout); the error says how many. Their context was cancelled,
+	// their results are ignored, and the broker redelivers their
+	// deliveries.
+	ErrAbandoned = errors.New("amqpsub: handlers abandoned")
+	// ErrHandlerPanic is wrapped by the error a handler's panic becomes
+	// (logged, and passed to OnEvent); the delivery is retried.
+	ErrHandlerPanic = errors.New("amqpsub: handler panicked")
+)
+
+// Run connects, attaches a receiver to the queue and consumes until ctx is
+// cancelled, Shutdown or Close is called, or a fatal error.
+//
+// Cancelling ctx starts a graceful stop, like Shutdown: no more credit,
+// deliveries no handler has taken are released at once, handlers in
+// progress get the grace period (GracePeriod) to finish and are settled;
+// then the link, session and connection are closed within CloseTimeout.
+// Close stops at once: handlers' ctx is cancelled and the connection closed
+// within CloseTimeout; the broker redelivers what was held. A fatal error
+// (see FatalErrors) stops the same way as a graceful stop, except that what
+// is held can no longer be settled.
+//
+// Whatever the handlers do, Run returns within GracePeriod + CloseTimeout
+// of the start of a stop, and within CloseTimeout of Close: handlers that
+// have not returned by then are abandoned (their ctx is cancelled and their
+// results ignored) and the error wraps ErrAbandoned.
+//
+// Run returns nil after a stop it was asked for. It returns an error naming
+// the broker when it cannot connect or attach at the start (within
+// DialTimeout), one wrapping ErrLinkLost when a lost link or connection
+// could not be replaced, and ErrClosed when called a second time, or after
+// Shutdown or Close.
+func (s *Subscriber) Run(ctx context.Context) error {
+	s.mu.Lock()
+	if s.started || s.closed {
+		s.mu.Unlock()
+		return ErrClosed
+	}
+	s.started = true
+	s.mu.Unlock()
+	defer close(s.done)
+	s.events.start()
+
+	// Handlers and the pump outlive ctx by the grace period.
+	hctx, cancelHandlers := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelHandlers()
+	pctx, cancelPump := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelPump()
+
+	// The attacher is used by the pump only; Run reads it after the pump has
+	// returned.
+	att := &attacher{s: s}
+	pumpDone := make(chan error, 1)
+	go func() { pumpDone <- s.pump.Run(pctx, att.attach) }()
+	// The lanes end when every handler has returned; a handler that never
+	// returns keeps its lane, which Run then leaves behind (abandoned).
+	lanesDone := make(chan struct{})
+	go func() {
+		defer close(lanesDone)
+		lanes.Run(s.pump.Out(), s.laneConfig(hctx))
+	}()
+
+	var fatal error
+	pumpEnded := false
+	select {
+	case fatal = <-pumpDone:
+		pumpEnded = true
+	case <-ctx.Done():
+	case <-s.stopReq:
+	case <-s.closeReq:
+	}
+	stopAt := time.Now()
+	s.pump.Stop() // from here on, lanes release what no handler has taken
+	switch {
+	case isClosed(s.closeReq):
+	case pumpEnded:
+		// Attach failed for good: nothing held can be settled any more,
+		// but handlers in progress get the grace period to finish.
+		s.log.Error("stopping after a fatal error", zap.Error(fatal))
+		s.waitGrace(lanesDone)
+	default:
+		pumpEnded = s.graceful(pumpDone)
+	}
+
+	// Nothing more is settled: handlers still running are told to stop.
+	cancelHandlers()
+	closeBy := time.Now().Add(s.cfg.closeTimeout)
+	if !pumpEnded {
+		cancelPump()
+		pumpEnded = waitUntil(pumpDone, closeBy)
+	}
+	if pumpEnded && att.current != nil {
+		s.closeWithin(att.current, closeBy)
+	} else if !pumpEnded {
+		s.log.Error("the pump did not end within CloseTimeout; leaving the link to the broker")
+	}
+	var errs []error
+	if fatal != nil {
+		errs = append(errs, fatal)
+	}
+	if !waitClosed(lanesDone, closeBy) {
+		if n := s.abandon(); n > 0 {
+			errs = append(errs, fmt.Errorf("%w: %d handlers had not returned %v after the stop began",
+				ErrAbandoned, n, time.Since(stopAt).Round(time.Millisecond)))
+		}
+	}
+	if !s.events.close(closeBy) {
+		s.log.Warn("the OnEvent function had not returned by the end of Run; leaving it")
+	}
+	return errors.Join(errs...)
+}
+
+// graceful waits for the pump to settle everything held, up to the grace
+// period, and reports whether it did. GracePeriod(0) waits only until the
+// pump has released what it buffered. Close cuts the wait short.
+func (s *Subscriber) graceful(pumpDone <-chan error) (pumpEnded bool) {
+	s.log.Debug("stopping", zap.Duration("grace", s.cfg.grace))
+	if s.cfg.grace == 0 {
+		select {
+		case <-s.pump.Released():
+			return false
+		case <-pumpDone:
+			return true
+		}
+	}
+	grace := time.NewTimer(s.cfg.grace)
+	defer grace.Stop()
+	select {
+	case <-pumpDone:
+		return true
+	case <-grace.C:
+		st := s.pump.Stats()
+		s.log.Warn("grace period over; cancelling the handlers still running, the broker redelivers what they hold",
+			zap.Int("handling", st.Handling), zap.Int("held", st.Held))
+	case <-s.closeReq:
+	}
+	return false
+}
+
+// waitGrace waits for the handlers to return, up to the grace period; Close
+// cuts it short.
+func (s *Subscriber) waitGrace(lanesDone <-chan struct{}) {
+	grace := time.NewTimer(s.cfg.grace)
+	defer grace.Stop()
+	select {
+	case <-lanesDone:
+	case <-grace.C:
+	case <-s.closeReq:
+	}
+}
+
+// abandon gives up on the handlers still running, logs each, and returns
+// how many there were.
+func (s *Subscriber) abandon() int {
+	s.abandoning.Store(true)
+	n := int(s.running.Load())
+	if n == 0 {
+		return 0
+	}
+	s.abandoned.Add(uint64(n))
+	s.pump.Each(func(pd *pump.Delivery) bool {
+		if pd.State() == pump.Handling {
+			d := &Delivery{msg: pd.Message(), lane: -1}
+			s.log.Warn("handler abandoned: it did not return after its context was cancelled; the broker redelivers its delivery",
+				zap.Any("message_id", d.MessageID()), zap.String("group_id", d.GroupID()),
+				zap.Uint32("delivery_count", d.DeliveryCount()))
+		}
+		return true
+	})
+	s.events.send(Event{Kind: EventAbandoned, Queue: s.queue, Lane: -1, Count: n,
+		Err: fmt.Errorf("%w: %d", ErrAbandoned, n)})
+	return n
+}
+
+// waitUntil waits for the pump's result until by; true if it came.
+func waitUntil(pumpDone <-chan error, by time.Time) bool {
+	t := time.NewTimer(time.Until(by))
+	defer t.Stop()
+	select {
+	case <-pumpDone:
+		return true
+	case <-t.C:
+		return false
+	}
+}
+
+// waitClosed waits for c to be closed until by; true if it was.
+func waitClosed(c <-chan struct{}, by time.Time) bool {
+	t := time.NewTimer(time.Until(by))
+	defer t.Stop()
+	select {
+	case <-c:
+		return true
+	case <-t.C:
+		return false
+	}
+}
+
+func isClosed(c <-chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
+	}
+}
+
+// Shutdown starts a graceful stop (see Run) and waits until Run has returned
+// or ctx ends, whichever comes first; then it returns ctx.Err(). The stop
+// goes on after ctx ends, bounded by GracePeriod + CloseTimeout. Shutdown
+// before Run makes Run return ErrClosed. It is safe to call more than once.
+func (s *Subscriber) Shutdown(ctx context.Context) error {
+	s.mu.Lock()
+	if !s.closed {
+		s.closed = true
+		close(s.stopReq)
+	}
+	started := s.started
+	s.mu.Unlock()
+	if !started {
+		return nil
+	}
+	select {
+	case <-s.done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// Close stops at once: handlers' ctx is cancelled, nothing more is settled,
+// and the connection is closed, so the broker redelivers every delivery the
+// subscriber held. Close does not wait; Run returns within CloseTimeout. It
+// is safe to call more than once, and after Shutdown.
+func (s *Subscriber) Close() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.closed = true
+	select {
+	case <-s.closeReq:
+	default:
+		close(s.closeReq)
+	}
+	return nil
+}

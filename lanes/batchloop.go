@@ -1,0 +1,112 @@
+package lanes
+
+import (
+	"time"
+
+	"github.com/amqpsub/amqpsub/batch"
+)
+
+// batchLoop assembles the items of one lane or worker into batches and
+// hands them to HandleBatch: a batch closes when it is full, when
+// BatchWait has passed since its first item, or, with no wait, as soon as
+// nothing more is waiting. At a stop the open batch is dropped.
+func (r *runner[T]) batchLoop(lane int, f feed[T]) {
+	cfg := r.cfg
+	b := batch.New[T](cfg.BatchSize, cfg.BatchWait)
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	defer timer.Stop()
+	armed := false
+	flush := func() {
+		if armed {
+			timer.Stop()
+			armed = false
+		}
+		r.handOver(lane, b.Flush())
+	}
+	add := func(item T) {
+		var now time.Time
+		if b.Len() == 0 && cfg.BatchWait > 0 {
+			now = time.Now()
+		}
+		b.Add(now, item)
+	}
+	stop := cfg.Stop
+	for {
+		// Take what is waiting, up to a full batch, without waiting.
+		for b.Len() < cfg.BatchSize {
+			item, st := f.poll()
+			if st == closed {
+				flush()
+				return
+			}
+			if st != got {
+				break
+			}
+			add(item)
+		}
+		if b.Len() >= cfg.BatchSize || b.Len() > 0 && (cfg.BatchWait == 0 || r.stopped()) {
+			flush()
+			continue
+		}
+		var fire <-chan time.Time
+		if b.Len() > 0 {
+			if !armed {
+				d, _ := b.UntilNext(time.Now())
+				if d <= 0 {
+					flush()
+					continue
+				}
+				timer.Reset(d)
+				armed = true
+			}
+			fire = timer.C
+		}
+		item, st := f.wait(fire, stop)
+		switch st {
+		case got:
+			add(item)
+		case closed:
+			flush()
+			return
+		case timedOut:
+			armed = false
+			flush()
+		case stopping:
+			// The open batch was never given to a handler: drop it now.
+			stop = nil
+			if armed {
+				timer.Stop()
+				armed = false
+			}
+			for _, it := range b.Flush() {
+				cfg.Drop(it)
+			}
+		}
+	}
+}
+
+// handOver gives a closed batch to HandleBatch, after passing to Drop the
+// items that must not be handled (stopping, or refused by Take).
+func (r *runner[T]) handOver(lane int, items []T) {
+	if len(items) == 0 {
+		return
+	}
+	if r.stopped() {
+		for _, it := range items {
+			r.cfg.Drop(it)
+		}
+		return
+	}
+	keep := items[:0]
+	for _, it := range items {
+		if r.cfg.Take != nil && !r.cfg.Take(it) {
+			r.cfg.Drop(it)
+			continue
+		}
+		keep = append(keep, it)
+	}
+	if len(keep) > 0 {
+		r.cfg.HandleBatch(lane, keep)
+	}
+}

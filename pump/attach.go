@@ -1,0 +1,69 @@
+package pump
+
+import (
+	"context"
+	"sync"
+)
+
+// attach asks for a source while still applying settlements (which, for
+// deliveries of a lost link, only free their entries). After Stop it waits
+// for nothing held and returns ErrStopped.
+func (p *Pump) attach(ctx context.Context, attach AttachFunc, lost error) (Source, error) {
+	actx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	type result struct {
+		src Source
+		err error
+	}
+	res := make(chan result, 1)
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		src, err := attach(actx, lost)
+		res <- result{src, err}
+	})
+	defer wg.Wait()
+	stop := p.stop
+	for {
+		select {
+		case r := <-res:
+			if r.err != nil {
+				if isClosed(p.stop) {
+					return nil, p.waitIdle(ctx)
+				}
+				return nil, r.err
+			}
+			p.link.Add(1)
+			p.acct.Attach()
+			p.stats.links.Add(1)
+			return r.src, nil
+		case <-p.settle.wake:
+			p.applyQueued(ctx)
+		case <-stop:
+			// Without a link there is nothing to release: what Out holds
+			// is stale, and is dropped by waitIdle.
+			stop = nil
+			cancel()
+			p.markReleased()
+		case <-ctx.Done():
+			cancel()
+			return nil, ctx.Err()
+		}
+	}
+}
+
+// waitIdle applies settlements until nothing is held.
+func (p *Pump) waitIdle(ctx context.Context) error {
+	p.dropBacklog()
+	for p.acct.Held() > 0 {
+		select {
+		case t := <-p.out:
+			p.Settle(t, Outcome{Kind: Drop})
+			p.applyQueued(ctx)
+		case <-p.settle.wake:
+			p.applyQueued(ctx)
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return ErrStopped
+}

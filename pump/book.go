@@ -1,0 +1,169 @@
+package pump
+
+import (
+	"fmt"
+	"sync/atomic"
+
+	"github.com/Azure/go-amqp"
+)
+
+// State is where a held delivery is.
+//
+// An entry moves Free → Buffered when the pump receives a delivery into it;
+// Buffered → Handling when a consumer gives it to a handler (Begin);
+// Buffered or Handling → Settling when its settlement is handed to Settle;
+// Settling → Free once the pump has applied it. The pump moves a Buffered
+// entry to Dropped when the delivery can no longer be settled (its link was
+// lost): it stops counting it as held at once, and the consumer that later
+// finds it hands it to Settle, which only frees the entry.
+type State int32
+
+const (
+	// Free: the entry holds no delivery.
+	Free State = iota
+	// Buffered: received, waiting in the pump, Out or a lane.
+	Buffered
+	// Handling: given to a handler.
+	Handling
+	// Settling: the handler is done; its settlement waits for the pump.
+	Settling
+	// Dropped: no longer held (its link was lost); the entry waits for the
+	// consumer that still has it to pass it to Settle.
+	Dropped
+)
+
+var stateNames = [...]string{"free", "buffered", "handling", "settling", "dropped"}
+
+func (s State) String() string {
+	if int(s) < len(stateNames) {
+		return stateNames[s]
+	}
+	return fmt.Sprintf("State(%d)", int32(s))
+}
+
+// Delivery is an entry of the pump's book: the place of one delivery held
+// in the process. Entries are reused once settled; consumers hold a Ticket,
+// which names the entry and the delivery it held when the ticket was made.
+type Delivery struct {
+	msg atomic.Pointer[amqp.Message]
+	// word is the generation (high 32 bits: how often the entry was taken)
+	// and the State (low 32 bits), changed together so that a ticket of an
+	// earlier generation cannot move the entry.
+	word atomic.Uint64
+	// Set by the pump before the entry is handed out; read-only after.
+	src  Source
+	link uint64
+	p    *Pump
+}
+
+func pack(gen uint32, s State) uint64 { return uint64(gen)<<32 | uint64(uint32(s)) }
+
+// Message returns the AMQP message the entry holds.
+func (d *Delivery) Message() *amqp.Message { return d.msg.Load() }
+
+// State returns where the entry's delivery is.
+func (d *Delivery) State() State { return State(uint32(d.word.Load())) }
+
+// cas moves the entry from state from to state to, if it is still at gen.
+func (d *Delivery) cas(gen uint32, from, to State) bool {
+	return d.word.CompareAndSwap(pack(gen, from), pack(gen, to))
+}
+
+// Ticket is a consumer's claim on one held delivery, as Out hands it over.
+// It stays tied to that delivery: once the delivery is settled and its entry
+// holds another, the ticket's calls refuse to act on it.
+type Ticket struct {
+	d   *Delivery
+	gen uint32
+}
+
+// Message returns the AMQP message. Call it only before passing the ticket
+// to Settle: the entry holds another message after that.
+func (t Ticket) Message() *amqp.Message { return t.d.msg.Load() }
+
+// State returns where the delivery is, or Free once it was settled.
+func (t Ticket) State() State {
+	w := t.d.word.Load()
+	if uint32(w>>32) != t.gen {
+		return Free
+	}
+	return State(uint32(w))
+}
+
+// Stale reports whether the link the delivery came on was lost. A stale
+// delivery cannot be settled; the broker redelivers it.
+func (t Ticket) Stale() bool { return t.d.link != t.d.p.link.Load() }
+
+// Begin marks the delivery as given to a handler and reports true, or
+// reports false when it must not be handled: it is stale, or was dropped.
+// Either way the caller passes the ticket to Settle once (with Drop when
+// Begin reported false).
+func (t Ticket) Begin() bool {
+	if t.Stale() {
+		return false
+	}
+	return t.d.cas(t.gen, Buffered, Handling)
+}
+
+// take puts msg into a free entry, making one when every entry is in use:
+// past the credit (a broker that overshoots) or while dropped entries of a
+// lost link still wait in a lane.
+func (p *Pump) take(msg *amqp.Message, src Source, link uint64) Ticket {
+	var d *Delivery
+	if n := len(p.free); n > 0 {
+		d = p.free[n-1]
+		p.free[n-1] = nil
+		p.free = p.free[:n-1]
+	} else {
+		d = &Delivery{p: p}
+		p.bookMu.Lock()
+		p.book = append(p.book, d)
+		p.bookMu.Unlock()
+	}
+	d.src, d.link = src, link
+	d.msg.Store(msg)
+	gen := uint32(d.word.Load()>>32) + 1
+	d.word.Store(pack(gen, Buffered))
+	return Ticket{d, gen}
+}
+
+// release returns an entry to the free list.
+func (p *Pump) release(d *Delivery) {
+	d.msg.Store(nil)
+	d.src = nil
+	d.word.Store(pack(uint32(d.word.Load()>>32), Free))
+	p.free = append(p.free, d)
+}
+
+// dropStale stops counting as held every buffered delivery of a lost link:
+// its settlement could not reach the broker, which redelivers it, so the
+// next link gets the whole credit at once instead of as the lanes reach
+// these deliveries.
+func (p *Pump) dropStale() {
+	cur := p.link.Load()
+	n := 0
+	for _, d := range p.book { // the pump is the book's only writer
+		w := d.word.Load()
+		if d.link != cur && State(uint32(w)) == Buffered && d.word.CompareAndSwap(w, pack(uint32(w>>32), Dropped)) {
+			n++
+		}
+	}
+	if n > 0 {
+		p.acct.Settled(n)
+		p.stats.settled[Drop].Add(uint64(n))
+		p.noteHeld()
+	}
+}
+
+// Each calls fn for every delivery held in the process, until fn returns
+// false. It may run from any goroutine; a delivery may change state or be
+// settled while fn looks at it.
+func (p *Pump) Each(fn func(d *Delivery) bool) {
+	p.bookMu.RLock()
+	defer p.bookMu.RUnlock()
+	for _, d := range p.book {
+		if s := d.State(); s != Free && s != Dropped && !fn(d) {
+			return
+		}
+	}
+}

@@ -8,9 +8,7 @@ import (
 
 // WithSource makes the subscriber receive from src instead of a broker.
 func WithSource(src pump.Source) Option {
-	return optionFunc(func(c *config) {
-		c.testSource = func(context.Context) (pump.Source, error) { return src, nil }
-	})
+	return WithSources(func(context.Context) (pump.Source, error) { return src, nil })
 }
 
 // WithSources makes the subscriber attach to the sources next gives, one

@@ -290,10 +290,7 @@ func (s *Subscriber) settle(d *Delivery, err error) {
 		if !oe.poisoned {
 			s.results.reject.Add(1)
 		}
-		s.pump.Settle(d.t, pump.Outcome{Kind: pump.Reject, Error: &amqp.Error{
-			Condition:   RejectCondition,
-			Description: oe.reason,
-		}})
+		s.pump.Settle(d.t, pump.Outcome{Kind: pump.Reject, Error: oe.rejectError()})
 	default:
 		s.results.retry.Add(1)
 		if !errors.Is(err, ErrHandlerPanic) {

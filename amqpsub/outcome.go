@@ -3,6 +3,8 @@ package amqpsub
 import (
 	"errors"
 	"fmt"
+
+	"github.com/Azure/go-amqp"
 )
 
 // outcomeKind is what a handler decided.
@@ -21,10 +23,11 @@ var outcomeNames = [...]string{"accept", "release", "retry", "reject"}
 // settled other than by accepting it. Make one with Release, Retry or
 // Reject; it may be wrapped (errors.As finds it).
 type OutcomeError struct {
-	kind     outcomeKind
-	reason   string
-	err      error
-	poisoned bool // a Reject of MaxDeliveryCount's, not a handler's
+	kind        outcomeKind
+	reason      string
+	description string
+	err         error
+	poisoned    bool // a Reject of MaxDeliveryCount's, not a handler's
 }
 
 func (e *OutcomeError) Error() string {
@@ -55,10 +58,27 @@ func Release() error { return releaseOutcome }
 // nil.
 func Retry(err error) error { return &OutcomeError{kind: outcomeRetry, err: err} }
 
-// Reject settles the delivery as rejected with reason as the error
-// description: the broker dead-letters it at once (Artemis moves it to the
-// queue's dead-letter address; without one it is dropped).
+// Reject dead-letters the delivery at once, with reason: it is settled as
+// rejected, with an error whose description is reason (and info
+// DeadLetterReason = reason, the key Service Bus reads). Artemis moves it
+// to the queue's dead-letter address (without one it is dropped) but keeps
+// no trace of the reason; see DeadLetterCopy for a way to keep it.
 func Reject(reason string) error { return &OutcomeError{kind: outcomeReject, reason: reason} }
+
+// RejectWith is Reject with a longer description besides the reason (info
+// DeadLetterErrorDescription, as Service Bus names it).
+func RejectWith(reason, description string) error {
+	return &OutcomeError{kind: outcomeReject, reason: reason, description: description}
+}
+
+// rejectError is the AMQP error a Reject outcome carries.
+func (e *OutcomeError) rejectError() *amqp.Error {
+	info := map[string]any{"DeadLetterReason": e.reason}
+	if e.description != "" {
+		info["DeadLetterErrorDescription"] = e.description
+	}
+	return &amqp.Error{Condition: RejectCondition, Description: e.reason, Info: info}
+}
 
 // decide maps a handler's error to an outcome.
 func decide(err error) (outcomeKind, *OutcomeError) {

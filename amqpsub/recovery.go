@@ -137,6 +137,10 @@ func (s *Subscriber) attachOnce(ctx context.Context) (pump.Source, *link, error)
 		src, err := s.cfg.testSource(ctx)
 		return src, nil, err
 	}
+	if c, ok := s.connector.(sourceConnector); ok {
+		src, err := c.next(ctx)
+		return src, nil, err
+	}
 	l, err := s.attach(ctx)
 	if err != nil {
 		return nil, nil, err

@@ -351,10 +351,8 @@ func TestArtemisStopHandsBufferedToAnotherConsumer(t *testing.T) {
 		t.Fatalf("first consumer: %+v", st)
 	}
 	// The in-progress deliveries did not come back after being settled:
-	// the queue holds only what the second consumer has out.
-	if n, out := queueAttribute(t, conn, q, "messageCount"), queueAttribute(t, conn, q, "deliveringCount"); n != out || n != fmt.Sprint(buffered+1) {
-		t.Fatalf("the queue holds %s messages, %s of them out; want only the %d the second consumer has", n, out, buffered+1)
-	}
+	// once the second consumer's acceptances land, the queue is empty.
+	waitFor(t, 10*time.Second, "the queue empty", func() bool { return queueAttribute(t, conn, q, "messageCount") == "0" })
 }
 
 func TestArtemisBatchClosesAtSizeAndAtWait(t *testing.T) {

@@ -1,0 +1,28 @@
+package amqpsub
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/Azure/go-amqp"
+
+	"github.com/amqpsub/amqpsub/internal/testhook"
+)
+
+func init() {
+	testhook.Connector = func(name string, next testhook.Attach) any { return sourceConnector{name, next} }
+}
+
+// sourceConnector stands in for a broker: package amqpsubtest gives the
+// subscriber in-memory sources through it.
+type sourceConnector struct {
+	name string
+	next testhook.Attach
+}
+
+func (sourceConnector) connect(context.Context, time.Duration) (*amqp.Conn, bool, func(), error) {
+	return nil, false, nil, errors.New("amqpsub: a source connector has no connection")
+}
+
+func (c sourceConnector) String() string { return c.name }

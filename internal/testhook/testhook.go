@@ -1,0 +1,19 @@
+// Package testhook lets package amqpsubtest run a Subscriber on an
+// in-memory source without widening amqpsub's public API: amqpsub sets the
+// functions here when it is initialised, amqpsubtest calls them.
+package testhook
+
+import (
+	"context"
+
+	"github.com/amqpsub/amqpsub/pump"
+)
+
+// Attach gives a source to receive from, one call per attach (the first,
+// and one after each lost link).
+type Attach func(ctx context.Context) (pump.Source, error)
+
+// Connector returns an amqpsub.Connector (as any: this package cannot
+// import amqpsub) that attaches to the sources next gives instead of a
+// broker; name is what String says. Set by package amqpsub.
+var Connector func(name string, next Attach) any

@@ -290,6 +290,11 @@ func (s *Subscriber) settle(d *Delivery, err error) {
 		if !oe.poisoned {
 			s.results.reject.Add(1)
 		}
+		if s.cfg.deadLetterCopy != "" && s.copyToDeadLetter(d, oe) {
+			s.deadLetterCopies.Add(1)
+			s.pump.Settle(d.t, pump.Outcome{Kind: pump.Accept})
+			return
+		}
 		s.pump.Settle(d.t, pump.Outcome{Kind: pump.Reject, Error: oe.rejectError()})
 	default:
 		s.results.retry.Add(1)

@@ -18,6 +18,7 @@ type link struct {
 	abort func() // closes the socket at once; nil for a given connection
 	sess  *amqp.Session
 	rcv   *amqp.Receiver
+	dlq   deadLetterSender // DeadLetterCopy's sender on sess
 }
 
 // attach connects (or takes the given connection), opens a session and

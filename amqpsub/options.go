@@ -47,6 +47,10 @@ type config struct {
 	onEvent      func(Event)
 	localRetry   RetryPolicy
 	maxDelivery  uint32
+	// deadLetterCopy is DeadLetterCopy's address; "" when off.
+	deadLetterCopy string
+	// waitForQueue makes amqp:not-found at attach a reason to wait.
+	waitForQueue bool
 	errs         []error
 
 	// testSource, set only by tests, replaces the broker.
@@ -311,6 +315,16 @@ func LocalRetry(p RetryPolicy) Option {
 		}
 		c.localRetry = p
 	})
+}
+
+// WaitForQueue makes a missing queue (amqp:not-found at attach) a reason to
+// wait and try again, with the Backoff waits, rather than an error that
+// ends Run, also at the first attach. It is for queues that appear after
+// the consumer starts, such as the dead-letter queue Artemis creates with
+// the first dead letter (auto-create-dead-letter-resources): a dead-letter
+// reader can start first. Default: off.
+func WaitForQueue() Option {
+	return optionFunc(func(c *config) { c.waitForQueue = true })
 }
 
 // MaxDeliveryCount rejects, with a reason, every delivery whose broker

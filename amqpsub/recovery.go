@@ -40,6 +40,11 @@ func IsFatal(err error) bool {
 	return errors.Is(err, ErrLinkLost)
 }
 
+func isNotFound(err error) bool {
+	var ae *amqp.Error
+	return errors.As(err, &ae) && ae.Condition == amqp.ErrCondNotFound
+}
+
 // attacher gives the pump its links: the first one at start, and a new one,
 // after backoff, each time a link is lost. The pump calls it from one
 // goroutine at a time, and Run reads current once the pump has returned.
@@ -63,6 +68,7 @@ const healthy = 10 * time.Second
 func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) {
 	s := a.s
 	if a.current != nil {
+		s.current.Store(nil)
 		s.closeLink(ctx, a.current)
 		a.current = nil
 	}
@@ -84,6 +90,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 		src, l, err := s.attachOnce(ctx)
 		if err == nil {
 			a.current, a.attachedAt = l, time.Now()
+			s.current.Store(l)
 			if a.before {
 				n := attempt - first + 1
 				s.reconnects.Add(1)
@@ -96,9 +103,14 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			a.before = true
 			return src, nil
 		}
+		waiting := s.cfg.waitForQueue && isNotFound(err)
 		switch {
 		case ctx.Err() != nil:
 			return nil, ctx.Err()
+		case waiting:
+			if attempt == first {
+				s.log.Info("the queue does not exist (yet); waiting for it", zap.Error(err))
+			}
 		case !a.before:
 			// The first connection: report it rather than wait.
 			return nil, err
@@ -110,8 +122,10 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			return nil, fmt.Errorf("%w: reconnecting failed: %w", ErrLinkLost, err)
 		}
 		wait := backoff.Jittered(attempt, s.cfg.backoffMin, s.cfg.backoffMax)
-		s.log.Warn("reconnect failed; trying again", zap.Error(err), zap.Int("attempt", attempt-first+1), zap.Duration("wait", wait))
-		s.events.send(Event{Kind: EventReconnectFailed, Err: err, Queue: s.queue, Lane: -1, Attempt: attempt - first + 1})
+		if !waiting {
+			s.log.Warn("reconnect failed; trying again", zap.Error(err), zap.Int("attempt", attempt-first+1), zap.Duration("wait", wait))
+			s.events.send(Event{Kind: EventReconnectFailed, Err: err, Queue: s.queue, Lane: -1, Attempt: attempt - first + 1})
+		}
 		if !sleep(ctx, wait) {
 			return nil, ctx.Err()
 		}

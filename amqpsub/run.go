@@ -114,6 +114,7 @@ func (s *Subscriber) Run(ctx context.Context) error {
 		cancelPump()
 		pumpEnded = waitUntil(pumpDone, closeBy)
 	}
+	s.current.Store(nil)
 	if pumpEnded && att.current != nil {
 		s.closeWithin(att.current, closeBy)
 	} else if !pumpEnded {

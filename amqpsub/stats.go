@@ -46,6 +46,9 @@ type Stats struct {
 	// Links counts links attached; LinksLost those lost; Reconnects the
 	// links attached in place of a lost one.
 	Links, LinksLost, Reconnects uint64
+	// DeadLetterCopies counts rejections kept as a copy on the dead-letter
+	// address (DeadLetterCopy); their originals are in Settled.Accepted.
+	DeadLetterCopies uint64
 	// Abandoned counts handlers that had not returned when Run returned.
 	Abandoned uint64
 	// EventsDropped counts events OnEvent's function fell too far behind
@@ -102,15 +105,16 @@ func (s *Subscriber) Stats() Stats {
 			LocalRetries: s.results.localRetries.Load(),
 			Poisoned:     s.results.poisoned.Load(),
 		},
-		SettleErrors:  p.SettleErrors,
-		Stale:         p.Stale,
-		Dropped:       p.Dropped,
-		Overshoot:     p.Overshoot,
-		Links:         p.Links,
-		LinksLost:     p.LinksLost,
-		Reconnects:    s.reconnects.Load(),
-		Abandoned:     s.abandoned.Load(),
-		EventsDropped: s.events.droppedCount(),
+		SettleErrors:     p.SettleErrors,
+		Stale:            p.Stale,
+		Dropped:          p.Dropped,
+		Overshoot:        p.Overshoot,
+		Links:            p.Links,
+		LinksLost:        p.LinksLost,
+		Reconnects:       s.reconnects.Load(),
+		DeadLetterCopies: s.deadLetterCopies.Load(),
+		Abandoned:        s.abandoned.Load(),
+		EventsDropped:    s.events.droppedCount(),
 	}
 }
 
@@ -128,7 +132,7 @@ func (st Stats) String() string {
 		{"panics", st.Results.Panics}, {"local_retries", st.Results.LocalRetries}, {"poisoned", st.Results.Poisoned},
 		{"settle_errors", st.SettleErrors}, {"stale", st.Stale}, {"dropped", st.Dropped},
 		{"overshoot", uint64(st.Overshoot)}, {"links_lost", st.LinksLost}, {"reconnects", st.Reconnects},
-		{"abandoned", st.Abandoned}, {"events_dropped", st.EventsDropped},
+		{"dead_letter_copies", st.DeadLetterCopies}, {"abandoned", st.Abandoned}, {"events_dropped", st.EventsDropped},
 	} {
 		if c.n != 0 {
 			s += fmt.Sprintf(" %s=%d", c.name, c.n)
@@ -164,6 +168,7 @@ func (st Stats) MarshalLogObject(enc zapcore.ObjectEncoder) error {
 	enc.AddUint64("links", st.Links)
 	enc.AddUint64("links_lost", st.LinksLost)
 	enc.AddUint64("reconnects", st.Reconnects)
+	enc.AddUint64("dead_letter_copies", st.DeadLetterCopies)
 	enc.AddUint64("abandoned", st.Abandoned)
 	enc.AddUint64("events_dropped", st.EventsDropped)
 	return nil

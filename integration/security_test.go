@@ -313,7 +313,7 @@ func TestSecurityNoCredentialLeak(t *testing.T) {
 		p.cut()
 		// Let a few reconnect attempts fail (and log) before accepting.
 		waitFor(t, 10*time.Second, "failed reconnect attempts", func() bool {
-			return logs.FilterMessage("reconnect failed; retrying").Len() >= 2
+			return logs.FilterMessage("reconnect failed; trying again").Len() >= 2
 		})
 		p.acceptAgain()
 		waitFor(t, 30*time.Second, "every message", c.all)

@@ -1,0 +1,133 @@
+package amqpsub
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+
+	"github.com/Azure/go-amqp"
+	"go.uber.org/zap"
+)
+
+// DeadLetterCopy makes a Reject (and a MaxDeliveryCount rejection) keep its
+// reason on brokers that drop it, such as Artemis: instead of settling the
+// delivery as rejected, the subscriber sends a copy of the message to
+// address, with application properties DeadLetterReason and
+// DeadLetterErrorDescription, waits until the broker has taken the copy,
+// and then accepts the original. If the copy cannot be sent (the address
+// does not exist yet, say), the delivery is rejected as without this
+// option, and the broker dead-letters it without the reason. "{queue}" in
+// address stands for the queue's name.
+//
+// On Artemis, address is the fully qualified name (address::queue) of the
+// queue's dead-letter queue: "DLQ::DLQ.{queue}" with
+// auto-create-dead-letter-resources (as in our test broker), "DLQ::DLQ"
+// with the stock broker.xml. The copy carries what Artemis itself adds to a
+// dead letter (_AMQ_ORIG_ADDRESS, _AMQ_ORIG_QUEUE, and the annotations
+// x-opt-ORIG-ADDRESS and x-opt-ORIG-QUEUE), which the auto-created queue's
+// filter and the broker's retry-from-DLQ operations need, loses its
+// time-to-live, and carries a duplicate-detection id (_AMQ_DUPL_ID), so a
+// copy sent twice (the original redelivered after a crash between the two
+// steps) is stored once. The two steps are not one transaction: go-amqp has
+// no AMQP transactions. Not for the RabbitMQ3 profile (RabbitMQ
+// dead-letters through the queue's dead-letter exchange), nor for Service
+// Bus, which keeps the reason itself. Default: off.
+func DeadLetterCopy(address string) Option {
+	return optionFunc(func(c *config) {
+		if address == "" {
+			c.invalid("DeadLetterCopy(\"\"): the address is empty")
+			return
+		}
+		c.deadLetterCopy = address
+	})
+}
+
+// deadLetterSender is the sender of DeadLetterCopy's copies on one link's
+// session, attached when the first copy is sent.
+type deadLetterSender struct {
+	mu  sync.Mutex
+	snd *amqp.Sender
+}
+
+// copyToDeadLetter sends d's copy with oe's reason to the dead-letter
+// address, on the session of the link d came on. False means it was not
+// sent: settle d as rejected.
+func (s *Subscriber) copyToDeadLetter(d *Delivery, oe *OutcomeError) bool {
+	l := s.current.Load()
+	if l == nil || l.sess == nil || d.t.Stale() {
+		return false // no broker link (a test source), or d's link is gone
+	}
+	addr := strings.ReplaceAll(s.cfg.deadLetterCopy, "{queue}", s.queue)
+	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.dialTimeout)
+	defer cancel()
+	l.dlq.mu.Lock()
+	snd := l.dlq.snd
+	if snd == nil {
+		var err error
+		snd, err = l.sess.NewSender(ctx, addr, &amqp.SenderOptions{TargetCapabilities: s.cfg.profile.sourceCaps})
+		if err != nil {
+			l.dlq.mu.Unlock()
+			s.log.Warn("cannot attach to the dead-letter address; rejecting without keeping the reason",
+				append(s.fields(d, err), zap.String("address", addr))...)
+			return false
+		}
+		l.dlq.snd = snd
+	}
+	l.dlq.mu.Unlock()
+	if err := snd.Send(ctx, deadLetterCopy(d.msg, s.cfg.profile.address(s.queue), s.queue, oe), nil); err != nil {
+		s.log.Warn("dead-letter copy not taken; rejecting without keeping the reason",
+			append(s.fields(d, err), zap.String("address", addr))...)
+		return false
+	}
+	return true
+}
+
+// deadLetterCopy returns a copy of m for the dead-letter queue of queue
+// (at address), with the reason of oe.
+func deadLetterCopy(m *amqp.Message, address, queue string, oe *OutcomeError) *amqp.Message {
+	c := &amqp.Message{
+		Format:   m.Format,
+		Data:     m.Data,
+		Value:    m.Value,
+		Sequence: m.Sequence,
+		Footer:   m.Footer,
+	}
+	if m.Header != nil {
+		h := *m.Header
+		h.TTL = 0
+		c.Header = &h
+	}
+	if m.Properties != nil {
+		p := *m.Properties
+		p.AbsoluteExpiryTime = nil
+		c.Properties = &p
+	}
+	c.Annotations = amqp.Annotations{}
+	for k, v := range m.Annotations {
+		c.Annotations[k] = v
+	}
+	c.Annotations["x-opt-ORIG-ADDRESS"] = address
+	c.Annotations["x-opt-ORIG-QUEUE"] = queue
+	c.ApplicationProperties = make(map[string]any, len(m.ApplicationProperties)+5)
+	for k, v := range m.ApplicationProperties {
+		c.ApplicationProperties[k] = v
+	}
+	c.ApplicationProperties["_AMQ_ORIG_ADDRESS"] = address
+	c.ApplicationProperties["_AMQ_ORIG_QUEUE"] = queue
+	c.ApplicationProperties["DeadLetterReason"] = oe.reason
+	if oe.description != "" {
+		c.ApplicationProperties["DeadLetterErrorDescription"] = oe.description
+	}
+	if m.Properties != nil && m.Properties.MessageID != nil {
+		// A message retried from the dead-letter queue before carries the
+		// id of its earlier dead letter: without it, its second copy would
+		// be dropped as a duplicate of the first.
+		id := fmt.Sprintf("amqpsub-dlq:%s:%v", address, m.Properties.MessageID)
+		if orig, ok := annotation(m, "x-opt-ORIG-MESSAGE-ID"); ok {
+			id += fmt.Sprintf(":%v", orig)
+		}
+		c.ApplicationProperties["_AMQ_DUPL_ID"] = id
+	}
+	return c
+}

@@ -55,6 +55,30 @@ for ctl in "$ARTEMIS_CTL" "$RABBITMQ_CTL"; do
   fi
 done
 
+# ==== Service Bus peer (integration/sbpeer) and its conformance test ====
+# Starts the scripted Service Bus peer if it is not running (and stops it at
+# exit only if this script started it, like the brokers), exports its
+# connection string, control URL and script for the integration tests, and
+# checks the peer against the official azservicebus client (a module of its
+# own, integration/sbconformance). See integration/sbpeer/README.md.
+SBPEER_CTL="$ROOT/integration/sbpeer/sbpeer.sh"
+section "Service Bus peer conformance (official azservicebus client)"
+sbconf_rc=0
+if ! bash "$SBPEER_CTL" status >/dev/null 2>&1; then
+  started+=("$SBPEER_CTL")
+fi
+if bash "$SBPEER_CTL" start; then
+  export AMQPSUB_SBPEER_CONN=${AMQPSUB_SBPEER_CONN:-$(bash "$SBPEER_CTL" url)}
+  export AMQPSUB_SBPEER_CONTROL=${AMQPSUB_SBPEER_CONTROL:-$(bash "$SBPEER_CTL" ctl-url)}
+  export AMQPSUB_SBPEER_CTL=$SBPEER_CTL
+  (cd "$ROOT/integration/sbconformance" &&
+    "$GO" test -race -count=1 -timeout 10m "${EXTRA[@]}" ./...) || sbconf_rc=$?
+else
+  echo "FAIL: could not start the Service Bus peer with $SBPEER_CTL start" >&2
+  sbconf_rc=1
+fi
+# ==== end of the Service Bus peer block ====
+
 section "integration tests"
 integ_rc=0
 AMQPSUB_ARTEMIS_URL=${AMQPSUB_ARTEMIS_URL:-$(bash "$ARTEMIS_CTL" url)} \
@@ -68,4 +92,5 @@ section "summary"
 [ "$unit_rc" = 0 ] && echo "unit tests: ok" || echo "unit tests: FAIL (exit $unit_rc)"
 [ "$fuzz_rc" = 0 ] && echo "fuzz: ok" || echo "fuzz: FAIL (exit $fuzz_rc)"
 [ "$integ_rc" = 0 ] && echo "integration tests: ok" || echo "integration tests: FAIL (exit $integ_rc)"
-[ "$unit_rc" = 0 ] && [ "$fuzz_rc" = 0 ] && [ "$integ_rc" = 0 ]
+[ "$sbconf_rc" = 0 ] && echo "Service Bus peer conformance: ok" || echo "Service Bus peer conformance: FAIL (exit $sbconf_rc)"
+[ "$unit_rc" = 0 ] && [ "$fuzz_rc" = 0 ] && [ "$integ_rc" = 0 ] && [ "$sbconf_rc" = 0 ]

@@ -32,6 +32,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/internal/publish"
 )
 
 // The fault tests' own Artemis, which they may kill: never the shared one
@@ -1190,61 +1191,35 @@ func checkPartition(t *testing.T, n int, handled, left map[int]int) {
 	}
 }
 
-// publisher sends small pre-settled messages over several links at once,
-// each batch confirmed by an unsettled barrier per link.
+// publisher sends small persistent messages over several links at once,
+// seq counting on.
 type publisher struct {
-	senders []*amqp.Sender
-	sent    int
+	conn  *amqp.Conn
+	q     string
+	links int
+	sent  int
 }
 
 func newPublisher(t testing.TB, url, q string, links int) *publisher {
-	t.Helper()
-	conn := dial(t, url)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	p := &publisher{}
-	for range links {
-		sess, err := conn.NewSession(ctx, nil)
-		if err != nil {
-			t.Fatalf("session: %v", err)
-		}
-		mode := amqp.SenderSettleModeMixed
-		snd, err := sess.NewSender(ctx, q, &amqp.SenderOptions{SettlementMode: &mode, TargetCapabilities: []string{"queue"}})
-		if err != nil {
-			t.Fatalf("sender: %v", err)
-		}
-		p.senders = append(p.senders, snd)
-	}
-	return p
+	return &publisher{conn: dial(t, url), q: q, links: links}
 }
 
-// send publishes n persistent messages of a few bytes, seq counting on,
-// and returns once the broker has them all.
+// send publishes n messages and returns once the broker has them all.
 func (p *publisher) send(t testing.TB, n int) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	var wg sync.WaitGroup
-	errs := make([]error, len(p.senders))
-	for i, snd := range p.senders {
-		wg.Go(func() {
-			for k := i; k < n; k += len(p.senders) {
-				m := amqp.NewMessage([]byte("backlog"))
-				m.Header = &amqp.MessageHeader{Durable: true}
-				m.ApplicationProperties = map[string]any{"seq": int64(p.sent + k)}
-				if err := snd.Send(ctx, m, &amqp.SendOptions{Settled: true}); err != nil {
-					errs[i] = err
-					return
-				}
-			}
-			errs[i] = snd.Send(ctx, message(msgSpec{seq: -1}), nil)
+	err := publish.Send(ctx, p.conn, publish.Target{Address: p.q, Capabilities: []string{"queue"}}, p.links, n,
+		func(k int) *amqp.Message {
+			m := amqp.NewMessage([]byte("backlog"))
+			m.Header = &amqp.MessageHeader{Durable: true}
+			m.ApplicationProperties = map[string]any{"seq": int64(p.sent + k)}
+			return m
 		})
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+	if err != nil {
 		t.Fatalf("publish: %v", err)
 	}
-	p.sent += n + len(p.senders)
+	p.sent += n
 }
 
 // A slow consumer (its own process, 4 workers of 20 ms) over a backlog of

@@ -16,6 +16,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/internal/publish"
 )
 
 const startHint = "start one with `bash integration/artemis.sh start` (and `bash integration/rabbitmq.sh start`), " +
@@ -90,29 +91,19 @@ func publishMessages(t testing.TB, conn *amqp.Conn, address string, artemis bool
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	sess, err := conn.NewSession(ctx, nil)
-	if err != nil {
-		t.Fatalf("session: %v", err)
-	}
-	// Closing the session ends the link too; RabbitMQ 3.10 never answers
-	// a link detach, so the sender is not closed on its own.
-	defer closeSession(sess)
-	mode := amqp.SenderSettleModeMixed
-	opts := &amqp.SenderOptions{SettlementMode: &mode}
+	target := publish.Target{Address: address}
 	if artemis {
-		opts.TargetCapabilities = []string{"queue"}
+		target.Capabilities = []string{"queue"}
 	}
-	snd, err := sess.NewSender(ctx, address, opts)
-	if err != nil {
-		t.Fatalf("sender on %s: %v", address, err)
-	}
-	for _, m := range msgs {
-		if err := snd.Send(ctx, m, &amqp.SendOptions{Settled: true}); err != nil {
-			t.Fatalf("send: %v", err)
+	barrier := message(msgSpec{seq: -1})
+	err := publish.Send(ctx, conn, target, 1, len(msgs)+1, func(i int) *amqp.Message {
+		if i == len(msgs) {
+			return barrier
 		}
-	}
-	if err := snd.Send(ctx, message(msgSpec{seq: -1}), nil); err != nil {
-		t.Fatalf("send barrier: %v", err)
+		return msgs[i]
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }
 

@@ -23,6 +23,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
+	publisher "github.com/amqpsub/amqpsub/internal/publish"
 )
 
 func main() {
@@ -122,33 +123,14 @@ func publish(ctx context.Context, url, queue string, orders, customers int) erro
 		return fmt.Errorf("dial %s: %w", url, err)
 	}
 	defer conn.Close()
-	sess, err := conn.NewSession(ctx, nil)
-	if err != nil {
-		return err
-	}
-	mode := amqp.SenderSettleModeMixed
-	snd, err := sess.NewSender(ctx, queue, &amqp.SenderOptions{
-		TargetCapabilities: []string{"queue"},
-		SettlementMode:     &mode,
-	})
-	if err != nil {
-		return err
-	}
-	seq := make([]int64, customers)
-	for i := range orders {
-		c := i % customers
-		customer := fmt.Sprintf("customer-%03d", c)
-		msg := amqp.NewMessage(fmt.Appendf(nil, `{"customer":%q,"seq":%d}`, customer, seq[c]))
-		msg.Header = &amqp.MessageHeader{Durable: true}
-		msg.Properties = &amqp.MessageProperties{GroupID: &customer}
-		msg.ApplicationProperties = map[string]any{"seq": seq[c]}
-		seq[c]++
-		// Pre-settled for speed; the last one is unsettled, so its
-		// acceptance says every order before it reached the broker.
-		opts := &amqp.SendOptions{Settled: i < orders-1}
-		if err := snd.Send(ctx, msg, opts); err != nil {
-			return fmt.Errorf("send: %w", err)
-		}
-	}
-	return snd.Close(ctx)
+	return publisher.Send(ctx, conn, publisher.Target{Address: queue, Capabilities: []string{"queue"}}, 1, orders,
+		func(i int) *amqp.Message {
+			c, seq := i%customers, int64(i/customers)
+			customer := fmt.Sprintf("customer-%03d", c)
+			msg := amqp.NewMessage(fmt.Appendf(nil, `{"customer":%q,"seq":%d}`, customer, seq))
+			msg.Header = &amqp.MessageHeader{Durable: true}
+			msg.Properties = &amqp.MessageProperties{GroupID: &customer}
+			msg.ApplicationProperties = map[string]any{"seq": seq}
+			return msg
+		})
 }

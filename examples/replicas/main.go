@@ -49,6 +49,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
+	publisher "github.com/amqpsub/amqpsub/internal/publish"
 )
 
 func main() {
@@ -272,38 +273,21 @@ func publish(ctx context.Context, url, queue string, n, groups int) error {
 		return fmt.Errorf("dial %s: %w", url, err)
 	}
 	defer conn.Close()
-	sess, err := conn.NewSession(ctx, nil)
-	if err != nil {
-		return fmt.Errorf("session: %w", err)
-	}
-	mode := amqp.SenderSettleModeMixed
-	snd, err := sess.NewSender(ctx, queue, &amqp.SenderOptions{
-		TargetCapabilities: []string{"queue"},
-		SettlementMode:     &mode,
-	})
-	if err != nil {
-		return fmt.Errorf("sender on %s: %w", queue, err)
-	}
 	start := time.Now()
-	next := make([]int64, groups)
-	for i := range n {
-		g := i % groups
-		group := fmt.Sprintf("g%03d", g)
-		msg := amqp.NewMessage(fmt.Appendf(nil, "%s/%d", group, next[g]))
-		msg.Header = &amqp.MessageHeader{Durable: true}
-		msg.Properties = &amqp.MessageProperties{GroupID: &group}
-		msg.ApplicationProperties = map[string]any{"seq": next[g]}
-		next[g]++
-		// Pre-settled for speed; the last one is unsettled, so its
-		// acceptance says every message before it reached the broker.
-		if err := snd.Send(ctx, msg, &amqp.SendOptions{Settled: i < n-1}); err != nil {
-			return fmt.Errorf("send: %w", err)
-		}
+	err = publisher.Send(ctx, conn, publisher.Target{Address: queue, Capabilities: []string{"queue"}}, 1, n,
+		func(i int) *amqp.Message {
+			g, seq := i%groups, int64(i/groups)
+			group := fmt.Sprintf("g%03d", g)
+			msg := amqp.NewMessage(fmt.Appendf(nil, "%s/%d", group, seq))
+			msg.Header = &amqp.MessageHeader{Durable: true}
+			msg.Properties = &amqp.MessageProperties{GroupID: &group}
+			msg.ApplicationProperties = map[string]any{"seq": seq}
+			return msg
+		})
+	if err != nil {
+		return err
 	}
 	fmt.Fprintf(os.Stderr, "published %d messages over %d groups to %s in %v\n",
 		n, groups, queue, time.Since(start).Round(time.Millisecond))
-	if err := snd.Close(ctx); err != nil {
-		return fmt.Errorf("close sender: %w", err)
-	}
 	return nil
 }

@@ -4,18 +4,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"iter"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/Azure/go-amqp"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/internal/publish"
 )
 
 // broker is one broker under test and what differs between brokers on the
@@ -206,7 +205,14 @@ func preload(ctx context.Context, b *broker, queue string, n, links int, p paylo
 	for i := range body {
 		body[i] = byte('a' + i%26)
 	}
-	msg := func(i int) *amqp.Message {
+	target := publish.Target{Address: b.sendAddress(queue)}
+	if b.name == "artemis" {
+		target.Capabilities = []string{"queue"}
+	} else {
+		target.Durability = amqp.DurabilityUnsettledState
+	}
+	start := time.Now()
+	err = publish.Send(ctx, conn, target, links, n+1, func(i int) *amqp.Message {
 		m := amqp.NewMessage(body)
 		m.Header = &amqp.MessageHeader{Durable: p.durable}
 		m.Properties = &amqp.MessageProperties{}
@@ -214,68 +220,11 @@ func preload(ctx context.Context, b *broker, queue string, n, links int, p paylo
 			m.Properties.GroupID = &groups[i%len(groups)]
 		}
 		return m
-	}
-	total := n + 1
-	links = max(1, min(links, total))
-	start := time.Now()
-	errs := make([]error, links)
-	var wg sync.WaitGroup
-	for l := range links {
-		// Sender l sends messages l, l+links, l+2·links, ...
-		wg.Go(func() {
-			errs[l] = preloadLink(ctx, b, conn, queue, func(yield func(*amqp.Message) bool) {
-				for i := l; i < total; i += links {
-					if !yield(msg(i)) {
-						return
-					}
-				}
-			})
-		})
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+	})
+	if err != nil {
 		return 0, err
 	}
 	return time.Since(start), nil
-}
-
-func preloadLink(ctx context.Context, b *broker, conn *amqp.Conn, queue string, msgs iter.Seq[*amqp.Message]) error {
-	sess, err := conn.NewSession(ctx, nil)
-	if err != nil {
-		return fmt.Errorf("preload session: %w", err)
-	}
-	// Closing the session ends the link too; RabbitMQ 3.10 never answers a
-	// link detach, so the sender is never closed on its own.
-	defer b.closeLink(nil, sess)
-	mode := amqp.SenderSettleModeMixed
-	opts := &amqp.SenderOptions{SettlementMode: &mode}
-	if b.name == "artemis" {
-		opts.TargetCapabilities = []string{"queue"}
-	} else {
-		opts.TargetDurability = amqp.DurabilityUnsettledState
-	}
-	snd, err := sess.NewSender(ctx, b.sendAddress(queue), opts)
-	if err != nil {
-		return fmt.Errorf("preload sender on %s: %w", b.sendAddress(queue), err)
-	}
-	settled := &amqp.SendOptions{Settled: true}
-	var last *amqp.Message
-	sent := 0
-	for m := range msgs {
-		if last != nil {
-			if err := snd.Send(ctx, last, settled); err != nil {
-				return fmt.Errorf("preload send after %d: %w", sent, err)
-			}
-			sent++
-		}
-		last = m
-	}
-	if last != nil {
-		if err := snd.Send(ctx, last, nil); err != nil {
-			return fmt.Errorf("preload barrier after %d: %w", sent, err)
-		}
-	}
-	return nil
 }
 
 // probeEmpty checks that queue is empty: a receiver with credit 1 gets

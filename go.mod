@@ -1,6 +1,6 @@
 module github.com/amqpsub/amqpsub
 
-go 1.26
+go 1.25
 
 require (
 	github.com/Azure/go-amqp v1.7.0

@@ -708,7 +708,8 @@ func TestArtemisReplicas(t *testing.T) {
 				}
 				m := message(s)
 				if seq == closeAt && s.group != "open" {
-					m.Properties.GroupSequence = new(uint32(0xFFFFFFFF))
+					closing := uint32(0xFFFFFFFF)
+					m.Properties.GroupSequence = &closing
 				}
 				specs = append(specs, s)
 				msgs = append(msgs, m)

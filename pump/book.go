@@ -46,9 +46,10 @@ func (s State) String() string {
 // which names the entry and the delivery it held when the ticket was made.
 type Delivery struct {
 	msg atomic.Pointer[amqp.Message]
-	// word is the generation (high 32 bits: how often the entry was taken)
-	// and the State (low 32 bits), changed together so that a ticket of an
-	// earlier generation cannot move the entry.
+	// word is the generation (high 32 bits: how often the entry was taken),
+	// the lost-lock flag (bit 8) and the State (low 8 bits), changed
+	// together so that a ticket of an earlier generation cannot move the
+	// entry.
 	word atomic.Uint64
 	// Set by the pump before the entry is handed out; read-only after.
 	src  Source
@@ -56,15 +57,26 @@ type Delivery struct {
 	p    *Pump
 }
 
+// lockLost marks, in an entry's word, a delivery whose broker lock was lost
+// while a handler had it: its settlement is not sent.
+const lockLost = 1 << 8
+
 func pack(gen uint32, s State) uint64 { return uint64(gen)<<32 | uint64(uint32(s)) }
+
+func unpack(w uint64) (gen uint32, s State) { return uint32(w >> 32), State(uint8(w)) }
 
 // Message returns the AMQP message the entry holds.
 func (d *Delivery) Message() *amqp.Message { return d.msg.Load() }
 
 // State returns where the entry's delivery is.
-func (d *Delivery) State() State { return State(uint32(d.word.Load())) }
+func (d *Delivery) State() State { _, s := unpack(d.word.Load()); return s }
 
-// cas moves the entry from state from to state to, if it is still at gen.
+// LockLost reports whether the broker's lock of the entry's delivery was
+// lost while a handler had it (LoseLock).
+func (d *Delivery) LockLost() bool { return d.word.Load()&lockLost != 0 }
+
+// cas moves the entry from state from to state to, if it is still at gen
+// and not flagged.
 func (d *Delivery) cas(gen uint32, from, to State) bool {
 	return d.word.CompareAndSwap(pack(gen, from), pack(gen, to))
 }
@@ -83,12 +95,15 @@ func (t Ticket) Message() *amqp.Message { return t.d.msg.Load() }
 
 // State returns where the delivery is, or Free once it was settled.
 func (t Ticket) State() State {
-	w := t.d.word.Load()
-	if uint32(w>>32) != t.gen {
+	gen, s := unpack(t.d.word.Load())
+	if gen != t.gen {
 		return Free
 	}
-	return State(uint32(w))
+	return s
 }
+
+// Entry returns the book entry the ticket names.
+func (t Ticket) Entry() *Delivery { return t.d }
 
 // Stale reports whether the link the delivery came on was lost. A stale
 // delivery cannot be settled; the broker redelivers it.
@@ -129,6 +144,9 @@ func (p *Pump) take(msg *amqp.Message, src Source, link uint64) Ticket {
 
 // release returns an entry to the free list.
 func (p *Pump) release(d *Delivery) {
+	if p.cfg.Leases != nil {
+		p.cfg.Leases.Remove(d)
+	}
 	d.msg.Store(nil)
 	d.src = nil
 	d.word.Store(pack(uint32(d.word.Load()>>32), Free))
@@ -144,7 +162,7 @@ func (p *Pump) dropStale() {
 	n := 0
 	for _, d := range p.book { // the pump is the book's only writer
 		w := d.word.Load()
-		if d.link != cur && State(uint32(w)) == Buffered && d.word.CompareAndSwap(w, pack(uint32(w>>32), Dropped)) {
+		if gen, st := unpack(w); d.link != cur && st == Buffered && d.word.CompareAndSwap(w, pack(gen, Dropped)) {
 			n++
 		}
 	}
@@ -152,6 +170,42 @@ func (p *Pump) dropStale() {
 		p.acct.Settled(n)
 		p.stats.settled[Drop].Add(uint64(n))
 		p.noteHeld()
+	}
+	if p.cfg.Leases != nil {
+		for _, d := range p.book {
+			if d.State() == Dropped {
+				p.cfg.Leases.Remove(d)
+			}
+		}
+	}
+}
+
+// LoseLock tells the pump that the broker's lock of t's delivery is lost
+// (Service Bus): a delivery no handler has taken yet is dropped (it stops
+// counting as held at once, and the consumer that finds it passes it to
+// Settle, which only frees it); a delivery in a handler is marked, so that
+// its settlement is not sent and counted as skipped. It may be called from
+// any goroutine; a delivery already settling or settled is left alone.
+func (p *Pump) LoseLock(t Ticket) {
+	for {
+		w := t.d.word.Load()
+		gen, s := unpack(w)
+		if gen != t.gen || w&lockLost != 0 {
+			return
+		}
+		switch s {
+		case Buffered:
+			if t.d.word.CompareAndSwap(w, pack(gen, Dropped)) {
+				p.settle.push(settlement{d: t.d, o: Outcome{Kind: lostLock}})
+				return
+			}
+		case Handling:
+			if t.d.word.CompareAndSwap(w, w|lockLost) {
+				return
+			}
+		default:
+			return
+		}
 	}
 }
 

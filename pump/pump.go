@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
@@ -45,6 +46,27 @@ type Config struct {
 	// It must return at once (hand the event on, never block): the pump
 	// applies no settlement while it runs.
 	OnEvent func(Event)
+	// Settlers, when > 0, sends settlements from that many goroutines, for
+	// brokers that answer each one (receiver settle mode second, as Service
+	// Bus has it): go-amqp then waits a round trip per settlement, which on
+	// the pump's goroutine would cap the rate at one per round trip. A
+	// delivery stays held until its answer came or SettleTimeout passed.
+	// 0 settles on the pump's goroutine, for brokers that do not answer
+	// (Artemis, RabbitMQ).
+	Settlers int
+	// SettleTimeout bounds each settlement sent by a settler; 0 means 30 s.
+	SettleTimeout time.Duration
+	// Leases, when set, hears of every delivery entering and leaving the
+	// book (Service Bus renews the lock of each). nil costs nothing.
+	Leases Leases
+}
+
+// Leases is told of every delivery the pump holds. Add is called on the
+// pump's goroutine when a delivery enters the book; Remove when its entry
+// leaves it (settled, dropped or released). Neither may block.
+type Leases interface {
+	Add(t Ticket)
+	Remove(d *Delivery)
 }
 
 // Pump is the receiving end of one subscription. Create it with New, start it
@@ -67,7 +89,8 @@ type Pump struct {
 	// Owned by the Run goroutine.
 	acct    *credit.Account
 	free    []*Delivery
-	backlog []Ticket // received, waiting for room in out
+	backlog []Ticket     // received, waiting for room in out
+	jobs    []settlement // waiting for a settler (Settlers > 0)
 
 	bookMu sync.RWMutex
 	book   []*Delivery // every entry ever made; written by the Run goroutine only
@@ -145,13 +168,23 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 	defer close(p.done)
 	defer p.markReleased()
 	defer close(p.out)
+	var toSettlers chan settlement
+	if p.cfg.Settlers > 0 {
+		toSettlers = make(chan settlement)
+		var settlers sync.WaitGroup
+		for range p.cfg.Settlers {
+			settlers.Go(func() { p.settler(ctx, toSettlers) })
+		}
+		defer settlers.Wait()
+		defer close(toSettlers)
+	}
 	var lost error
 	for {
 		src, err := p.attach(ctx, attach, lost)
 		if err != nil {
 			return err
 		}
-		err = p.serve(ctx, src)
+		err = p.serve(ctx, src, toSettlers)
 		if errors.Is(err, ErrStopped) {
 			return ErrStopped
 		}
@@ -166,12 +199,17 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 		p.link.Add(1)
 		p.dropBacklog()
 		p.dropStale()
+		for _, s := range p.jobs {
+			p.apply(ctx, s) // stale now: skipped and freed
+		}
+		clear(p.jobs)
+		p.jobs = p.jobs[:0]
 	}
 }
 
 // serve runs one link until it fails (its error), Stop took effect
 // (ErrStopped) or ctx ended.
-func (p *Pump) serve(ctx context.Context, src Source) error {
+func (p *Pump) serve(ctx context.Context, src Source, toSettlers chan<- settlement) error {
 	gen := p.link.Load()
 	rctx, cancelReceive := context.WithCancel(ctx)
 	in := newBurst[*amqp.Message](p.cfg.Credit)
@@ -210,7 +248,18 @@ func (p *Pump) serve(ctx context.Context, src Source) error {
 		if len(p.backlog) > 0 {
 			head, out = p.backlog[0], p.out
 		}
+		var job settlement
+		var jobs chan<- settlement
+		if len(p.jobs) > 0 {
+			job, jobs = p.jobs[0], toSettlers
+		}
 		select {
+		case jobs <- job:
+			p.jobs[0] = settlement{}
+			p.jobs = p.jobs[1:]
+			if len(p.jobs) == 0 {
+				p.jobs = p.jobs[:0:0]
+			}
 		case <-in.wake:
 			msgs, err := in.take()
 			for _, m := range msgs {
@@ -273,6 +322,9 @@ func (p *Pump) received(t Ticket, stopping bool) {
 	p.stats.received.Add(1)
 	p.stats.overshoot.Store(p.acct.Overshoot())
 	p.noteHeld()
+	if p.cfg.Leases != nil {
+		p.cfg.Leases.Add(t)
+	}
 	if stopping {
 		p.Settle(t, Outcome{Kind: Release})
 		return

@@ -2,7 +2,9 @@ package pump
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"time"
 
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
@@ -27,9 +29,11 @@ const (
 	// reclaim frees the entry of a Dropped delivery, which no longer counts
 	// as held.
 	reclaim
+	// lostLock stops counting as held a delivery LoseLock dropped.
+	lostLock
 )
 
-var kindNames = [...]string{"accept", "release", "modify", "reject", "drop", "reclaim"}
+var kindNames = [...]string{"accept", "release", "modify", "reject", "drop", "reclaim", "lost-lock"}
 
 func (k Kind) String() string {
 	if int(k) < len(kindNames) {
@@ -51,6 +55,9 @@ type Outcome struct {
 type settlement struct {
 	d *Delivery
 	o Outcome
+	// done: a settler has sent o and err is the broker's answer (Settlers).
+	done bool
+	err  error
 }
 
 // Settle hands the pump a delivery's settlement and reports true; it
@@ -63,15 +70,21 @@ type settlement struct {
 // link is closed.
 func (p *Pump) Settle(t Ticket, o Outcome) bool {
 	for {
-		switch s := t.State(); s {
+		w := t.d.word.Load()
+		gen, s := unpack(w)
+		if gen != t.gen {
+			s = Free
+		}
+		next := w&^0xff | uint64(Settling)
+		switch s {
 		case Buffered, Handling:
-			if t.d.cas(t.gen, s, Settling) {
-				p.settle.push(settlement{t.d, o})
+			if t.d.word.CompareAndSwap(w, next) {
+				p.settle.push(settlement{d: t.d, o: o})
 				return true
 			}
 		case Dropped:
-			if t.d.cas(t.gen, s, Settling) {
-				p.settle.push(settlement{t.d, Outcome{Kind: reclaim}})
+			if t.d.word.CompareAndSwap(w, next) {
+				p.settle.push(settlement{d: t.d, o: Outcome{Kind: reclaim}})
 				return true
 			}
 		default:
@@ -90,32 +103,95 @@ func (p *Pump) applyQueued(ctx context.Context) {
 	p.settle.recycle(batch)
 }
 
-// apply sends a settlement to the broker and frees the delivery's entry.
+// apply sends a settlement to the broker (or hands it to a settler) and
+// frees the delivery's entry.
 func (p *Pump) apply(ctx context.Context, s settlement) {
 	d := s.d
 	switch {
 	case s.o.Kind == reclaim:
 		p.release(d)
 		return
+	case s.o.Kind == lostLock:
+		// Dropped by LoseLock: no longer held; the consumer frees it.
+		p.stats.lockLostDropped.Add(1)
+		if p.cfg.Leases != nil {
+			p.cfg.Leases.Remove(d)
+		}
+		p.acct.Settled(1)
+		p.noteHeld()
+		return
+	case s.done:
+		p.settled(d, s.o.Kind, s.err)
 	case s.o.Kind == Drop:
 		p.stats.settled[Drop].Add(1)
 	case d.link != p.link.Load():
 		p.log.Debug("settlement of a delivery from a lost link skipped; the broker redelivers it",
 			zap.Stringer("outcome", s.o.Kind))
 		p.stats.stale.Add(1)
+	case d.LockLost():
+		p.log.Debug("settlement of a delivery whose lock was lost skipped; the broker redelivers it",
+			zap.Stringer("outcome", s.o.Kind))
+		p.stats.lockLostSkipped.Add(1)
+	case p.cfg.Settlers > 0:
+		// A settler sends it and reports back (done); the entry stays held
+		// until then.
+		p.jobs = append(p.jobs, s)
+		return
 	default:
-		if err := settleOn(ctx, d.src, d.msg.Load(), s.o); err != nil {
-			p.log.Debug("settlement failed; the broker redelivers the delivery",
-				zap.Stringer("outcome", s.o.Kind), zap.Error(err))
-			p.stats.settleErrors.Add(1)
-			p.event(Event{Kind: SettleFailed, Message: d.msg.Load(), Outcome: s.o.Kind, Err: err})
-		} else {
-			p.stats.settled[s.o.Kind].Add(1)
-		}
+		p.settled(d, s.o.Kind, settleOn(ctx, d.src, d.msg.Load(), s.o))
 	}
 	p.release(d)
 	p.acct.Settled(1)
 	p.noteHeld()
+}
+
+// settled counts the broker's answer to a settlement.
+func (p *Pump) settled(d *Delivery, kind Kind, err error) {
+	var ae *amqp.Error
+	switch {
+	case err == nil:
+		p.stats.settled[kind].Add(1)
+		return
+	case errors.As(err, &ae) && ae.Condition == ErrCondLockLost:
+		p.log.Warn("settlement answered with lock-lost; the broker redelivers the delivery",
+			zap.Stringer("outcome", kind), zap.Error(err))
+		p.stats.lockLostAnswers.Add(1)
+	case errors.Is(err, context.DeadlineExceeded):
+		p.log.Warn("settlement not answered in time; the broker redelivers the delivery once its lock expires",
+			zap.Stringer("outcome", kind), zap.Duration("timeout", p.settleTimeout()))
+		p.stats.settleTimeouts.Add(1)
+	default:
+		p.log.Debug("settlement failed; the broker redelivers the delivery",
+			zap.Stringer("outcome", kind), zap.Error(err))
+		p.stats.settleErrors.Add(1)
+	}
+	p.event(Event{Kind: SettleFailed, Message: d.msg.Load(), Outcome: kind, Err: err})
+}
+
+// ErrCondLockLost is the condition Service Bus answers a settlement with
+// when the delivery's lock has expired.
+const ErrCondLockLost amqp.ErrCond = "com.microsoft:message-lock-lost"
+
+func (p *Pump) settleTimeout() time.Duration {
+	if p.cfg.SettleTimeout > 0 {
+		return p.cfg.SettleTimeout
+	}
+	return 30 * time.Second
+}
+
+// settler sends the settlements of jobs until it is closed, each within
+// the settle timeout, and reports each back to the pump.
+func (p *Pump) settler(ctx context.Context, jobs <-chan settlement) {
+	for s := range jobs {
+		sctx, cancel := context.WithTimeout(ctx, p.settleTimeout())
+		err := settleOn(sctx, s.d.src, s.d.msg.Load(), s.o)
+		cancel()
+		if err != nil && ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) {
+			err = fmt.Errorf("pump: settlement not answered within %v: %w", p.settleTimeout(), context.DeadlineExceeded)
+		}
+		s.done, s.err = true, err
+		p.settle.push(s)
+	}
 }
 
 func settleOn(ctx context.Context, src Source, msg *amqp.Message, o Outcome) error {

@@ -7,18 +7,22 @@ import (
 )
 
 type counters struct {
-	received     atomic.Uint64
-	granted      atomic.Uint64
-	settled      [Drop + 1]atomic.Uint64
-	settleErrors atomic.Uint64
-	stale        atomic.Uint64
-	doubleSettle atomic.Uint64
-	links        atomic.Uint64
-	linksLost    atomic.Uint64
-	held         atomic.Int64
-	maxHeld      atomic.Int64
-	overshoot    atomic.Int64
-	windowed     atomic.Bool
+	received        atomic.Uint64
+	granted         atomic.Uint64
+	settled         [Drop + 1]atomic.Uint64
+	settleErrors    atomic.Uint64
+	stale           atomic.Uint64
+	doubleSettle    atomic.Uint64
+	lockLostDropped atomic.Uint64
+	lockLostSkipped atomic.Uint64
+	lockLostAnswers atomic.Uint64
+	settleTimeouts  atomic.Uint64
+	links           atomic.Uint64
+	linksLost       atomic.Uint64
+	held            atomic.Int64
+	maxHeld         atomic.Int64
+	overshoot       atomic.Int64
+	windowed        atomic.Bool
 }
 
 // Stats are a pump's counters. Counts are totals since New.
@@ -37,12 +41,17 @@ type Stats struct {
 	// DoubleSettles counts Settle calls refused because the delivery was
 	// already settled.
 	DoubleSettles uint64
-	Links         uint64 // links attached
-	LinksLost     uint64 // links lost
-	Held          int    // deliveries held in the process now
-	MaxHeld       int    // the most deliveries held at once
-	Overshoot     int64  // deliveries the broker sent past the credit
-	Windowed      bool   // credit is granted in windows (after an overshoot)
+	// Lost locks (LoseLock): deliveries dropped before a handler took
+	// them, and settlements skipped because the handler had the delivery;
+	// settlements the broker answered with lock-lost; and settlements
+	// that a settler saw go unanswered within SettleTimeout.
+	LockLostDropped, LockLostSkipped, LockLostAnswers, SettleTimeouts uint64
+	Links                                                             uint64 // links attached
+	LinksLost                                                         uint64 // links lost
+	Held                                                              int    // deliveries held in the process now
+	MaxHeld                                                           int    // the most deliveries held at once
+	Overshoot                                                         int64  // deliveries the broker sent past the credit
+	Windowed                                                          bool   // credit is granted in windows (after an overshoot)
 	// A census of the book, taken entry by entry while the pump goes on:
 	// Buffered + Handling + Settling is Held give or take the deliveries that
 	// moved meanwhile.
@@ -53,22 +62,26 @@ type Stats struct {
 // called from any goroutine.
 func (p *Pump) Stats() Stats {
 	s := Stats{
-		Received:      p.stats.received.Load(),
-		Granted:       p.stats.granted.Load(),
-		Accepted:      p.stats.settled[Accept].Load(),
-		Released:      p.stats.settled[Release].Load(),
-		Modified:      p.stats.settled[Modify].Load(),
-		Rejected:      p.stats.settled[Reject].Load(),
-		Dropped:       p.stats.settled[Drop].Load(),
-		SettleErrors:  p.stats.settleErrors.Load(),
-		Stale:         p.stats.stale.Load(),
-		DoubleSettles: p.stats.doubleSettle.Load(),
-		Links:         p.stats.links.Load(),
-		LinksLost:     p.stats.linksLost.Load(),
-		Held:          int(p.stats.held.Load()),
-		MaxHeld:       int(p.stats.maxHeld.Load()),
-		Overshoot:     p.stats.overshoot.Load(),
-		Windowed:      p.stats.windowed.Load(),
+		Received:        p.stats.received.Load(),
+		Granted:         p.stats.granted.Load(),
+		Accepted:        p.stats.settled[Accept].Load(),
+		Released:        p.stats.settled[Release].Load(),
+		Modified:        p.stats.settled[Modify].Load(),
+		Rejected:        p.stats.settled[Reject].Load(),
+		Dropped:         p.stats.settled[Drop].Load(),
+		SettleErrors:    p.stats.settleErrors.Load(),
+		Stale:           p.stats.stale.Load(),
+		DoubleSettles:   p.stats.doubleSettle.Load(),
+		LockLostDropped: p.stats.lockLostDropped.Load(),
+		LockLostSkipped: p.stats.lockLostSkipped.Load(),
+		LockLostAnswers: p.stats.lockLostAnswers.Load(),
+		SettleTimeouts:  p.stats.settleTimeouts.Load(),
+		Links:           p.stats.links.Load(),
+		LinksLost:       p.stats.linksLost.Load(),
+		Held:            int(p.stats.held.Load()),
+		MaxHeld:         int(p.stats.maxHeld.Load()),
+		Overshoot:       p.stats.overshoot.Load(),
+		Windowed:        p.stats.windowed.Load(),
 	}
 	p.Each(func(d *Delivery) bool {
 		switch d.State() {

@@ -64,6 +64,15 @@ type Source struct {
 	// returns it, such as to take the time it was handed over. Set it
 	// before the first Receive.
 	OnReceive func(m *amqp.Message)
+
+	// SettleDelay, when > 0, makes every settlement wait that long for the
+	// broker's answer (or until its ctx ends), as with receiver settle mode
+	// second. Set it before the first settlement.
+	SettleDelay time.Duration
+	// SettleErr, when set, gives the broker's answer to a settlement of m
+	// (nil: taken); ctx is the settlement's. Set it before the first
+	// settlement.
+	SettleErr func(ctx context.Context, m *amqp.Message) error
 }
 
 // New returns a Source holding msgs. If record is true it keeps every
@@ -200,7 +209,21 @@ func (s *Source) DrainCredit(ctx context.Context, _ *amqp.DrainCreditOptions) er
 	return s.err
 }
 
-func (s *Source) settle(m *amqp.Message, st Settlement) error {
+func (s *Source) settle(ctx context.Context, m *amqp.Message, st Settlement) error {
+	if s.SettleDelay > 0 {
+		t := time.NewTimer(s.SettleDelay)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		}
+	}
+	if s.SettleErr != nil {
+		if err := s.SettleErr(ctx, m); err != nil {
+			return err
+		}
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.err != nil {
@@ -228,26 +251,26 @@ func (s *Source) signalLocked() {
 }
 
 // AcceptMessage records an accept.
-func (s *Source) AcceptMessage(_ context.Context, m *amqp.Message) error {
-	return s.settle(m, Settlement{Outcome: Accepted})
+func (s *Source) AcceptMessage(ctx context.Context, m *amqp.Message) error {
+	return s.settle(ctx, m, Settlement{Outcome: Accepted})
 }
 
 // ReleaseMessage records a release and puts the message back.
-func (s *Source) ReleaseMessage(_ context.Context, m *amqp.Message) error {
-	return s.settle(m, Settlement{Outcome: Released})
+func (s *Source) ReleaseMessage(ctx context.Context, m *amqp.Message) error {
+	return s.settle(ctx, m, Settlement{Outcome: Released})
 }
 
 // RejectMessage records a reject.
-func (s *Source) RejectMessage(_ context.Context, m *amqp.Message, e *amqp.Error) error {
-	return s.settle(m, Settlement{Outcome: Rejected, Error: e})
+func (s *Source) RejectMessage(ctx context.Context, m *amqp.Message, e *amqp.Error) error {
+	return s.settle(ctx, m, Settlement{Outcome: Rejected, Error: e})
 }
 
 // ModifyMessage records a modify and puts the message back.
-func (s *Source) ModifyMessage(_ context.Context, m *amqp.Message, o *amqp.ModifyMessageOptions) error {
+func (s *Source) ModifyMessage(ctx context.Context, m *amqp.Message, o *amqp.ModifyMessageOptions) error {
 	if o == nil {
 		o = &amqp.ModifyMessageOptions{}
 	}
-	return s.settle(m, Settlement{Outcome: Modified, DeliveryFailed: o.DeliveryFailed})
+	return s.settle(ctx, m, Settlement{Outcome: Modified, DeliveryFailed: o.DeliveryFailed})
 }
 
 // Settlements returns a copy of the recorded settlements.

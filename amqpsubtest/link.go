@@ -1,0 +1,179 @@
+package amqpsubtest
+
+import (
+	"context"
+	"errors"
+	"math"
+
+	"github.com/Azure/go-amqp"
+)
+
+// link is one attach of a subscriber to a Queue: the pump.Source it
+// receives from. Its state is guarded by the queue's mutex.
+type link struct {
+	q         *Queue
+	id        int
+	credit    uint64
+	wake      chan struct{}
+	unsettled map[*amqp.Message]*record // delivered copy → its message
+	refused   map[*record]bool          // modified{undeliverable-here} on this link
+	err       error                     // why it ended; nil while attached
+}
+
+// errClosed is what a link returns once its subscriber stopped receiving
+// from it, as go-amqp does for a closed receiver.
+var errClosed = &amqp.LinkError{}
+
+// errUnknown is returned for a settlement of a message the link did not
+// deliver, or settled before.
+var errUnknown = errors.New("amqpsubtest: settlement of a delivery that is not unsettled on this link")
+
+// Receive returns the next message the queue has for the link, within the
+// credit. A subscriber's pump calls it from one goroutine and cancels ctx
+// only when it is done with the link (it stopped, or the link failed): so
+// ctx ending ends the link, and its unsettled deliveries go back to the
+// queue, as when a broker sees a receiver close.
+func (l *link) Receive(ctx context.Context, _ *amqp.ReceiveOptions) (*amqp.Message, error) {
+	q := l.q
+	for {
+		q.mu.Lock()
+		if l.err != nil {
+			err := l.err
+			q.mu.Unlock()
+			return nil, err
+		}
+		if ctx.Err() == nil && l.credit > 0 {
+			if r := q.next(l); r != nil {
+				m := l.deliver(r)
+				q.mu.Unlock()
+				return m, nil
+			}
+		}
+		q.mu.Unlock()
+		select {
+		case <-l.wake:
+		case <-ctx.Done():
+			q.mu.Lock()
+			q.end(l, errClosed)
+			q.mu.Unlock()
+			return nil, ctx.Err()
+		}
+	}
+}
+
+// deliver sends r on l: a copy of the message with the header the broker
+// sends. q.mu is held.
+func (l *link) deliver(r *record) *amqp.Message {
+	q := l.q
+	l.credit--
+	h := amqp.MessageHeader{}
+	if r.msg.Header != nil {
+		h = *r.msg.Header
+	}
+	h.DeliveryCount = 0
+	if q.rules.counts {
+		h.DeliveryCount = r.count
+	}
+	if q.rules.firstAcquirer {
+		h.FirstAcquirer = len(r.deliveries) == 0
+	}
+	m := *r.msg
+	m.Header = &h
+	r.state = InFlight
+	r.deliveries = append(r.deliveries, Delivery{Count: h.DeliveryCount, Link: l.id})
+	l.unsettled[&m] = r
+	if g := r.groupID(); q.rules.groups && g != "" {
+		q.owners[g] = l
+		if seq, ok := r.groupSequence(); ok && seq == math.MaxUint32 {
+			// Group-sequence -1 closes the group when it is dispatched.
+			delete(q.owners, g)
+		}
+	}
+	return &m
+}
+
+// IssueCredit adds n to the link's credit.
+func (l *link) IssueCredit(n uint32) error {
+	q := l.q
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if l.err != nil {
+		return l.err
+	}
+	l.credit += uint64(n)
+	select {
+	case l.wake <- struct{}{}:
+	default:
+	}
+	return nil
+}
+
+func (l *link) AcceptMessage(_ context.Context, m *amqp.Message) error {
+	return l.settle(m, Accepted, nil, false)
+}
+
+func (l *link) ReleaseMessage(_ context.Context, m *amqp.Message) error {
+	return l.settle(m, Released, nil, false)
+}
+
+func (l *link) RejectMessage(_ context.Context, m *amqp.Message, e *amqp.Error) error {
+	return l.settle(m, Rejected, e, false)
+}
+
+func (l *link) ModifyMessage(_ context.Context, m *amqp.Message, o *amqp.ModifyMessageOptions) error {
+	if o == nil {
+		o = &amqp.ModifyMessageOptions{}
+	}
+	if o.DeliveryFailed {
+		return l.settle(m, Failed, nil, o.UndeliverableHere)
+	}
+	return l.settle(m, Modified, nil, o.UndeliverableHere)
+}
+
+// settle applies an outcome to the delivery m. notHere (undeliverable-here)
+// keeps the message from l for as long as l is attached, as Artemis does.
+func (l *link) settle(m *amqp.Message, o Outcome, e *amqp.Error, notHere bool) error {
+	q := l.q
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if l.err != nil {
+		return l.err
+	}
+	r, ok := l.unsettled[m]
+	if !ok {
+		return errUnknown
+	}
+	delete(l.unsettled, m)
+	if notHere {
+		l.refused[r] = true
+	}
+	d := r.last()
+	d.Outcome, d.Error = o, e
+	switch o {
+	case Accepted:
+		r.state = Consumed
+		q.accepted = append(q.accepted, r)
+		q.final++
+	case Rejected:
+		q.deadLetter(r)
+	case Failed:
+		if q.rules.counts {
+			r.count++
+			if q.maxAttempts > 0 && r.count >= q.maxAttempts {
+				q.deadLetter(r)
+				break
+			}
+		}
+		q.requeue(r)
+	default: // Released, Modified
+		q.requeue(r)
+	}
+	if (o == Modified || o == Failed) && q.rules.modifyEndsSession {
+		err := &amqp.SessionError{RemoteErr: &amqp.Error{Condition: amqp.ErrCondInvalidField,
+			Description: "amqpsubtest: RabbitMQ 3.10 ends the session on a modified outcome"}}
+		q.end(l, err)
+		return err
+	}
+	q.changed()
+	return nil
+}

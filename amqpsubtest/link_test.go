@@ -1,0 +1,317 @@
+package amqpsubtest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"testing"
+	"testing/synctest"
+
+	"github.com/Azure/go-amqp"
+	"go.uber.org/goleak"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// These tests drive links the way the pump does, to pin down what the queue
+// does with each call; queue_test.go runs real subscribers.
+
+func open(t *testing.T, q *Queue) *link {
+	t.Helper()
+	src, err := q.attach(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return src.(*link)
+}
+
+func receive(t *testing.T, l *link) *amqp.Message {
+	t.Helper()
+	m, err := l.Receive(t.Context(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+func body(m *amqp.Message) string { return string(m.GetData()) }
+
+func history(q *Queue) string {
+	s := ""
+	for _, r := range q.Records() {
+		s += r.String() + "\n"
+	}
+	return s
+}
+
+func TestReceiveStaysWithinCredit(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		q := NewQueue()
+		q.Publish(Message("", "0"), Message("", "1"), Message("", "2"))
+		l := open(t, q)
+		got := make(chan *amqp.Message, 3)
+		go func() {
+			for range 3 {
+				m, err := l.Receive(t.Context(), nil)
+				if err != nil {
+					panic(err)
+				}
+				got <- m
+			}
+		}()
+		synctest.Wait()
+		if len(got) != 0 {
+			t.Fatal("received without credit")
+		}
+		_ = l.IssueCredit(2)
+		synctest.Wait()
+		if len(got) != 2 {
+			t.Fatalf("received %d with a credit of 2", len(got))
+		}
+		_ = l.IssueCredit(1)
+		synctest.Wait()
+		if len(got) != 3 {
+			t.Fatalf("received %d with a credit of 3", len(got))
+		}
+	})
+}
+
+func TestOutcomesRequeueInPlaceAndCountOnlyFailures(t *testing.T) {
+	q := NewQueue(MaxDeliveryAttempts(2))
+	q.Publish(Message("", "0"), Message("", "1"), Message("", "2"))
+	l := open(t, q)
+	_ = l.IssueCredit(100)
+	settle := func(want string, f func(m *amqp.Message) error) {
+		t.Helper()
+		m := receive(t, l)
+		if body(m) != want {
+			t.Fatalf("received %q, want %q", body(m), want)
+		}
+		if err := f(m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx := t.Context()
+	release := func(m *amqp.Message) error { return l.ReleaseMessage(ctx, m) }
+	modify := func(m *amqp.Message) error { return l.ModifyMessage(ctx, m, &amqp.ModifyMessageOptions{}) }
+	fail := func(m *amqp.Message) error {
+		return l.ModifyMessage(ctx, m, &amqp.ModifyMessageOptions{DeliveryFailed: true})
+	}
+	accept := func(m *amqp.Message) error { return l.AcceptMessage(ctx, m) }
+	// A message put back comes next again: it goes back to its place in
+	// publish order, ahead of the later ones.
+	settle("0", release)
+	settle("0", modify)
+	settle("0", fail)
+	settle("0", accept)
+	settle("1", fail)
+	settle("1", fail) // the 2nd failure: dead-lettered
+	settle("2", func(m *amqp.Message) error {
+		return l.RejectMessage(ctx, m, &amqp.Error{Condition: amqpsub.RejectCondition, Description: "bad"})
+	})
+	want := "#0: 0 released, 0 modified, 0 modified{delivery-failed}, 1 accepted → consumed\n" +
+		"#1: 0 modified{delivery-failed}, 1 modified{delivery-failed} → dead-lettered\n" +
+		"#2: 0 rejected \"bad\" → dead-lettered\n"
+	if got := history(q); got != want {
+		t.Fatalf("history:\n%swant:\n%s", got, want)
+	}
+	if err := q.Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestDeliveriesAreCopies(t *testing.T) {
+	q := NewQueue()
+	orig := Message("g", "x")
+	orig.Header = &amqp.MessageHeader{Durable: true, DeliveryCount: 3}
+	q.Publish(orig)
+	l := open(t, q)
+	_ = l.IssueCredit(1)
+	m := receive(t, l)
+	if m == orig || m.Header == orig.Header {
+		t.Fatal("the delivery shares the published message or its header")
+	}
+	if !m.Header.Durable || m.Header.DeliveryCount != 3 || orig.Header.DeliveryCount != 3 {
+		t.Fatalf("delivered header %+v, published %+v", *m.Header, *orig.Header)
+	}
+	// Settling the published message instead of the delivery is refused.
+	if err := l.AcceptMessage(t.Context(), orig); !errors.Is(err, errUnknown) {
+		t.Fatalf("accepting the published message = %v", err)
+	}
+	if err := l.AcceptMessage(t.Context(), m); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.AcceptMessage(t.Context(), m); !errors.Is(err, errUnknown) {
+		t.Fatalf("second accept = %v", err)
+	}
+}
+
+func TestLostLinkRequeuesUncountedAndFailsLater(t *testing.T) {
+	q := NewQueue()
+	q.Publish(Message("", "0"), Message("", "1"))
+	l := open(t, q)
+	_ = l.IssueCredit(2)
+	m0, _ := receive(t, l), receive(t, l)
+	q.LoseLinks(nil)
+	var le *amqp.LinkError
+	if _, err := l.Receive(t.Context(), nil); !errors.As(err, &le) || le.RemoteErr.Condition != amqp.ErrCondDetachForced {
+		t.Fatalf("Receive after the loss = %v", err)
+	}
+	if err := l.AcceptMessage(t.Context(), m0); !errors.As(err, &le) {
+		t.Fatalf("accept after the loss = %v", err)
+	}
+	if err := l.IssueCredit(1); !errors.As(err, &le) {
+		t.Fatalf("IssueCredit after the loss = %v", err)
+	}
+	l2 := open(t, q)
+	_ = l2.IssueCredit(2)
+	for _, want := range []string{"0", "1"} {
+		m := receive(t, l2)
+		if body(m) != want || m.Header.DeliveryCount != 0 {
+			t.Fatalf("redelivered %q count %d", body(m), m.Header.DeliveryCount)
+		}
+	}
+	r := q.Records()[0]
+	if fmt.Sprint(r.Deliveries) != "[0 unsettled 0 pending]" || r.Deliveries[0].Link != 1 || r.Deliveries[1].Link != 2 {
+		t.Fatalf("deliveries %v", r.Deliveries)
+	}
+}
+
+func TestReceiveCancelledEndsTheLink(t *testing.T) {
+	q := NewQueue()
+	q.Publish(Message("", "0"), Message("", "1"))
+	l := open(t, q)
+	_ = l.IssueCredit(1)
+	receive(t, l)
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	if _, err := l.Receive(ctx, nil); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Receive = %v", err)
+	}
+	if got := len(q.Queued()); got != 2 {
+		t.Fatalf("%d queued after the receiver closed, want 2", got)
+	}
+}
+
+func TestMessageGroupsGoToOneLinkAtATime(t *testing.T) {
+	q := NewQueue()
+	q.Publish(Message("g", "g0"), Message("g", "g1"), Message("", "free"), Message("h", "h0"))
+	a, b := open(t, q), open(t, q)
+	_ = a.IssueCredit(1)
+	if m := receive(t, a); body(m) != "g0" { // a owns g
+		t.Fatalf("a got %q", body(m))
+	}
+	// a has no credit: b's pass over the queue stops at g1, as Artemis's
+	// does at a busy group owner.
+	_ = b.IssueCredit(10)
+	q.mu.Lock()
+	r := q.next(b)
+	q.mu.Unlock()
+	if r != nil {
+		t.Fatalf("b got #%d past a busy owner's group", r.index)
+	}
+	// With credit, a takes its group's message and b passes over it.
+	q.mu.Lock()
+	a.credit = 1
+	q.mu.Unlock()
+	if m := receive(t, b); body(m) != "free" {
+		t.Fatalf("b got %q", body(m))
+	}
+	if m := receive(t, a); body(m) != "g1" {
+		t.Fatalf("a got %q", body(m))
+	}
+	if m := receive(t, b); body(m) != "h0" {
+		t.Fatalf("b got %q", body(m))
+	}
+	// When a's link ends, g is free: b gets it, in order.
+	q.Publish(Message("g", "g2"))
+	q.LoseLinks(nil)
+	b = open(t, q)
+	_ = b.IssueCredit(10)
+	for _, want := range []string{"g0", "g1", "free", "h0", "g2"} {
+		if m := receive(t, b); body(m) != want {
+			t.Fatalf("after the loss b got %q, want %q", body(m), want)
+		}
+	}
+}
+
+func TestGroupSequenceMinusOneClosesTheGroup(t *testing.T) {
+	q := NewQueue()
+	last := Message("g", "g0")
+	seq := uint32(math.MaxUint32)
+	last.Properties.GroupSequence = &seq
+	q.Publish(last, Message("g", "g1"))
+	a, b := open(t, q), open(t, q)
+	_ = a.IssueCredit(1)
+	receive(t, a)
+	_ = b.IssueCredit(1)
+	if m := receive(t, b); body(m) != "g1" {
+		t.Fatalf("b got %q", body(m))
+	}
+}
+
+func TestRabbitMQ3(t *testing.T) {
+	q := NewQueue(WithProfile(amqpsub.RabbitMQ3), MaxDeliveryAttempts(1))
+	q.Publish(Message("g", "0"), Message("g", "1"))
+	a, b := open(t, q), open(t, q)
+	_ = a.IssueCredit(1)
+	_ = b.IssueCredit(1)
+	// No message groups: the group's second message goes to b.
+	m0, m1 := receive(t, a), receive(t, b)
+	if !m0.Header.FirstAcquirer || body(m1) != "1" {
+		t.Fatalf("first delivery: first-acquirer %v; b got %q", m0.Header.FirstAcquirer, body(m1))
+	}
+	_ = b.ReleaseMessage(t.Context(), m1)
+	// modified ends the session; the message goes back uncounted.
+	err := a.ModifyMessage(t.Context(), m0, &amqp.ModifyMessageOptions{DeliveryFailed: true})
+	var se *amqp.SessionError
+	if !errors.As(err, &se) || se.RemoteErr.Condition != amqp.ErrCondInvalidField {
+		t.Fatalf("modify = %v", err)
+	}
+	if _, err := a.Receive(t.Context(), nil); !errors.As(err, &se) {
+		t.Fatalf("Receive after modify = %v", err)
+	}
+	_ = b.IssueCredit(2)
+	for _, want := range []string{"0", "1"} {
+		m := receive(t, b)
+		if body(m) != want || m.Header.DeliveryCount != 0 || m.Header.FirstAcquirer {
+			t.Fatalf("redelivery %q: %+v", body(m), *m.Header)
+		}
+	}
+}
+
+func TestRulesForEveryProfile(t *testing.T) {
+	for _, p := range []amqpsub.Profile{amqpsub.Artemis, amqpsub.Generic, amqpsub.RabbitMQ3} {
+		if _, ok := rulesFor(p); !ok {
+			t.Errorf("no rules for %s", p)
+		}
+	}
+	defer func() {
+		if recover() == nil {
+			t.Error("NewQueue accepted the zero Profile")
+		}
+	}()
+	NewQueue(WithProfile(amqpsub.Profile{}))
+}
+
+func TestUndeliverableHereKeepsTheMessageFromThatLink(t *testing.T) {
+	q := NewQueue()
+	q.Publish(Message("", "0"), Message("", "1"))
+	a := open(t, q)
+	_ = a.IssueCredit(3)
+	m := receive(t, a)
+	if err := a.ModifyMessage(t.Context(), m, &amqp.ModifyMessageOptions{UndeliverableHere: true}); err != nil {
+		t.Fatal(err)
+	}
+	if m := receive(t, a); body(m) != "1" {
+		t.Fatalf("a got %q", body(m))
+	}
+	b := open(t, q)
+	_ = b.IssueCredit(1)
+	if m := receive(t, b); body(m) != "0" || m.Header.DeliveryCount != 0 {
+		t.Fatalf("b got %q, count %d", body(m), m.Header.DeliveryCount)
+	}
+}

@@ -1,0 +1,216 @@
+package amqpsubtest
+
+import (
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/Azure/go-amqp"
+)
+
+// State says where a message is.
+type State uint8
+
+const (
+	// Queued: waiting in the queue, for its first delivery or for another
+	// one.
+	Queued State = iota
+	// InFlight: delivered on a link and not settled yet.
+	InFlight
+	// Consumed: accepted. Final.
+	Consumed
+	// DeadLettered: rejected, or failed MaxDeliveryAttempts times. Final.
+	DeadLettered
+)
+
+var stateNames = [...]string{"queued", "in flight", "consumed", "dead-lettered"}
+
+func (s State) String() string {
+	if int(s) < len(stateNames) {
+		return stateNames[s]
+	}
+	return "State(" + strconv.Itoa(int(s)) + ")"
+}
+
+// Outcome is how a delivery was settled, as the broker saw it.
+type Outcome uint8
+
+const (
+	// Pending: not settled yet.
+	Pending Outcome = iota
+	// Accepted: accepted (a handler's nil).
+	Accepted
+	// Released: released (Release(), a stop, and Retry under RabbitMQ3):
+	// queued again, not counted.
+	Released
+	// Modified: modified without delivery-failed: queued again, not
+	// counted. amqpsub does not send it. With undeliverable-here (for
+	// Failed too), the message is not delivered on that link again.
+	Modified
+	// Failed: modified{delivery-failed} (Retry on Artemis): a failed
+	// attempt, counted.
+	Failed
+	// Rejected: rejected (Reject, RejectWith, MaxDeliveryCount):
+	// dead-lettered.
+	Rejected
+	// Unsettled: the link ended before the delivery was settled (a lost
+	// link, Close, a grace period run out): queued again, not counted.
+	Unsettled
+)
+
+var outcomeNames = [...]string{"pending", "accepted", "released", "modified", "modified{delivery-failed}", "rejected", "unsettled"}
+
+func (o Outcome) String() string {
+	if int(o) < len(outcomeNames) {
+		return outcomeNames[o]
+	}
+	return "Outcome(" + strconv.Itoa(int(o)) + ")"
+}
+
+// Delivery is one delivery of a message.
+type Delivery struct {
+	// Count is the header delivery-count it carried.
+	Count uint32
+	// Link is the link it went out on, from 1 in the order of attaches.
+	Link int
+	// Outcome is how it was settled.
+	Outcome Outcome
+	// Error is the error a Rejected outcome carried; nil otherwise.
+	Error *amqp.Error
+}
+
+// String returns the count and the outcome, such as `1 accepted` or
+// `0 rejected "malformed"`.
+func (d Delivery) String() string {
+	s := strconv.FormatUint(uint64(d.Count), 10) + " " + d.Outcome.String()
+	if d.Error != nil {
+		s += " " + strconv.Quote(d.Error.Description)
+	}
+	return s
+}
+
+// Record is what the queue knows of one message: a snapshot, which the
+// queue does not change afterwards.
+type Record struct {
+	// Index is the message's place in publish order, from 0:
+	// Queue.Records()[Index].
+	Index int
+	// Message is the message as published.
+	Message *amqp.Message
+	// State is where the message is.
+	State State
+	// Deliveries are its deliveries, in order.
+	Deliveries []Delivery
+}
+
+// GroupID returns the message's AMQP group-id, "" when it has none.
+func (r Record) GroupID() string {
+	if p := r.Message.Properties; p != nil && p.GroupID != nil {
+		return *p.GroupID
+	}
+	return ""
+}
+
+// Reason returns the description of the error the message's last delivery
+// was rejected with: the reason given to amqpsub's Reject or RejectWith.
+// It is "" when the last delivery was not rejected.
+func (r Record) Reason() string {
+	if e := r.rejectError(); e != nil {
+		return e.Description
+	}
+	return ""
+}
+
+// Description returns the description given to amqpsub's RejectWith (info
+// DeadLetterErrorDescription of the rejected outcome's error), "" when
+// there is none.
+func (r Record) Description() string {
+	if e := r.rejectError(); e != nil {
+		s, _ := e.Info["DeadLetterErrorDescription"].(string)
+		return s
+	}
+	return ""
+}
+
+func (r Record) rejectError() *amqp.Error {
+	if n := len(r.Deliveries); n > 0 && r.Deliveries[n-1].Outcome == Rejected {
+		return r.Deliveries[n-1].Error
+	}
+	return nil
+}
+
+// String returns the message's index, group, deliveries and state on one
+// line, such as `#2 group a: 0 modified{delivery-failed}, 1 accepted →
+// consumed`.
+func (r Record) String() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "#%d", r.Index)
+	if g := r.GroupID(); g != "" {
+		fmt.Fprintf(&b, " group %s", g)
+	}
+	b.WriteString(":")
+	for i, d := range r.Deliveries {
+		if i > 0 {
+			b.WriteString(",")
+		}
+		b.WriteString(" " + d.String())
+	}
+	if len(r.Deliveries) > 0 {
+		b.WriteString(" →")
+	}
+	b.WriteString(" " + r.State.String())
+	return b.String()
+}
+
+// GroupOrder checks that items keep their order within each group: for
+// each group, the sequence numbers key gives its items must not fall along
+// items. Gaps are allowed, and so is a repeat (a retry in place); a step
+// back (a redelivery after a later item) is not. Items of group "" are not
+// checked. It returns nil, or an error naming the first item out of order. Give it what a handler
+// recorded, or Queue.Accepted with the message's place in publish order:
+//
+//	amqpsubtest.GroupOrder(q.Accepted(), func(r amqpsubtest.Record) (string, int) { return r.GroupID(), r.Index })
+func GroupOrder[T any](items []T, key func(T) (group string, seq int)) error {
+	last := map[string]int{}
+	for i, it := range items {
+		g, seq := key(it)
+		if g == "" {
+			continue
+		}
+		if prev, ok := last[g]; ok && seq < prev {
+			return fmt.Errorf("amqpsubtest: group %q out of order at item %d: %d after %d", g, i, seq, prev)
+		}
+		last[g] = seq
+	}
+	return nil
+}
+
+// record is the queue's own, changing, Record.
+type record struct {
+	index      int
+	msg        *amqp.Message
+	state      State
+	count      uint32 // the delivery count the next delivery carries
+	deliveries []Delivery
+}
+
+func (r *record) snapshot() Record {
+	return Record{Index: r.index, Message: r.msg, State: r.state, Deliveries: slices.Clone(r.deliveries)}
+}
+
+func (r *record) last() *Delivery { return &r.deliveries[len(r.deliveries)-1] }
+
+func (r *record) groupID() string {
+	if p := r.msg.Properties; p != nil && p.GroupID != nil {
+		return *p.GroupID
+	}
+	return ""
+}
+
+func (r *record) groupSequence() (uint32, bool) {
+	if p := r.msg.Properties; p != nil && p.GroupSequence != nil {
+		return *p.GroupSequence, true
+	}
+	return 0, false
+}

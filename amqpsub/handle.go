@@ -228,7 +228,7 @@ func fill(n int, err error) []error {
 func (s *Subscriber) recovered(r any, d *Delivery) error {
 	s.results.panics.Add(1)
 	err := fmt.Errorf("%w: %v", ErrHandlerPanic, r)
-	if s.abandoning.Load() {
+	if s.cut.Load() {
 		return err
 	}
 	fields := []zap.Field{zap.Error(err), zap.ByteString("stack", debug.Stack())}
@@ -244,7 +244,7 @@ func (s *Subscriber) recovered(r any, d *Delivery) error {
 
 // failed reports a handler failure that is retried in the lane.
 func (s *Subscriber) failed(d *Delivery, err error, attempt int) {
-	if s.abandoning.Load() {
+	if s.cut.Load() {
 		return
 	}
 	if !errors.Is(err, ErrHandlerPanic) {
@@ -259,7 +259,7 @@ func (s *Subscriber) failed(d *Delivery, err error, attempt int) {
 // batchFailed reports, in one log line, the deliveries of a batch that
 // failed and are retried in the lane; each is an event of its own.
 func (s *Subscriber) batchFailed(lane int, failed []*Delivery, err error, attempt int) {
-	if s.abandoning.Load() {
+	if s.cut.Load() {
 		return
 	}
 	s.log.Warn("batch handler failed; retrying the failed deliveries in the lane",
@@ -274,7 +274,7 @@ func (s *Subscriber) batchFailed(lane int, failed []*Delivery, err error, attemp
 
 // settle maps a handler's result to the broker settlement.
 func (s *Subscriber) settle(d *Delivery, err error) {
-	if s.abandoning.Load() {
+	if s.cut.Load() {
 		s.log.Debug("result of an abandoned handler ignored", s.fields(d, err)...)
 		return
 	}

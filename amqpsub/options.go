@@ -299,7 +299,10 @@ type RetryPolicy struct {
 // say), and let the broker's own redelivery count (Artemis
 // max-delivery-attempts, with redelivery-delay) handle what outlasts it. A
 // stop or Close ends the waiting and sends the Retry to the broker. Only
-// Retry outcomes are retried, never Release or Reject. p needs Attempts or
+// Retry outcomes are retried, never Release or Reject. A BatchHandler that
+// fails a delivery of a group must fail the group's later deliveries in the
+// same batch too: the ones it accepted are settled at once, and their
+// effects would then come before the failed one's. p needs Attempts or
 // Budget > 0, both ≥ 0, and 0 ≤ Initial ≤ Max. Default: off.
 func LocalRetry(p RetryPolicy) Option {
 	return optionFunc(func(c *config) {

@@ -95,9 +95,12 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	case <-s.closeReq:
 	}
 	stopAt := time.Now()
-	s.pump.Stop() // from here on, lanes release what no handler has taken
+	closing := isClosed(s.closeReq)
+	if !closing {
+		s.pump.Stop() // from here on, lanes release what no handler has taken
+	}
 	switch {
-	case isClosed(s.closeReq):
+	case closing:
 	case pumpEnded:
 		// Attach failed for good: nothing held can be settled any more,
 		// but handlers in progress get the grace period to finish.
@@ -107,11 +110,16 @@ func (s *Subscriber) Run(ctx context.Context) error {
 		pumpEnded = s.graceful(pumpDone)
 	}
 
-	// Nothing more is settled: handlers still running are told to stop.
-	cancelHandlers()
-	closeBy := time.Now().Add(s.cfg.closeTimeout)
+	// Nothing more is settled: the results of handlers still running are
+	// ignored from here on, and they are told to stop.
+	s.cut.Store(true)
 	if !pumpEnded {
 		cancelPump()
+	}
+	cancelHandlers()
+	s.pump.Stop() // after Close: lanes drop what they hold
+	closeBy := time.Now().Add(s.cfg.closeTimeout)
+	if !pumpEnded {
 		pumpEnded = waitUntil(pumpDone, closeBy)
 	}
 	s.current.Store(nil)
@@ -178,7 +186,6 @@ func (s *Subscriber) waitGrace(lanesDone <-chan struct{}) {
 // abandon gives up on the handlers still running, logs each, and returns
 // how many there were.
 func (s *Subscriber) abandon() int {
-	s.abandoning.Store(true)
 	n := int(s.running.Load())
 	if n == 0 {
 		return 0

@@ -12,8 +12,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-
-	"github.com/Azure/go-amqp"
 )
 
 // Token is a credential for one audience of Service Bus, put on the
@@ -177,19 +175,4 @@ func isLoopback(host string) bool {
 	}
 	ip := net.ParseIP(host)
 	return ip != nil && ip.IsLoopback()
-}
-
-// lockToken returns the lock token of a Service Bus delivery: its 16-byte
-// delivery tag, which the service writes in .NET's Guid layout (the first
-// three fields little-endian), as the RFC 4122 UUID $management expects.
-func lockToken(tag []byte) (amqp.UUID, bool) {
-	var u amqp.UUID
-	if len(tag) != 16 {
-		return u, false
-	}
-	u[0], u[1], u[2], u[3] = tag[3], tag[2], tag[1], tag[0]
-	u[4], u[5] = tag[5], tag[4]
-	u[6], u[7] = tag[7], tag[6]
-	copy(u[8:], tag[8:])
-	return u, true
 }

@@ -32,7 +32,7 @@ type Subscriber struct {
 
 	current          atomic.Pointer[link] // the link attached now; nil between links
 	running          atomic.Int64         // handler calls in progress
-	abandoning       atomic.Bool          // Run gave up on the running handlers: ignore their results
+	cut              atomic.Bool          // Run gave up on the running handlers: ignore their results
 	reconnects       atomic.Uint64
 	abandoned        atomic.Uint64
 	deadLetterCopies atomic.Uint64

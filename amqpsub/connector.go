@@ -16,16 +16,33 @@ import (
 	"github.com/amqpsub/amqpsub/internal/wire"
 )
 
-// A Connector gives a Subscriber its AMQP connection. Make one with Dial or
-// Conn.
+// A Connector gives a Subscriber its AMQP connection. Make one with Dial,
+// Conn or ServiceBus.
 type Connector interface {
-	// connect returns a connection: owned says whether the subscriber
-	// closes it when it is done (and can dial another after a loss); abort,
-	// when not nil, closes its socket at once, for a close that must end
-	// within a bound.
-	connect(ctx context.Context, idle time.Duration) (conn *amqp.Conn, owned bool, abort func(), err error)
+	// connect returns a connection for a link to req.entity.
+	connect(ctx context.Context, req connectRequest) (*connection, error)
 	// String names the broker for errors and logs, without credentials.
 	String() string
+}
+
+// connectRequest is what a connector is told of the link to come.
+type connectRequest struct {
+	idle   time.Duration // IdleTimeout, for connections whose options leave it 0
+	entity string        // the address the link attaches to
+}
+
+// connection is what a connector gives.
+type connection struct {
+	conn *amqp.Conn
+	// owned says whether the subscriber closes it when it is done, and can
+	// dial another after a loss.
+	owned bool
+	// abort, when not nil, closes the socket at once, for a close that must
+	// end within a bound.
+	abort func()
+	// stop, when not nil, ends what runs beside the connection (a token
+	// refresher) and waits for it.
+	stop func()
 }
 
 type dialer struct {
@@ -42,21 +59,18 @@ type dialer struct {
 // its credentials.
 func Dial(url string, opts *amqp.ConnOptions) Connector { return &dialer{url: url, opts: opts} }
 
-func (d *dialer) connect(ctx context.Context, idle time.Duration) (*amqp.Conn, bool, func(), error) {
-	c, abort, err := d.dial(ctx, idle)
+func (d *dialer) connect(ctx context.Context, req connectRequest) (*connection, error) {
+	c, err := d.dial(ctx, req.idle)
 	if err != nil {
-		return nil, false, nil, scrub(err, d.url)
+		return nil, scrub(err, d.url)
 	}
-	return c, true, abort, nil
+	return c, nil
 }
 
-// dial opens the socket itself, rather than through amqp.Dial, so that the
-// subscriber can close it within CloseTimeout even when go-amqp's own close
-// waits on a write to a peer that no longer reads.
-func (d *dialer) dial(ctx context.Context, idle time.Duration) (*amqp.Conn, func(), error) {
+func (d *dialer) dial(ctx context.Context, idle time.Duration) (*connection, error) {
 	u, err := url.Parse(d.url)
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	var opts amqp.ConnOptions
 	if d.opts != nil {
@@ -78,19 +92,29 @@ func (d *dialer) dial(ctx context.Context, idle time.Duration) (*amqp.Conn, func
 			port = "5671"
 		}
 	default:
-		return nil, nil, fmt.Errorf("unsupported scheme %q", u.Scheme)
+		return nil, fmt.Errorf("unsupported scheme %q", u.Scheme)
 	}
 	if u.User != nil {
 		pw, _ := u.User.Password()
 		opts.SASLType = amqp.SASLTypePlain(u.User.Username(), pw)
 	}
+	return dialAMQP(ctx, host, port, secure, &opts)
+}
+
+// dialAMQP opens the socket itself, rather than through amqp.Dial, so that
+// the subscriber can close it within CloseTimeout even when go-amqp's own
+// close waits on a write to a peer that no longer reads, and so that frames
+// go out through a wire.Conn: what go-amqp writes while a write is in
+// progress goes out together in the next one, one syscall for several
+// frames; and a refused SASL outcome is read off the wire. opts is changed.
+func dialAMQP(ctx context.Context, host, port string, secure bool, opts *amqp.ConnOptions) (*connection, error) {
 	if opts.HostName == "" {
 		opts.HostName = host
 	}
 	var nd net.Dialer
 	raw, err := nd.DialContext(ctx, "tcp", net.JoinHostPort(host, port))
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	var nc net.Conn = raw
 	if secure {
@@ -104,22 +128,19 @@ func (d *dialer) dial(ctx context.Context, idle time.Duration) (*amqp.Conn, func
 		tc := tls.Client(raw, cfg)
 		if err := tc.HandshakeContext(ctx); err != nil {
 			_ = raw.Close()
-			return nil, nil, err
+			return nil, err
 		}
 		nc = tc
 	}
 	opts.TLSConfig = nil // the socket is already secured, or plain as asked
-	// Frames go out through a wire.Conn: what go-amqp writes while a write
-	// is in progress goes out together in the next one, one syscall for
-	// several frames; and a refused SASL outcome is read off the wire.
 	wc := wire.New(nc, raw, wire.Options{})
 	abort := func() { _ = wc.Abort() }
-	c, err := amqp.NewConn(ctx, wc, &opts)
+	c, err := amqp.NewConn(ctx, wc, opts)
 	if err != nil {
 		abort()
-		return nil, nil, wire.HandshakeError(wc, err)
+		return nil, wire.HandshakeError(wc, err)
 	}
-	return c, abort, nil
+	return &connection{conn: c, owned: true, abort: abort}, nil
 }
 
 func (d *dialer) String() string { return redact(d.url) }
@@ -133,11 +154,11 @@ type given struct{ c *amqp.Conn }
 // ErrLinkLost, since it cannot dial another.
 func Conn(c *amqp.Conn) Connector { return given{c} }
 
-func (g given) connect(context.Context, time.Duration) (*amqp.Conn, bool, func(), error) {
+func (g given) connect(context.Context, connectRequest) (*connection, error) {
 	if g.c == nil {
-		return nil, false, nil, errors.New("amqpsub: Conn(nil)")
+		return nil, errors.New("amqpsub: Conn(nil)")
 	}
-	return g.c, false, nil, nil
+	return &connection{conn: g.c}, nil
 }
 
 func (given) String() string { return "the given connection" }

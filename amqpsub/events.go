@@ -36,6 +36,11 @@ const (
 	// EventCreditOvershoot: the broker sent past the credit it was given;
 	// credit is granted in windows from now on.
 	EventCreditOvershoot
+	// EventLockLost: a Service Bus message lock was lost (not renewed in
+	// time, or refused by the service); the delivery is dropped if no
+	// handler had it, else its handler's context is cancelled and its
+	// settlement skipped. The service delivers it again.
+	EventLockLost
 	// EventAbandoned: at the end of Run, Count handlers had not returned
 	// within the grace period and CloseTimeout; their results are ignored
 	// and the broker redelivers their deliveries.
@@ -43,7 +48,7 @@ const (
 )
 
 var eventNames = [...]string{"", "handler-failed", "handler-panicked", "poisoned", "settle-failed",
-	"link-lost", "reconnect-failed", "reconnected", "credit-overshoot", "abandoned"}
+	"link-lost", "reconnect-failed", "reconnected", "credit-overshoot", "lock-lost", "abandoned"}
 
 func (k EventKind) String() string {
 	if int(k) < len(eventNames) && k > 0 {

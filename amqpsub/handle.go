@@ -40,7 +40,10 @@ func (s *Subscriber) laneConfig(ctx context.Context) lanes.Config[pump.Ticket] {
 	if s.batch == nil {
 		cfg.Handle = func(lane int, t pump.Ticket) {
 			d := newDelivery(t, lane)
-			s.settle(d, s.handle(ctx, d))
+			hctx, done := s.leased(ctx, t)
+			err := s.handle(hctx, d)
+			done()
+			s.settle(d, err)
 		}
 		return cfg
 	}
@@ -58,11 +61,27 @@ func (s *Subscriber) laneConfig(ctx context.Context) lanes.Config[pump.Ticket] {
 		}
 		scratch[lane] = batch
 		if len(batch) > 0 {
-			s.handleBatch(ctx, lane, batch)
+			bctx, done := s.leased(ctx, ts...)
+			s.handleBatch(bctx, lane, batch)
+			done()
 		}
 		clear(batch)
 	}
 	return cfg
+}
+
+// leased returns the context for a handler of ts: under a peek-lock profile
+// one that is cancelled (cause lease.ErrLockLost) when the lock of any of
+// them is lost; elsewhere ctx itself. done releases it.
+func (s *Subscriber) leased(ctx context.Context, ts ...pump.Ticket) (context.Context, func()) {
+	if s.book == nil {
+		return ctx, func() {}
+	}
+	hctx, cancel := context.WithCancelCause(ctx)
+	for _, t := range ts {
+		s.book.Bind(t, cancel)
+	}
+	return hctx, func() { cancel(nil) }
 }
 
 // handle runs the handler on d, after the poison check, and retries it in
@@ -295,7 +314,7 @@ func (s *Subscriber) settle(d *Delivery, err error) {
 			s.pump.Settle(d.t, pump.Outcome{Kind: pump.Accept})
 			return
 		}
-		s.pump.Settle(d.t, pump.Outcome{Kind: pump.Reject, Error: oe.rejectError()})
+		s.pump.Settle(d.t, pump.Outcome{Kind: pump.Reject, Error: oe.rejectError(s.cfg.profile.rejectCond)})
 	default:
 		s.results.retry.Add(1)
 		if !errors.Is(err, ErrHandlerPanic) {

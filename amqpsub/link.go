@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strings"
 	"time"
 
 	"github.com/Azure/go-amqp"
@@ -13,12 +14,11 @@ import (
 
 // link is what one attach opened.
 type link struct {
-	conn  *amqp.Conn
-	owned bool
-	abort func() // closes the socket at once; nil for a given connection
-	sess  *amqp.Session
-	rcv   *amqp.Receiver
-	dlq   deadLetterSender // DeadLetterCopy's sender on sess
+	*connection
+	sess *amqp.Session
+	rcv  *amqp.Receiver
+	dlq  deadLetterSender // DeadLetterCopy's sender on sess
+	mgmt *management      // the entity's $management node (peek-lock profiles)
 }
 
 // attach connects (or takes the given connection), opens a session and
@@ -26,7 +26,7 @@ type link struct {
 func (s *Subscriber) attach(ctx context.Context) (*link, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.dialTimeout)
 	defer cancel()
-	conn, owned, abort, err := s.connector.connect(ctx, s.cfg.idleTimeout)
+	c, err := s.connector.connect(ctx, connectRequest{idle: s.cfg.idleTimeout, entity: s.cfg.profile.address(s.queue)})
 	if err != nil {
 		// go-amqp sets the socket's deadline from ctx's, so a dial timeout
 		// shows as the socket's i/o timeout or as ctx's, whichever fires
@@ -39,10 +39,11 @@ func (s *Subscriber) attach(ctx context.Context) (*link, error) {
 		}
 		return nil, fmt.Errorf("amqpsub: connect to %s: %w", s.connector, err)
 	}
-	l := &link{conn: conn, owned: owned, abort: abort}
+	l := &link{connection: c}
+	conn := c.conn
 	fail := func(what string, err error) (*link, error) {
 		s.closeLink(ctx, l)
-		if !owned && conn.Err() != nil {
+		if !c.owned && conn.Err() != nil {
 			// A connection the caller gave us is gone: we cannot dial
 			// another.
 			err = fmt.Errorf("%w: %w", ErrLinkLost, err)
@@ -53,13 +54,24 @@ func (s *Subscriber) attach(ctx context.Context) (*link, error) {
 		return fail("open session", err)
 	}
 	addr := s.cfg.profile.address(s.queue)
-	l.rcv, err = l.sess.NewReceiver(ctx, addr, &amqp.ReceiverOptions{
+	ro := &amqp.ReceiverOptions{
 		Credit:             -1,
 		SourceCapabilities: s.cfg.profile.sourceCaps,
 		Name:               s.cfg.linkName,
-	})
+	}
+	if s.cfg.profile.peekLock {
+		ro.SettlementMode = amqp.ReceiverSettleModeSecond.Ptr()
+	}
+	l.rcv, err = l.sess.NewReceiver(ctx, addr, ro)
 	if err != nil {
 		return fail("attach receiver", err)
+	}
+	if s.cfg.profile.peekLock {
+		r, err := newRPC(ctx, l.sess, strings.TrimSuffix(addr, "/$DeadLetterQueue")+"/$management")
+		if err != nil {
+			return fail("attach $management", err)
+		}
+		l.mgmt = &management{rpc: r, linkName: l.rcv.LinkName()}
 	}
 	s.log.Info("attached", zap.Stringer("broker", s.connector), zap.String("address", addr),
 		zap.Stringer("profile", s.cfg.profile), zap.Int("credit", s.cfg.credit))
@@ -83,6 +95,16 @@ func (s *Subscriber) closeLink(ctx context.Context, l *link) {
 		if err := l.sess.Close(ctx); err != nil {
 			s.log.Debug("close session", zap.Error(err))
 		}
+	}
+	if l.mgmt != nil {
+		// Its routing goroutine ends with the session.
+		select {
+		case <-l.mgmt.done:
+		case <-ctx.Done():
+		}
+	}
+	if l.stop != nil {
+		l.stop()
 	}
 	if !l.owned {
 		return

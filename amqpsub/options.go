@@ -37,6 +37,7 @@ type config struct {
 	dialTimeout  time.Duration
 	closeTimeout time.Duration
 	profile      Profile
+	profileSet   bool
 	log          *zap.Logger
 	linkName     string
 	idleTimeout  time.Duration
@@ -51,7 +52,10 @@ type config struct {
 	deadLetterCopy string
 	// waitForQueue makes amqp:not-found at attach a reason to wait.
 	waitForQueue bool
-	errs         []error
+	// maxLockRenewal and settleTimeout: peek-lock profiles only.
+	maxLockRenewal time.Duration
+	settleTimeout  time.Duration
+	errs           []error
 
 	// testSource, set only by tests, replaces the broker.
 	testSource func(context.Context) (pump.Source, error)
@@ -59,19 +63,21 @@ type config struct {
 
 func defaultConfig() config {
 	return config{
-		credit:       256,
-		workers:      1,
-		batchSize:    100,
-		batchWait:    10 * time.Millisecond,
-		grace:        30 * time.Second,
-		dialTimeout:  10 * time.Second,
-		closeTimeout: 5 * time.Second,
-		profile:      Artemis,
-		log:          zap.NewNop(),
-		idleTimeout:  30 * time.Second,
-		backoffMin:   100 * time.Millisecond,
-		backoffMax:   2 * time.Second,
-		isFatal:      IsFatal,
+		credit:         256,
+		workers:        1,
+		batchSize:      100,
+		batchWait:      10 * time.Millisecond,
+		grace:          30 * time.Second,
+		dialTimeout:    10 * time.Second,
+		closeTimeout:   5 * time.Second,
+		profile:        Artemis,
+		log:            zap.NewNop(),
+		idleTimeout:    30 * time.Second,
+		backoffMin:     100 * time.Millisecond,
+		backoffMax:     2 * time.Second,
+		isFatal:        IsFatal,
+		maxLockRenewal: 5 * time.Minute,
+		settleTimeout:  30 * time.Second,
 	}
 }
 
@@ -190,7 +196,40 @@ func WithProfile(p Profile) Option {
 			c.invalid("WithProfile: the zero Profile; use Artemis, RabbitMQ3 or Generic")
 			return
 		}
-		c.profile = p
+		c.profile, c.profileSet = p, true
+	})
+}
+
+// MaxLockRenewal bounds, on Azure Service Bus, how long after a delivery
+// arrived its message lock is still renewed: while it waits for a handler
+// and while one runs. After that the lock expires, the delivery is dropped
+// (or its handler's context cancelled) and the service delivers it again.
+// Must be ≥ 0; 0 renews no lock. Default: 5 min, as the .NET processor's
+// MaxAutoLockRenewalDuration.
+func MaxLockRenewal(d time.Duration) Option {
+	return optionFunc(func(c *config) {
+		if d < 0 {
+			c.invalid("MaxLockRenewal(%v): must be ≥ 0", d)
+			return
+		}
+		c.maxLockRenewal = d
+		if d == 0 {
+			c.maxLockRenewal = time.Nanosecond
+		}
+	})
+}
+
+// SettleTimeout bounds, on Azure Service Bus, how long a settlement waits
+// for the service's answer; one unanswered by then is counted
+// (Stats.Locks.SettleTimeouts) and left to the lock's expiry. Must be > 0.
+// Default: 30 s.
+func SettleTimeout(d time.Duration) Option {
+	return optionFunc(func(c *config) {
+		if d <= 0 {
+			c.invalid("SettleTimeout(%v): must be > 0", d)
+			return
+		}
+		c.settleTimeout = d
 	})
 }
 

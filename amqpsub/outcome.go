@@ -71,13 +71,14 @@ func RejectWith(reason, description string) error {
 	return &OutcomeError{kind: outcomeReject, reason: reason, description: description}
 }
 
-// rejectError is the AMQP error a Reject outcome carries.
-func (e *OutcomeError) rejectError() *amqp.Error {
+// rejectError is the AMQP error a Reject outcome carries, with condition
+// cond (the profile's).
+func (e *OutcomeError) rejectError(cond amqp.ErrCond) *amqp.Error {
 	info := map[string]any{"DeadLetterReason": e.reason}
 	if e.description != "" {
 		info["DeadLetterErrorDescription"] = e.description
 	}
-	return &amqp.Error{Condition: RejectCondition, Description: e.reason, Info: info}
+	return &amqp.Error{Condition: cond, Description: e.reason, Info: info}
 }
 
 // decide maps a handler's error to an outcome.

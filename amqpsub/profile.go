@@ -1,12 +1,14 @@
 package amqpsub
 
 import (
+	"github.com/Azure/go-amqp"
+
 	"github.com/amqpsub/amqpsub/credit"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
 // Profile holds what differs between brokers on the wire. Use one of
-// Artemis, RabbitMQ3 or Generic.
+// Artemis, RabbitMQ3, AzureServiceBus or Generic.
 type Profile struct {
 	name string
 	// sourceCaps are sent as the source capabilities at attach.
@@ -20,6 +22,12 @@ type Profile struct {
 	// detach says whether the broker answers a link detach; if not, the
 	// session is closed instead.
 	detach bool
+	// rejectCond is the condition of a Reject outcome's error.
+	rejectCond amqp.ErrCond
+	// peekLock: receiver settle mode second, settlements answered by the
+	// broker (sent by settlers), message locks renewed (the lease book),
+	// the entity's $management node attached beside the receiver.
+	peekLock bool
 }
 
 // String returns the profile's name.
@@ -46,7 +54,32 @@ var (
 	// Generic assumes only the AMQP 1.0 specification: the queue name is the
 	// address, Retry is modified{delivery-failed}.
 	Generic = generic()
+
+	// AzureServiceBus is for Azure Service Bus in peek-lock mode; the
+	// ServiceBus connector selects it. The queue name is the entity path: a
+	// queue, "<topic>/Subscriptions/<subscription>", or either followed by
+	// "/$DeadLetterQueue". Accept completes a message; Retry abandons it
+	// (modified: Service Bus counts it towards MaxDeliveryCount and
+	// dead-letters it there); Release releases it (the service does not
+	// count a release, so the buffered deliveries a stop gives back do not
+	// count either); Reject dead-letters it with DeadLetterReason and
+	// DeadLetterErrorDescription. Settlements wait for the service's
+	// answer, many at a time, and the lock of every delivery held is
+	// renewed (MaxLockRenewal).
+	AzureServiceBus = azureServiceBus()
 )
+
+func azureServiceBus() Profile {
+	return Profile{
+		name:       "servicebus",
+		address:    func(q string) string { return q },
+		retry:      pump.Outcome{Kind: pump.Modify},
+		creditMode: credit.Continuous,
+		detach:     true,
+		rejectCond: ErrCondDeadLetter,
+		peekLock:   true,
+	}
+}
 
 func artemis() Profile {
 	return Profile{
@@ -56,6 +89,7 @@ func artemis() Profile {
 		retry:      pump.Outcome{Kind: pump.Modify, DeliveryFailed: true},
 		creditMode: credit.Continuous,
 		detach:     true,
+		rejectCond: RejectCondition,
 	}
 }
 
@@ -66,6 +100,7 @@ func rabbitMQ3() Profile {
 		retry:      pump.Outcome{Kind: pump.Release},
 		creditMode: credit.Windowed,
 		detach:     false,
+		rejectCond: RejectCondition,
 	}
 }
 
@@ -76,6 +111,7 @@ func generic() Profile {
 		retry:      pump.Outcome{Kind: pump.Modify, DeliveryFailed: true},
 		creditMode: credit.Continuous,
 		detach:     true,
+		rejectCond: RejectCondition,
 	}
 }
 

@@ -72,6 +72,12 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	pctx, cancelPump := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelPump()
 
+	if s.book != nil {
+		bctx, stopBook := context.WithCancel(context.WithoutCancel(ctx))
+		bookDone := make(chan struct{})
+		go func() { defer close(bookDone); s.book.Run(bctx) }()
+		defer func() { stopBook(); <-bookDone }()
+	}
 	// The attacher is used by the pump only; Run reads it after the pump has
 	// returned.
 	att := &attacher{s: s}

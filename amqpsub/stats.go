@@ -46,6 +46,8 @@ type Stats struct {
 	// Links counts links attached; LinksLost those lost; Reconnects the
 	// links attached in place of a lost one.
 	Links, LinksLost, Reconnects uint64
+	// Locks counts Service Bus message locks (all zero elsewhere).
+	Locks Locks
 	// DeadLetterCopies counts rejections kept as a copy on the dead-letter
 	// address (DeadLetterCopy); their originals are in Settled.Accepted.
 	DeadLetterCopies uint64
@@ -62,6 +64,27 @@ type Settlements struct {
 	Released uint64 // released: Release(), a stop, Retry under RabbitMQ3
 	Modified uint64 // modified: Retry on Artemis and Generic
 	Rejected uint64 // rejected: Reject(), MaxDeliveryCount
+}
+
+// Locks count what happened to Service Bus message locks.
+type Locks struct {
+	// Held is the number of deliveries whose locks are kept now.
+	Held int
+	// RenewRequests counts renew-lock requests; Renewed the locks they
+	// renewed (several per request); RenewFailures the requests that failed
+	// for another reason than a lost lock.
+	RenewRequests, Renewed, RenewFailures uint64
+	// Lost counts locks lost: refused by the service, or expired. Of
+	// those, Dropped were of deliveries no handler had taken, Skipped of
+	// deliveries in a handler, whose settlement was then not sent.
+	Lost, Dropped, Skipped uint64
+	// LostAtSettle counts settlements the service answered with
+	// message-lock-lost; SettleTimeouts those it did not answer within
+	// SettleTimeout. The service delivers those messages again.
+	LostAtSettle, SettleTimeouts uint64
+	// Unrenewable counts deliveries without a lock token or expiry (never
+	// renewed).
+	Unrenewable uint64
 }
 
 // Results count what handlers decided.
@@ -83,7 +106,15 @@ type Results struct {
 // any goroutine.
 func (s *Subscriber) Stats() Stats {
 	p := s.pump.Stats()
+	var locks Locks
+	if s.book != nil {
+		b := s.book.Stats()
+		locks = Locks{Held: b.Held, RenewRequests: b.Requests, Renewed: b.Renewed, RenewFailures: b.Failures,
+			Lost: b.Lost, Dropped: p.LockLostDropped, Skipped: p.LockLostSkipped,
+			LostAtSettle: p.LockLostAnswers, SettleTimeouts: p.SettleTimeouts, Unrenewable: b.Unrenewable}
+	}
 	return Stats{
+		Locks:    locks,
 		Held:     p.Held,
 		MaxHeld:  p.MaxHeld,
 		Buffered: p.Buffered,
@@ -132,6 +163,8 @@ func (st Stats) String() string {
 		{"panics", st.Results.Panics}, {"local_retries", st.Results.LocalRetries}, {"poisoned", st.Results.Poisoned},
 		{"settle_errors", st.SettleErrors}, {"stale", st.Stale}, {"dropped", st.Dropped},
 		{"overshoot", uint64(st.Overshoot)}, {"links_lost", st.LinksLost}, {"reconnects", st.Reconnects},
+		{"locks_renewed", st.Locks.Renewed}, {"lock_renew_requests", st.Locks.RenewRequests},
+		{"locks_lost", st.Locks.Lost}, {"lost_at_settle", st.Locks.LostAtSettle}, {"settle_timeouts", st.Locks.SettleTimeouts},
 		{"dead_letter_copies", st.DeadLetterCopies}, {"abandoned", st.Abandoned}, {"events_dropped", st.EventsDropped},
 	} {
 		if c.n != 0 {
@@ -168,6 +201,11 @@ func (st Stats) MarshalLogObject(enc zapcore.ObjectEncoder) error {
 	enc.AddUint64("links", st.Links)
 	enc.AddUint64("links_lost", st.LinksLost)
 	enc.AddUint64("reconnects", st.Reconnects)
+	enc.AddUint64("locks_renewed", st.Locks.Renewed)
+	enc.AddUint64("lock_renew_requests", st.Locks.RenewRequests)
+	enc.AddUint64("locks_lost", st.Locks.Lost)
+	enc.AddUint64("locks_lost_at_settle", st.Locks.LostAtSettle)
+	enc.AddUint64("settle_timeouts", st.Locks.SettleTimeouts)
 	enc.AddUint64("dead_letter_copies", st.DeadLetterCopies)
 	enc.AddUint64("abandoned", st.Abandoned)
 	enc.AddUint64("events_dropped", st.EventsDropped)

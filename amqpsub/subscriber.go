@@ -8,6 +8,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/amqpsub/amqpsub/lease"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -21,7 +22,8 @@ type Subscriber struct {
 	cfg       config
 	log       *zap.Logger
 	pump      *pump.Pump
-	events    *events // nil without OnEvent
+	book      *lease.Book // the lock lease book; nil but for peek-lock profiles
+	events    *events     // nil without OnEvent
 
 	mu       sync.Mutex
 	started  bool
@@ -93,6 +95,17 @@ func build(c Connector, queue string, opts []Option) (*Subscriber, error) {
 		}
 		o.apply(&cfg)
 	}
+	if sb, ok := c.(*sbConnector); ok {
+		switch {
+		case !cfg.profileSet:
+			cfg.profile = AzureServiceBus
+		case !cfg.profile.peekLock:
+			cfg.invalid("WithProfile(%s) with a Service Bus connector: use AzureServiceBus", cfg.profile)
+		}
+		if sb.entity != "" && sb.entity != queue {
+			cfg.invalid("queue %q: the connection string's EntityPath is %q", queue, sb.entity)
+		}
+	}
 	if err := errors.Join(cfg.errs...); err != nil {
 		return nil, err
 	}
@@ -107,12 +120,26 @@ func build(c Connector, queue string, opts []Option) (*Subscriber, error) {
 		closeReq:  make(chan struct{}),
 		done:      make(chan struct{}),
 	}
-	s.pump = pump.New(pump.Config{
+	pc := pump.Config{
 		Credit:  cfg.credit,
 		Mode:    cfg.profile.creditMode,
 		Logger:  log,
 		OnEvent: s.pumpEvent,
-	})
+	}
+	if cfg.profile.peekLock {
+		s.book = lease.New(lease.Config{
+			Renewer:    renewer{s},
+			MaxRenewal: cfg.maxLockRenewal,
+			OnLost:     s.lockLost,
+			Logger:     log,
+		})
+		pc.Leases = s.book
+		// Enough settlements in flight that a round trip of a few
+		// milliseconds does not cap the rate (32 at 5 ms: 6,400/s).
+		pc.Settlers = min(cfg.credit, 64)
+		pc.SettleTimeout = cfg.settleTimeout
+	}
+	s.pump = pump.New(pc)
 	return s, nil
 }
 
@@ -135,6 +162,17 @@ func (s *Subscriber) pumpEvent(e pump.Event) {
 		return
 	}
 	s.events.send(ev)
+}
+
+// lockLost is told by the lease book of a lost lock: the delivery is
+// dropped if no handler has it, its settlement skipped if one has (the
+// book has cancelled the handler's context).
+func (s *Subscriber) lockLost(t pump.Ticket) {
+	s.pump.LoseLock(t)
+	if m := t.Message(); m != nil {
+		d := &Delivery{msg: m, lane: -1}
+		s.events.send(s.event(d, EventLockLost, lease.ErrLockLost))
+	}
 }
 
 // Done returns a channel closed when Run has returned.

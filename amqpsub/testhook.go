@@ -3,9 +3,6 @@ package amqpsub
 import (
 	"context"
 	"errors"
-	"time"
-
-	"github.com/Azure/go-amqp"
 
 	"github.com/amqpsub/amqpsub/internal/testhook"
 )
@@ -21,8 +18,8 @@ type sourceConnector struct {
 	next testhook.Attach
 }
 
-func (sourceConnector) connect(context.Context, time.Duration) (*amqp.Conn, bool, func(), error) {
-	return nil, false, nil, errors.New("amqpsub: a source connector has no connection")
+func (sourceConnector) connect(context.Context, connectRequest) (*connection, error) {
+	return nil, errors.New("amqpsub: a source connector has no connection")
 }
 
 func (c sourceConnector) String() string { return c.name }

@@ -54,7 +54,7 @@ type deadLetterSender struct {
 // address, on the session of the link d came on. False means it was not
 // sent: settle d as rejected.
 func (s *Subscriber) copyToDeadLetter(d *Delivery, oe *OutcomeError) bool {
-	l := s.current.Load()
+	l := d.l
 	if l == nil || l.sess == nil || d.t.Stale() {
 		return false // no broker link (a test source), or d's link is gone
 	}

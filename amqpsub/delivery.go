@@ -46,10 +46,12 @@ type Delivery struct {
 	msg  *amqp.Message
 	lane int
 	t    pump.Ticket // settles it; the pump refuses a second settlement
+	p    *pipe       // the pipe it came through
+	l    *link       // the link it came on, when known
 }
 
-func newDelivery(t pump.Ticket, lane int) *Delivery {
-	return &Delivery{msg: t.Message(), lane: lane, t: t}
+func newDelivery(t pump.Ticket, lane int, p *pipe) *Delivery {
+	return &Delivery{msg: t.Message(), lane: lane, t: t, p: p, l: p.current.Load()}
 }
 
 // event returns an Event of kind about d.

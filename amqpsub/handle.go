@@ -21,17 +21,17 @@ const RejectCondition amqp.ErrCond = "amqpsub:rejected"
 
 // laneConfig wires the lanes to the pump and the handler. ctx is the
 // handlers' context, cancelled when Run gives up on them.
-func (s *Subscriber) laneConfig(ctx context.Context) lanes.Config[pump.Ticket] {
+func (s *Subscriber) laneConfig(ctx context.Context, p *pipe) lanes.Config[pump.Ticket] {
 	cfg := lanes.Config[pump.Ticket]{
 		Lanes: s.cfg.workers,
-		Stop:  s.pump.Stopping(),
+		Stop:  p.pump.Stopping(),
 		Take:  pump.Ticket.Begin,
 		Drop: func(t pump.Ticket) {
 			kind := pump.Release
 			if t.Stale() {
 				kind = pump.Drop
 			}
-			s.pump.Settle(t, pump.Outcome{Kind: kind})
+			p.pump.Settle(t, pump.Outcome{Kind: kind})
 		},
 	}
 	if s.cfg.byKey {
@@ -39,8 +39,8 @@ func (s *Subscriber) laneConfig(ctx context.Context) lanes.Config[pump.Ticket] {
 	}
 	if s.batch == nil {
 		cfg.Handle = func(lane int, t pump.Ticket) {
-			d := newDelivery(t, lane)
-			hctx, done := s.leased(ctx, t)
+			d := newDelivery(t, lane, p)
+			hctx, done := s.leased(ctx, p, t)
 			err := s.handle(hctx, d)
 			done()
 			s.settle(d, err)
@@ -52,7 +52,7 @@ func (s *Subscriber) laneConfig(ctx context.Context) lanes.Config[pump.Ticket] {
 	cfg.HandleBatch = func(lane int, ts []pump.Ticket) {
 		batch := scratch[lane][:0]
 		for _, t := range ts {
-			d := newDelivery(t, lane)
+			d := newDelivery(t, lane, p)
 			if err := s.poison(d); err != nil {
 				s.settle(d, err)
 				continue
@@ -61,7 +61,7 @@ func (s *Subscriber) laneConfig(ctx context.Context) lanes.Config[pump.Ticket] {
 		}
 		scratch[lane] = batch
 		if len(batch) > 0 {
-			bctx, done := s.leased(ctx, ts...)
+			bctx, done := s.leased(ctx, p, ts...)
 			s.handleBatch(bctx, lane, batch)
 			done()
 		}
@@ -73,13 +73,13 @@ func (s *Subscriber) laneConfig(ctx context.Context) lanes.Config[pump.Ticket] {
 // leased returns the context for a handler of ts: under a peek-lock profile
 // one that is cancelled (cause lease.ErrLockLost) when the lock of any of
 // them is lost; elsewhere ctx itself. done releases it.
-func (s *Subscriber) leased(ctx context.Context, ts ...pump.Ticket) (context.Context, func()) {
-	if s.book == nil {
+func (s *Subscriber) leased(ctx context.Context, p *pipe, ts ...pump.Ticket) (context.Context, func()) {
+	if p.book == nil {
 		return ctx, func() {}
 	}
 	hctx, cancel := context.WithCancelCause(ctx)
 	for _, t := range ts {
-		s.book.Bind(t, cancel)
+		p.book.Bind(t, cancel)
 	}
 	return hctx, func() { cancel(nil) }
 }
@@ -94,7 +94,7 @@ func (s *Subscriber) handle(ctx context.Context, d *Delivery) error {
 	r := s.retrier()
 	for attempt := 1; isRetry(err) && r.allows(attempt); attempt++ {
 		s.failed(d, err, attempt)
-		if !s.pause(ctx, r.wait(attempt)) {
+		if !s.pause(ctx, d.p, r.wait(attempt)) {
 			break
 		}
 		s.results.localRetries.Add(1)
@@ -126,7 +126,7 @@ func (s *Subscriber) handleBatch(ctx context.Context, lane int, batch []*Deliver
 			return
 		}
 		s.batchFailed(lane, failed, firstErr, attempt)
-		if !s.pause(ctx, r.wait(attempt)) {
+		if !s.pause(ctx, batch[0].p, r.wait(attempt)) {
 			for _, d := range failed {
 				s.settle(d, Retry(firstErr))
 			}
@@ -179,14 +179,14 @@ func (r retry) wait(attempt int) time.Duration {
 
 // pause waits d before a retry in the lane; false means the subscriber is
 // stopping and the retry goes to the broker instead.
-func (s *Subscriber) pause(ctx context.Context, d time.Duration) bool {
+func (s *Subscriber) pause(ctx context.Context, p *pipe, d time.Duration) bool {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-t.C:
 		return true
 	case <-ctx.Done():
-	case <-s.pump.Stopping():
+	case <-p.pump.Stopping():
 	}
 	return false
 }
@@ -301,27 +301,27 @@ func (s *Subscriber) settle(d *Delivery, err error) {
 	switch kind {
 	case outcomeAccept:
 		s.results.accept.Add(1)
-		s.pump.Settle(d.t, pump.Outcome{Kind: pump.Accept})
+		d.p.pump.Settle(d.t, pump.Outcome{Kind: pump.Accept})
 	case outcomeRelease:
 		s.results.release.Add(1)
-		s.pump.Settle(d.t, pump.Outcome{Kind: pump.Release})
+		d.p.pump.Settle(d.t, pump.Outcome{Kind: pump.Release})
 	case outcomeReject:
 		if !oe.poisoned {
 			s.results.reject.Add(1)
 		}
 		if s.cfg.deadLetterCopy != "" && s.copyToDeadLetter(d, oe) {
 			s.deadLetterCopies.Add(1)
-			s.pump.Settle(d.t, pump.Outcome{Kind: pump.Accept})
+			d.p.pump.Settle(d.t, pump.Outcome{Kind: pump.Accept})
 			return
 		}
-		s.pump.Settle(d.t, pump.Outcome{Kind: pump.Reject, Error: oe.rejectError(s.cfg.profile.rejectCond)})
+		d.p.pump.Settle(d.t, pump.Outcome{Kind: pump.Reject, Error: oe.rejectError(s.cfg.profile.rejectCond)})
 	default:
 		s.results.retry.Add(1)
 		if !errors.Is(err, ErrHandlerPanic) {
 			s.log.Warn("handler failed; the delivery goes back to the broker as a failed attempt", s.fields(d, err)...)
 		}
 		s.events.send(s.event(d, EventHandlerFailed, err))
-		s.pump.Settle(d.t, s.cfg.profile.retry)
+		d.p.pump.Settle(d.t, s.cfg.profile.retry)
 	}
 }
 

@@ -19,11 +19,14 @@ type link struct {
 	rcv  *amqp.Receiver
 	dlq  deadLetterSender // DeadLetterCopy's sender on sess
 	mgmt *management      // the entity's $management node (peek-lock profiles)
+	// session is the source of a Service Bus session link (session
+	// consumers only).
+	session *sessionSource
 }
 
 // attach connects (or takes the given connection), opens a session and
 // attaches a receiver to the queue, all within DialTimeout.
-func (s *Subscriber) attach(ctx context.Context) (*link, error) {
+func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.dialTimeout)
 	defer cancel()
 	c, err := s.connector.connect(ctx, connectRequest{idle: s.cfg.idleTimeout, entity: s.cfg.profile.address(s.queue)})
@@ -62,6 +65,11 @@ func (s *Subscriber) attach(ctx context.Context) (*link, error) {
 	if s.cfg.profile.peekLock {
 		ro.SettlementMode = amqp.ReceiverSettleModeSecond.Ptr()
 	}
+	if s.cfg.sessions() {
+		// The service answers with com.microsoft:timeout when no session
+		// became free within this; the attacher asks again.
+		sessionReceiverOptions(ro, p.session, s.cfg.dialTimeout/2)
+	}
 	l.rcv, err = l.sess.NewReceiver(ctx, addr, ro)
 	if err != nil {
 		return fail("attach receiver", err)
@@ -73,8 +81,13 @@ func (s *Subscriber) attach(ctx context.Context) (*link, error) {
 		}
 		l.mgmt = &management{rpc: r, linkName: l.rcv.LinkName()}
 	}
+	if s.cfg.sessions() {
+		if l.session, err = s.startSession(p, l); err != nil {
+			return fail("accept session", err)
+		}
+	}
 	s.log.Info("attached", zap.Stringer("broker", s.connector), zap.String("address", addr),
-		zap.Stringer("profile", s.cfg.profile), zap.Int("credit", s.cfg.credit))
+		zap.Stringer("profile", s.cfg.profile), zap.Int("credit", p.pump.Credit()))
 	return l, nil
 }
 
@@ -86,6 +99,9 @@ func (s *Subscriber) attach(ctx context.Context) (*link, error) {
 func (s *Subscriber) closeLink(ctx context.Context, l *link) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.closeTimeout)
 	defer cancel()
+	if l.session != nil {
+		l.session.stop()
+	}
 	if l.rcv != nil && s.cfg.profile.detach {
 		if err := l.rcv.Close(ctx); err != nil {
 			s.log.Debug("close receiver", zap.Error(err))

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"go.uber.org/zap"
@@ -52,6 +53,10 @@ type config struct {
 	deadLetterCopy string
 	// waitForQueue makes amqp:not-found at attach a reason to wait.
 	waitForQueue bool
+	// Session consumers (Service Bus): maxSessions > 0 or sessionIDs.
+	maxSessions int
+	sessionIDs  []string
+	sessionIdle time.Duration
 	// maxLockRenewal and settleTimeout: peek-lock profiles only.
 	maxLockRenewal time.Duration
 	settleTimeout  time.Duration
@@ -77,9 +82,13 @@ func defaultConfig() config {
 		backoffMax:     2 * time.Second,
 		isFatal:        IsFatal,
 		maxLockRenewal: 5 * time.Minute,
+		sessionIdle:    time.Minute,
 		settleTimeout:  30 * time.Second,
 	}
 }
+
+// sessions reports whether the subscriber is a session consumer.
+func (c *config) sessions() bool { return c.maxSessions > 0 || len(c.sessionIDs) > 0 }
 
 func (c *config) invalid(format string, args ...any) {
 	c.errs = append(c.errs, fmt.Errorf("%w: "+format, append([]any{ErrInvalidOption}, args...)...))
@@ -216,6 +225,56 @@ func MaxLockRenewal(d time.Duration) Option {
 		if d == 0 {
 			c.maxLockRenewal = time.Nanosecond
 		}
+	})
+}
+
+// Sessions makes the subscriber a session consumer of a session-enabled
+// Service Bus entity: it holds up to max sessions at once, each on a link
+// of its own with its share of the credit (at least 1), accepting the next
+// available session whenever it has room; the handlers of each session run
+// as Workers or WorkersByKey say (WorkersByKey(1), or the default, runs a
+// session's messages one at a time, in order). A session's lock is renewed
+// while the consumer holds it; a session with no message for
+// SessionIdleTimeout is closed and the next one accepted; when no session
+// is available the service says so after a while and the consumer asks
+// again. Delivery.SessionState and SetSessionState read and write the
+// session's state. Only with the AzureServiceBus profile; not with
+// SessionIDs. Must be ≥ 1. Default: off (the entity must not require
+// sessions).
+func Sessions(max int) Option {
+	return optionFunc(func(c *config) {
+		if max < 1 {
+			c.invalid("Sessions(%d): must be ≥ 1", max)
+			return
+		}
+		c.maxSessions = max
+	})
+}
+
+// SessionIDs makes the subscriber a session consumer of the named sessions
+// only, each on a link of its own, held for as long as the subscriber runs
+// (a session left idle for SessionIdleTimeout is accepted again). See
+// Sessions. Not with Sessions; at least one id, none empty.
+func SessionIDs(ids ...string) Option {
+	return optionFunc(func(c *config) {
+		if len(ids) == 0 || slices.Contains(ids, "") {
+			c.invalid("SessionIDs(%q): give at least one id, none empty", ids)
+			return
+		}
+		c.sessionIDs = slices.Clone(ids)
+	})
+}
+
+// SessionIdleTimeout is how long a session consumer keeps a session that
+// sends no message (and of which it holds none) before it closes it and
+// accepts the next. Must be > 0. Default: 1 min.
+func SessionIdleTimeout(d time.Duration) Option {
+	return optionFunc(func(c *config) {
+		if d <= 0 {
+			c.invalid("SessionIdleTimeout(%v): must be > 0", d)
+			return
+		}
+		c.sessionIdle = d
 	})
 }
 

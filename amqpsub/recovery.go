@@ -40,9 +40,18 @@ func IsFatal(err error) bool {
 	return errors.Is(err, ErrLinkLost)
 }
 
-func isNotFound(err error) bool {
+func isNotFound(err error) bool { return isCond(err, amqp.ErrCondNotFound) }
+
+func isCond(err error, cond amqp.ErrCond) bool {
 	var ae *amqp.Error
-	return errors.As(err, &ae) && ae.Condition == amqp.ErrCondNotFound
+	return errors.As(err, &ae) && ae.Condition == cond
+}
+
+// isNoSession reports the attach errors of a Service Bus session receiver
+// that mean "wait": no session free before the service's timeout, or the
+// session asked for held by another receiver.
+func isNoSession(err error) bool {
+	return isCond(err, errCondTimeout) || isCond(err, errCondSessionCannotBeLocked)
 }
 
 // attacher gives the pump its links: the first one at start, and a new one,
@@ -50,6 +59,7 @@ func isNotFound(err error) bool {
 // goroutine at a time, and Run reads current once the pump has returned.
 type attacher struct {
 	s          *Subscriber
+	p          *pipe
 	current    *link // nil under the test source
 	before     bool  // a link was attached before: this is a reconnect
 	attachedAt time.Time
@@ -68,12 +78,13 @@ const healthy = 10 * time.Second
 func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) {
 	s := a.s
 	if a.current != nil {
-		s.current.Store(nil)
+		a.p.current.Store(nil)
 		s.closeLink(ctx, a.current)
 		a.current = nil
 	}
 	first := 0
-	if lost != nil {
+	moveOn := errors.Is(lost, pump.ErrSourceDone) // a session consumer's next session
+	if lost != nil && !moveOn {
 		if time.Since(a.attachedAt) < healthy {
 			a.quick++
 			first = a.quick // start further up the backoff
@@ -87,11 +98,11 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 		}
 	}
 	for attempt := first; ; attempt++ {
-		src, l, err := s.attachOnce(ctx)
+		src, l, err := s.attachOnce(ctx, a.p)
 		if err == nil {
 			a.current, a.attachedAt = l, time.Now()
-			s.current.Store(l)
-			if a.before {
+			a.p.current.Store(l)
+			if a.before && !moveOn {
 				n := attempt - first + 1
 				s.reconnects.Add(1)
 				s.log.Info("reconnected", zap.Int("attempts", n), zap.NamedError("cause", lost))
@@ -103,13 +114,20 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			a.before = true
 			return src, nil
 		}
-		waiting := s.cfg.waitForQueue && isNotFound(err)
+		noSession := s.cfg.sessions() && isNoSession(err)
+		waiting := s.cfg.waitForQueue && isNotFound(err) || noSession
 		switch {
 		case ctx.Err() != nil:
 			return nil, ctx.Err()
+		case noSession && isCond(err, errCondTimeout):
+			// The service waited for a session to become free and none
+			// did: ask again at once.
+			s.log.Debug("no session available; asking again", zap.Error(err))
+			attempt = first - 1
+			continue
 		case waiting:
 			if attempt == first {
-				s.log.Info("the queue does not exist (yet); waiting for it", zap.Error(err))
+				s.log.Info("the queue or session is not available (yet); waiting for it", zap.Error(err))
 			}
 		case !a.before:
 			// The first connection: report it rather than wait.
@@ -146,7 +164,7 @@ func sleep(ctx context.Context, d time.Duration) bool {
 
 // attachOnce opens a connection, session and receiver, or takes the test
 // source.
-func (s *Subscriber) attachOnce(ctx context.Context) (pump.Source, *link, error) {
+func (s *Subscriber) attachOnce(ctx context.Context, p *pipe) (pump.Source, *link, error) {
 	if s.cfg.testSource != nil {
 		src, err := s.cfg.testSource(ctx)
 		return src, nil, err
@@ -155,9 +173,12 @@ func (s *Subscriber) attachOnce(ctx context.Context) (pump.Source, *link, error)
 		src, err := c.next(ctx)
 		return src, nil, err
 	}
-	l, err := s.attach(ctx)
+	l, err := s.attach(ctx, p)
 	if err != nil {
 		return nil, nil, err
+	}
+	if l.session != nil {
+		return l.session, l, nil
 	}
 	return l.rcv, l, nil
 }

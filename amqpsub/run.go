@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -66,36 +67,42 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	defer close(s.done)
 	s.events.start()
 
-	// Handlers and the pump outlive ctx by the grace period.
+	// Handlers and the pumps outlive ctx by the grace period.
 	hctx, cancelHandlers := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelHandlers()
 	pctx, cancelPump := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelPump()
 
-	if s.book != nil {
-		bctx, stopBook := context.WithCancel(context.WithoutCancel(ctx))
-		bookDone := make(chan struct{})
-		go func() { defer close(bookDone); s.book.Run(bctx) }()
-		defer func() { stopBook(); <-bookDone }()
+	// Each pipe's pump, lanes and lease book. A pump that ends by itself
+	// (attach failed for good) reports on ended; the lanes end when every
+	// handler has returned: a handler that never returns keeps its lane,
+	// which Run then leaves behind (abandoned).
+	ended := make(chan *running, len(s.pipes))
+	runs := make([]*running, len(s.pipes))
+	for i, p := range s.pipes {
+		r := &running{p: p, done: make(chan struct{}), lanesDone: make(chan struct{})}
+		runs[i] = r
+		if p.book != nil {
+			bctx, stopBook := context.WithCancel(context.WithoutCancel(ctx))
+			bookDone := make(chan struct{})
+			go func() { defer close(bookDone); p.book.Run(bctx) }()
+			defer func() { stopBook(); <-bookDone }()
+		}
+		go func() {
+			r.err = p.pump.Run(pctx, p.att.attach)
+			close(r.done)
+			ended <- r
+		}()
+		go func() {
+			defer close(r.lanesDone)
+			lanes.Run(p.pump.Out(), s.laneConfig(hctx, p))
+		}()
 	}
-	// The attacher is used by the pump only; Run reads it after the pump has
-	// returned.
-	att := &attacher{s: s}
-	pumpDone := make(chan error, 1)
-	go func() { pumpDone <- s.pump.Run(pctx, att.attach) }()
-	// The lanes end when every handler has returned; a handler that never
-	// returns keeps its lane, which Run then leaves behind (abandoned).
-	lanesDone := make(chan struct{})
-	go func() {
-		defer close(lanesDone)
-		lanes.Run(s.pump.Out(), s.laneConfig(hctx))
-	}()
 
 	var fatal error
-	pumpEnded := false
 	select {
-	case fatal = <-pumpDone:
-		pumpEnded = true
+	case r := <-ended:
+		fatal = r.err
 	case <-ctx.Done():
 	case <-s.stopReq:
 	case <-s.closeReq:
@@ -103,45 +110,53 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	stopAt := time.Now()
 	closing := isClosed(s.closeReq)
 	if !closing {
-		s.pump.Stop() // from here on, lanes release what no handler has taken
+		for _, r := range runs {
+			r.p.pump.Stop() // from here on, lanes release what no handler has taken
+		}
 	}
 	switch {
 	case closing:
-	case pumpEnded:
+	case fatal != nil:
 		// Attach failed for good: nothing held can be settled any more,
 		// but handlers in progress get the grace period to finish.
 		s.log.Error("stopping after a fatal error", zap.Error(fatal))
-		s.waitGrace(lanesDone)
+		s.waitGrace(runs)
 	default:
-		pumpEnded = s.graceful(pumpDone)
+		s.graceful(runs)
 	}
 
 	// Nothing more is settled: the results of handlers still running are
 	// ignored from here on, and they are told to stop.
 	s.cut.Store(true)
-	if !pumpEnded {
-		cancelPump()
-	}
+	cancelPump()
 	cancelHandlers()
-	s.pump.Stop() // after Close: lanes drop what they hold
+	for _, r := range runs {
+		r.p.pump.Stop() // after Close: lanes drop what they hold
+	}
 	closeBy := time.Now().Add(s.cfg.closeTimeout)
-	if !pumpEnded {
-		pumpEnded = waitUntil(pumpDone, closeBy)
-	}
-	s.current.Store(nil)
-	if pumpEnded && att.current != nil {
-		s.closeWithin(att.current, closeBy)
-	} else if !pumpEnded {
-		s.log.Error("the pump did not end within CloseTimeout; leaving the link to the broker")
-	}
 	var errs []error
 	if fatal != nil {
 		errs = append(errs, fatal)
 	}
-	if !waitClosed(lanesDone, closeBy) {
-		if n := s.abandon(); n > 0 {
-			errs = append(errs, fmt.Errorf("%w: %d handlers had not returned %v after the stop began",
-				ErrAbandoned, n, time.Since(stopAt).Round(time.Millisecond)))
+	var closings sync.WaitGroup
+	for _, r := range runs {
+		if !waitClosed(r.done, closeBy) {
+			s.log.Error("the pump did not end within CloseTimeout; leaving the link to the broker")
+			continue
+		}
+		r.p.current.Store(nil)
+		if l := r.p.att.current; l != nil {
+			closings.Go(func() { s.closeWithin(l, closeBy) })
+		}
+	}
+	closings.Wait()
+	for _, r := range runs {
+		if !waitClosed(r.lanesDone, closeBy) {
+			if n := s.abandon(); n > 0 {
+				errs = append(errs, fmt.Errorf("%w: %d handlers had not returned %v after the stop began",
+					ErrAbandoned, n, time.Since(stopAt).Round(time.Millisecond)))
+			}
+			break
 		}
 	}
 	if !s.events.close(closeBy) {
@@ -150,42 +165,54 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
-// graceful waits for the pump to settle everything held, up to the grace
-// period, and reports whether it did. GracePeriod(0) waits only until the
-// pump has released what it buffered. Close cuts the wait short.
-func (s *Subscriber) graceful(pumpDone <-chan error) (pumpEnded bool) {
+// running is a pipe while Run runs it.
+type running struct {
+	p         *pipe
+	err       error         // the pump's result, once done is closed
+	done      chan struct{} // the pump has returned
+	lanesDone chan struct{} // the lanes have returned
+}
+
+// graceful waits for the pumps to settle everything held, up to the grace
+// period. GracePeriod(0) waits only until each pump has released what it
+// buffered. Close cuts the wait short.
+func (s *Subscriber) graceful(runs []*running) {
 	s.log.Debug("stopping", zap.Duration("grace", s.cfg.grace))
 	if s.cfg.grace == 0 {
-		select {
-		case <-s.pump.Released():
-			return false
-		case <-pumpDone:
-			return true
+		for _, r := range runs {
+			select {
+			case <-r.p.pump.Released():
+			case <-s.closeReq:
+				return
+			}
+		}
+		return
+	}
+	by := time.Now().Add(s.cfg.grace)
+	for _, r := range runs {
+		if !waitClosedOr(r.done, by, s.closeReq) {
+			if !isClosed(s.closeReq) {
+				held, handling := 0, 0
+				for _, r := range runs {
+					st := r.p.pump.Stats()
+					held, handling = held+st.Held, handling+st.Handling
+				}
+				s.log.Warn("grace period over; cancelling the handlers still running, the broker redelivers what they hold",
+					zap.Int("handling", handling), zap.Int("held", held))
+			}
+			return
 		}
 	}
-	grace := time.NewTimer(s.cfg.grace)
-	defer grace.Stop()
-	select {
-	case <-pumpDone:
-		return true
-	case <-grace.C:
-		st := s.pump.Stats()
-		s.log.Warn("grace period over; cancelling the handlers still running, the broker redelivers what they hold",
-			zap.Int("handling", st.Handling), zap.Int("held", st.Held))
-	case <-s.closeReq:
-	}
-	return false
 }
 
 // waitGrace waits for the handlers to return, up to the grace period; Close
 // cuts it short.
-func (s *Subscriber) waitGrace(lanesDone <-chan struct{}) {
-	grace := time.NewTimer(s.cfg.grace)
-	defer grace.Stop()
-	select {
-	case <-lanesDone:
-	case <-grace.C:
-	case <-s.closeReq:
+func (s *Subscriber) waitGrace(runs []*running) {
+	by := time.Now().Add(s.cfg.grace)
+	for _, r := range runs {
+		if !waitClosedOr(r.lanesDone, by, s.closeReq) {
+			return
+		}
 	}
 }
 
@@ -197,29 +224,34 @@ func (s *Subscriber) abandon() int {
 		return 0
 	}
 	s.abandoned.Add(uint64(n))
-	s.pump.Each(func(pd *pump.Delivery) bool {
-		if pd.State() == pump.Handling {
-			d := &Delivery{msg: pd.Message(), lane: -1}
-			s.log.Warn("handler abandoned: it did not return after its context was cancelled; the broker redelivers its delivery",
-				zap.Any("message_id", d.MessageID()), zap.String("group_id", d.GroupID()),
-				zap.Uint32("delivery_count", d.DeliveryCount()))
-		}
-		return true
-	})
+	for _, p := range s.pipes {
+		p.pump.Each(func(pd *pump.Delivery) bool {
+			if pd.State() == pump.Handling {
+				d := &Delivery{msg: pd.Message(), lane: -1}
+				s.log.Warn("handler abandoned: it did not return after its context was cancelled; the broker redelivers its delivery",
+					zap.Any("message_id", d.MessageID()), zap.String("group_id", d.GroupID()),
+					zap.Uint32("delivery_count", d.DeliveryCount()))
+			}
+			return true
+		})
+	}
 	s.events.send(Event{Kind: EventAbandoned, Queue: s.queue, Lane: -1, Count: n,
 		Err: fmt.Errorf("%w: %d", ErrAbandoned, n)})
 	return n
 }
 
-// waitUntil waits for the pump's result until by; true if it came.
-func waitUntil(pumpDone <-chan error, by time.Time) bool {
+// waitClosedOr waits for c to be closed until by, or until stop is closed;
+// true if c was closed.
+func waitClosedOr(c <-chan struct{}, by time.Time, stop <-chan struct{}) bool {
 	t := time.NewTimer(time.Until(by))
 	defer t.Stop()
 	select {
-	case <-pumpDone:
+	case <-c:
 		return true
 	case <-t.C:
 		return false
+	case <-stop:
+		return isClosed(c)
 	}
 }
 

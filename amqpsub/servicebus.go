@@ -2,7 +2,6 @@ package amqpsub
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"net/url"
@@ -319,15 +318,4 @@ func (m *management) request(ctx context.Context, operation string, body map[str
 		return nil, fmt.Errorf("amqpsub: %s: status %d: %s: %w", operation, code, desc, lease.ErrLockLost)
 	}
 	return nil, fmt.Errorf("amqpsub: %s: status %d: %s", operation, code, desc)
-}
-
-// renewer renews the locks of the current link (lease.Renewer).
-type renewer struct{ s *Subscriber }
-
-func (r renewer) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
-	l := r.s.current.Load()
-	if l == nil || l.mgmt == nil {
-		return nil, errors.New("amqpsub: no link to renew locks on")
-	}
-	return l.mgmt.RenewLocks(ctx, tokens)
 }

@@ -3,6 +3,8 @@ package amqpsub
 import (
 	"fmt"
 
+	"github.com/amqpsub/amqpsub/pump"
+
 	"go.uber.org/zap/zapcore"
 )
 
@@ -15,7 +17,8 @@ type Stats struct {
 	// the credit it was given (Artemis does; RabbitMQ 3.10 overshoots, see
 	// Overshoot).
 	Held int
-	// MaxHeld is the most deliveries held at once.
+	// MaxHeld is the most deliveries held at once (a session consumer: the
+	// sum of each session link's most).
 	MaxHeld int
 	// Buffered, Handling and Settling are a census of the held deliveries:
 	// waiting for a handler, in one, and waiting for the pump to send their
@@ -105,13 +108,39 @@ type Results struct {
 // Stats returns the subscriber's counters. It may be called at any time from
 // any goroutine.
 func (s *Subscriber) Stats() Stats {
-	p := s.pump.Stats()
+	var p pump.Stats
 	var locks Locks
-	if s.book != nil {
-		b := s.book.Stats()
-		locks = Locks{Held: b.Held, RenewRequests: b.Requests, Renewed: b.Renewed, RenewFailures: b.Failures,
-			Lost: b.Lost, Dropped: p.LockLostDropped, Skipped: p.LockLostSkipped,
-			LostAtSettle: p.LockLostAnswers, SettleTimeouts: p.SettleTimeouts, Unrenewable: b.Unrenewable}
+	for _, pp := range s.pipes {
+		q := pp.pump.Stats()
+		p.Held += q.Held
+		p.MaxHeld += q.MaxHeld
+		p.Buffered += q.Buffered
+		p.Handling += q.Handling
+		p.Settling += q.Settling
+		p.Received += q.Received
+		p.Accepted += q.Accepted
+		p.Released += q.Released
+		p.Modified += q.Modified
+		p.Rejected += q.Rejected
+		p.SettleErrors += q.SettleErrors
+		p.Stale += q.Stale
+		p.Dropped += q.Dropped
+		p.Overshoot += q.Overshoot
+		p.Links += q.Links
+		p.LinksLost += q.LinksLost
+		locks.Dropped += q.LockLostDropped
+		locks.Skipped += q.LockLostSkipped
+		locks.LostAtSettle += q.LockLostAnswers
+		locks.SettleTimeouts += q.SettleTimeouts
+		if pp.book != nil {
+			b := pp.book.Stats()
+			locks.Held += b.Held
+			locks.RenewRequests += b.Requests
+			locks.Renewed += b.Renewed
+			locks.RenewFailures += b.Failures
+			locks.Lost += b.Lost
+			locks.Unrenewable += b.Unrenewable
+		}
 	}
 	return Stats{
 		Locks:    locks,

@@ -8,7 +8,6 @@ import (
 
 	"go.uber.org/zap"
 
-	"github.com/amqpsub/amqpsub/lease"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -21,9 +20,8 @@ type Subscriber struct {
 	batch     BatchHandler
 	cfg       config
 	log       *zap.Logger
-	pump      *pump.Pump
-	book      *lease.Book // the lock lease book; nil but for peek-lock profiles
-	events    *events     // nil without OnEvent
+	pipes     []*pipe // one, or one per session held at once
+	events    *events // nil without OnEvent
 
 	mu       sync.Mutex
 	started  bool
@@ -106,6 +104,14 @@ func build(c Connector, queue string, opts []Option) (*Subscriber, error) {
 			cfg.invalid("queue %q: the connection string's EntityPath is %q", queue, sb.entity)
 		}
 	}
+	if cfg.sessions() {
+		switch {
+		case !cfg.profile.peekLock:
+			cfg.invalid("Sessions and SessionIDs need the AzureServiceBus profile")
+		case cfg.maxSessions > 0 && len(cfg.sessionIDs) > 0:
+			cfg.invalid("give Sessions or SessionIDs, not both")
+		}
+	}
 	if err := errors.Join(cfg.errs...); err != nil {
 		return nil, err
 	}
@@ -120,26 +126,23 @@ func build(c Connector, queue string, opts []Option) (*Subscriber, error) {
 		closeReq:  make(chan struct{}),
 		done:      make(chan struct{}),
 	}
-	pc := pump.Config{
-		Credit:  cfg.credit,
-		Mode:    cfg.profile.creditMode,
-		Logger:  log,
-		OnEvent: s.pumpEvent,
+	if !cfg.sessions() {
+		s.pipes = []*pipe{s.newPipe(0, cfg.credit, "")}
+		return s, nil
 	}
-	if cfg.profile.peekLock {
-		s.book = lease.New(lease.Config{
-			Renewer:    renewer{s},
-			MaxRenewal: cfg.maxLockRenewal,
-			OnLost:     s.lockLost,
-			Logger:     log,
-		})
-		pc.Leases = s.book
-		// Enough settlements in flight that a round trip of a few
-		// milliseconds does not cap the rate (32 at 5 ms: 6,400/s).
-		pc.Settlers = min(cfg.credit, 64)
-		pc.SettleTimeout = cfg.settleTimeout
+	// A session consumer: one pipe per session held at once, the credit
+	// shared between them.
+	n := cfg.maxSessions
+	if len(cfg.sessionIDs) > 0 {
+		n = len(cfg.sessionIDs)
 	}
-	s.pump = pump.New(pc)
+	for i := range n {
+		id := ""
+		if len(cfg.sessionIDs) > 0 {
+			id = cfg.sessionIDs[i]
+		}
+		s.pipes = append(s.pipes, s.newPipe(i, max(1, cfg.credit/n), id))
+	}
 	return s, nil
 }
 
@@ -162,17 +165,6 @@ func (s *Subscriber) pumpEvent(e pump.Event) {
 		return
 	}
 	s.events.send(ev)
-}
-
-// lockLost is told by the lease book of a lost lock: the delivery is
-// dropped if no handler has it, its settlement skipped if one has (the
-// book has cancelled the handler's context).
-func (s *Subscriber) lockLost(t pump.Ticket) {
-	s.pump.LoseLock(t)
-	if m := t.Message(); m != nil {
-		d := &Delivery{msg: m, lane: -1}
-		s.events.send(s.event(d, EventLockLost, lease.ErrLockLost))
-	}
 }
 
 // Done returns a channel closed when Run has returned.

@@ -43,7 +43,9 @@ var ErrLockLost = errors.New("lease: the message lock was lost")
 
 // Config configures a Book.
 type Config struct {
-	// Renewer renews locks. Required.
+	// Renewer renews locks. nil renews none: the book then only binds
+	// handlers' contexts to their deliveries (LoseAll), as for the messages
+	// of a Service Bus session, which the session's lock covers.
 	Renewer Renewer
 	// MaxRenewal is how long after a delivery arrived its lock is still
 	// renewed; after that it expires. 0 means 5 minutes (the .NET
@@ -93,11 +95,11 @@ type entry struct {
 	renewing bool // in a request now
 }
 
-// New returns a Book. It panics on a Config without Renewer or OnLost,
-// which callers validate first.
+// New returns a Book. It panics on a Config without OnLost, which callers
+// validate first.
 func New(cfg Config) *Book {
-	if cfg.Renewer == nil || cfg.OnLost == nil {
-		panic("lease: Config needs Renewer and OnLost")
+	if cfg.OnLost == nil {
+		panic("lease: Config needs OnLost")
 	}
 	if cfg.MaxRenewal <= 0 {
 		cfg.MaxRenewal = 5 * time.Minute
@@ -163,6 +165,9 @@ func (b *Book) Add(t pump.Ticket) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.entries[t.Entry()] = e
+	if b.cfg.Renewer == nil {
+		return
+	}
 	if !okToken || !okUntil {
 		b.stats.Unrenewable++
 		b.log.Warn("delivery without a usable lock (a 16-byte delivery tag and x-opt-locked-until); its lock is not renewed",
@@ -376,6 +381,21 @@ func (b *Book) done(e *entry) {
 	b.mu.Lock()
 	e.renewing = false
 	b.mu.Unlock()
+}
+
+// LoseAll reports every delivery in the book lost, and empties it: for the
+// deliveries of a Service Bus session whose session lock was lost.
+func (b *Book) LoseAll(why string) {
+	b.mu.Lock()
+	es := make([]*entry, 0, len(b.entries))
+	for d, e := range b.entries {
+		es = append(es, e)
+		delete(b.entries, d)
+	}
+	b.mu.Unlock()
+	for _, e := range es {
+		b.lose(e, why)
+	}
 }
 
 // lose reports a lost lock: to OnLost, and to the handler's context.

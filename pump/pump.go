@@ -143,6 +143,13 @@ func (p *Pump) Released() <-chan struct{} { return p.released }
 // Done returns a channel closed when Run has returned.
 func (p *Pump) Done() <-chan struct{} { return p.done }
 
+// Credit returns the configured credit.
+func (p *Pump) Credit() int { return p.cfg.Credit }
+
+// Held returns the number of deliveries held now; it may be called from any
+// goroutine.
+func (p *Pump) Held() int { return int(p.stats.held.Load()) }
+
 // Stop starts a graceful stop: the pump grants no more credit, releases
 // every delivery not yet taken from Out and every delivery that still
 // arrives, applies the settlements of deliveries in handlers, and Run
@@ -155,6 +162,12 @@ func (p *Pump) markReleased() { p.releasedOnce.Do(func() { close(p.released) }) 
 // ErrStopped is returned by Run after Stop once every held delivery was
 // settled.
 var ErrStopped = errors.New("pump: stopped")
+
+// ErrSourceDone, wrapped by a source's Receive error, says that the source
+// ended as it should (a Service Bus session whose consumer moves on), not
+// that its link was lost: Run attaches the next one without counting a
+// loss. A source should end so only when nothing of it is held.
+var ErrSourceDone = errors.New("pump: source done")
 
 // Run receives from the sources attach gives until Stop has taken effect,
 // ctx ends, or attach fails. It returns ErrStopped after a graceful stop,
@@ -191,9 +204,13 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		p.log.Warn("link lost", zap.Error(err), zap.Int("held", p.acct.Held()))
-		p.stats.linksLost.Add(1)
-		p.event(Event{Kind: LinkLost, Err: err})
+		if errors.Is(err, ErrSourceDone) {
+			p.log.Debug("source done; attaching the next", zap.Error(err))
+		} else {
+			p.log.Warn("link lost", zap.Error(err), zap.Int("held", p.acct.Held()))
+			p.stats.linksLost.Add(1)
+			p.event(Event{Kind: LinkLost, Err: err})
+		}
 		lost = err
 		// Deliveries of the lost link are stale from here on.
 		p.link.Add(1)

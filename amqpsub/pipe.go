@@ -1,0 +1,84 @@
+package amqpsub
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"time"
+
+	"github.com/Azure/go-amqp"
+
+	"github.com/amqpsub/amqpsub/lease"
+	"github.com/amqpsub/amqpsub/pump"
+)
+
+// pipe is one receive path: a pump (with its lease book under peek-lock),
+// the lanes behind it, and the links its attacher opens one after another.
+// A subscriber has one; a Service Bus session consumer has one per session
+// it holds at once, each with its share of the credit.
+type pipe struct {
+	s       *Subscriber
+	index   int
+	pump    *pump.Pump
+	book    *lease.Book // nil but for peek-lock profiles
+	att     *attacher
+	current atomic.Pointer[link] // the link attached now; nil between links
+	// session is the session id this pipe asks for ("" for the next
+	// available one); used by session consumers only.
+	session string
+}
+
+func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
+	p := &pipe{s: s, index: index, session: session}
+	p.att = &attacher{s: s, p: p}
+	pc := pump.Config{
+		Credit:  credit,
+		Mode:    s.cfg.profile.creditMode,
+		Logger:  s.log,
+		OnEvent: s.pumpEvent,
+	}
+	if s.cfg.profile.peekLock {
+		bc := lease.Config{
+			MaxRenewal: s.cfg.maxLockRenewal,
+			OnLost:     p.lockLost,
+			Logger:     s.log,
+		}
+		if !s.cfg.sessions() {
+			// A session's messages are covered by the session's lock,
+			// which the session link renews.
+			bc.Renewer = renewer{p}
+		}
+		p.book = lease.New(bc)
+		pc.Leases = p.book
+		// Enough settlements in flight that a round trip of a few
+		// milliseconds does not cap the rate (32 at 5 ms: 6,400/s).
+		pc.Settlers = max(1, min(credit, 64))
+		pc.SettleTimeout = s.cfg.settleTimeout
+	}
+	p.pump = pump.New(pc)
+	return p
+}
+
+// lockLost is told by the lease book of a lost lock: the delivery is
+// dropped if no handler has it, its settlement skipped if one has (the
+// book has cancelled the handler's context).
+func (p *pipe) lockLost(t pump.Ticket) {
+	p.pump.LoseLock(t)
+	if m := t.Message(); m != nil {
+		d := &Delivery{msg: m, lane: -1}
+		p.s.events.send(p.s.event(d, EventLockLost, lease.ErrLockLost))
+	}
+}
+
+var errNoLink = errors.New("amqpsub: no link to renew locks on")
+
+// renewer renews the locks of a pipe's current link (lease.Renewer).
+type renewer struct{ p *pipe }
+
+func (r renewer) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
+	l := r.p.current.Load()
+	if l == nil || l.mgmt == nil {
+		return nil, errNoLink
+	}
+	return l.mgmt.RenewLocks(ctx, tokens)
+}

@@ -297,6 +297,14 @@ func (s *Subscriber) settle(d *Delivery, err error) {
 		s.log.Debug("result of an abandoned handler ignored", s.fields(d, err)...)
 		return
 	}
+	if d.t.Entry().LockLost() {
+		// Its lock is gone (the book cancelled the handler's context): the
+		// pump skips the settlement and counts it; the service delivers
+		// the message again.
+		s.log.Debug("result of a delivery whose lock was lost not sent", s.fields(d, err)...)
+		d.p.pump.Settle(d.t, pump.Outcome{Kind: pump.Accept})
+		return
+	}
 	kind, oe := decide(err)
 	switch kind {
 	case outcomeAccept:

@@ -10,6 +10,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/lanes"
+	"github.com/amqpsub/amqpsub/lease"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -29,6 +30,10 @@ var (
 	// their results are ignored, and the broker redelivers their
 	// deliveries.
 	ErrAbandoned = errors.New("amqpsub: handlers abandoned")
+	// ErrLockLost is the cause (context.Cause) of a handler's context
+	// cancelled because the Service Bus lock of its delivery (or session)
+	// was lost; its settlement is then not sent.
+	ErrLockLost = lease.ErrLockLost
 	// ErrHandlerPanic is wrapped by the error a handler's panic becomes
 	// (logged, and passed to OnEvent); the delivery is retried.
 	ErrHandlerPanic = errors.New("amqpsub: handler panicked")

@@ -283,6 +283,11 @@ func (b *Book) round(now time.Time) (renew, lost []*entry, next time.Time) {
 		if e.until.IsZero() || e.renewing || !e.until.After(now) {
 			continue
 		}
+		if e.t.State() == pump.Settling {
+			// Its settlement is on its way: renewing it would only be
+			// refused as lost, and cost the whole batch.
+			continue
+		}
 		if e.due.After(horizon) {
 			next = minTime(next, minTime(e.due, e.until))
 			continue
@@ -334,7 +339,22 @@ func (b *Book) renew(ctx context.Context, es []*entry) {
 		b.stats.Renewed += uint64(len(es))
 		b.mu.Unlock()
 	case errors.Is(err, ErrLockLost) && len(es) > 1:
+		// A lock settled meanwhile makes the service refuse the whole
+		// request: ask again for those still held and not settling, as one
+		// batch, before asking lock by lock.
+		var still []*entry
 		for _, e := range es {
+			if b.held(e) && e.t.State() != pump.Settling {
+				still = append(still, e)
+			} else {
+				b.done(e)
+			}
+		}
+		if len(still) < len(es) && len(still) > 0 && ctx.Err() == nil {
+			b.renew(ctx, still)
+			return
+		}
+		for _, e := range still {
 			if ctx.Err() != nil {
 				b.done(e)
 				continue
@@ -374,6 +394,13 @@ func (b *Book) renew(ctx context.Context, es []*entry) {
 		}
 		b.mu.Unlock()
 	}
+}
+
+// held reports whether e is still in the book.
+func (b *Book) held(e *entry) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.entries[e.t.Entry()] == e
 }
 
 // done ends a renewal without a result.

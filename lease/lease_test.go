@@ -45,6 +45,8 @@ type service struct {
 	until   map[amqp.UUID]time.Time
 	lost    map[amqp.UUID]bool
 	fail    error // every request fails with it, when set
+	delay   time.Duration // each request takes this long
+	during  func(tokens []amqp.UUID) error // called within each request; its error is the answer
 	reqs    int
 	tokens  int
 	expired int // renewals asked for a lock already expired: a lock lost
@@ -67,6 +69,20 @@ func (s *service) message(i int) *amqp.Message {
 }
 
 func (s *service) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
+	if s.delay > 0 {
+		time.Sleep(s.delay)
+	}
+	s.mu.Lock()
+	during := s.during
+	s.mu.Unlock()
+	if during != nil {
+		if err := during(tokens); err != nil {
+			s.mu.Lock()
+			s.reqs++
+			s.mu.Unlock()
+			return nil, err
+		}
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.reqs++
@@ -223,6 +239,40 @@ func TestLostLockIsFoundAndOnlyItsDeliveryDisturbed(t *testing.T) {
 		r.stop()
 		if ps.Accepted != 8 || ps.LockLostSkipped != 1 || ps.LockLostDropped != 1 || bs.Lost != 2 || bs.Held != 0 {
 			t.Fatalf("pump %+v\nbook %+v", ps, bs)
+		}
+	})
+}
+
+// A lock settled while its renewal was on its way makes the service refuse
+// the whole request; the others are asked again as one batch, not lock by
+// lock.
+func TestALockSettledDuringItsRenewalCostsOneMoreRequest(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		svc := newService(2 * time.Second)
+		r := newRig(t, svc, 50, lease.Config{})
+		synctest.Wait()
+		var tickets []pump.Ticket
+		for range 50 {
+			tickets = append(tickets, <-r.pump.Out())
+		}
+		first := true
+		svc.mu.Lock()
+		defer svc.mu.Unlock()
+		svc.during = func(tokens []amqp.UUID) error {
+			if !first {
+				return nil
+			}
+			first = false
+			r.book.Remove(tickets[7].Entry()) // settled meanwhile
+			return fmt.Errorf("status 410: %w", lease.ErrLockLost)
+		}
+		svc.mu.Unlock()
+		time.Sleep(1500 * time.Millisecond)
+		svc.mu.Lock()
+		st := r.book.Stats()
+		r.stop()
+		if st.Requests != 2 || st.Renewed != 49 || st.Lost != 0 || r.lostOnes() != "[]" {
+			t.Fatalf("stats %+v, lost %s", st, r.lostOnes())
 		}
 	})
 }

@@ -2,7 +2,6 @@ package amqpsub_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -10,12 +9,10 @@ import (
 	"testing/synctest"
 	"time"
 
-	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/internal/fake"
-	"github.com/amqpsub/amqpsub/lanes"
 )
 
 // Batch(1, …) is valid: a BatchHandler gets batches of one. (It used to
@@ -184,69 +181,6 @@ func TestRetainedDeliveryKeepsItsMessage(t *testing.T) {
 			if index(d) != seen[i] || d.GroupID() != "k" || d.Lane() != 0 {
 				t.Fatalf("delivery %d now reads message %d", seen[i], index(d))
 			}
-		}
-	})
-}
-
-// OnEvent hears of handler failures and panics with the delivery's
-// identity, of lost links and reconnects, in order, off the lanes'
-// goroutines.
-func TestEventsReachTheHook(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		msgs := fake.Messages(3, "g")
-		id := "m-1"
-		msgs[1].Properties.MessageID = id
-		msgs[1].Header = &amqp.MessageHeader{DeliveryCount: 2}
-		first := fake.New(true, msgs...)
-		second := fake.New(true)
-		boom := errors.New("store down")
-		var mu sync.Mutex
-		var got []amqpsub.Event
-		var calls [3]atomic.Int64 // the fake broker redelivers without counting
-		s, _ := amqpsub.New(nowhere, "orders", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
-			first := calls[index(d)].Add(1) == 1
-			switch {
-			case index(d) == 1 && first:
-				return boom
-			case index(d) == 2 && first:
-				panic("bad")
-			}
-			return nil
-		}), amqpsub.WorkersByKey(2), amqpsub.Backoff(time.Millisecond, time.Millisecond),
-			amqpsub.OnEvent(func(e amqpsub.Event) {
-				mu.Lock()
-				got = append(got, e)
-				mu.Unlock()
-			}), amqpsub.WithSources(sources(first, second)))
-		cancel, errc := run(t, s)
-		synctest.Wait()
-		first.Fail(fake.ErrLinkLost)
-		synctest.Wait()
-		time.Sleep(time.Second)
-		cancel()
-		if err := <-errc; err != nil {
-			t.Fatal(err)
-		}
-		mu.Lock()
-		defer mu.Unlock()
-		var kinds []string
-		for _, e := range got {
-			kinds = append(kinds, e.Kind.String())
-		}
-		// The panic also ends as a failed attempt sent to the broker.
-		want := "[handler-failed handler-panicked handler-failed link-lost reconnected]"
-		if fmt.Sprint(kinds) != want {
-			t.Fatalf("events %v, want %s", kinds, want)
-		}
-		if e := got[0]; e.MessageID != id || e.GroupID != "g" || e.DeliveryCount != 2 || e.Lane != lanes.LaneOf("g", 2) ||
-			e.Queue != "orders" || !errors.Is(e.Err, boom) {
-			t.Fatalf("first event %+v", e)
-		}
-		if e := got[1]; !errors.Is(e.Err, amqpsub.ErrHandlerPanic) {
-			t.Fatalf("panic event %+v", e)
-		}
-		if e := got[4]; e.Attempt != 1 || !errors.Is(e.Err, fake.ErrLinkLost) {
-			t.Fatalf("reconnect event %+v", e)
 		}
 	})
 }

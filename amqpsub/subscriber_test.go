@@ -128,10 +128,24 @@ func TestInvalidOptionsFailAtConstruction(t *testing.T) {
 		"zero profile": func() (*amqpsub.Subscriber, error) {
 			return amqpsub.New(nowhere, "q", h, amqpsub.WithProfile(amqpsub.Profile{}))
 		},
-		"nil handler":   func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", nil) },
-		"nil batch":     func() (*amqpsub.Subscriber, error) { return amqpsub.NewBatch(nowhere, "q", nil) },
-		"empty queue":   func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "", h) },
-		"nil connector": func() (*amqpsub.Subscriber, error) { return amqpsub.New(nil, "q", h) },
+		"nil handler":     func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", nil) },
+		"nil batch":       func() (*amqpsub.Subscriber, error) { return amqpsub.NewBatch(nowhere, "q", nil) },
+		"empty queue":     func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "", h) },
+		"nil connector":   func() (*amqpsub.Subscriber, error) { return amqpsub.New(nil, "q", h) },
+		"close timeout 0": func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, amqpsub.CloseTimeout(0)) },
+		"credit too big":  func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, amqpsub.Credit(1<<20+1)) },
+		"workers twice": func() (*amqpsub.Subscriber, error) {
+			return amqpsub.New(nowhere, "q", h, amqpsub.Workers(2), amqpsub.WorkersByKey(2))
+		},
+		"nil option":          func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, nil) },
+		"sessions on artemis": func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, amqpsub.Sessions(2)) },
+		"zero sessions":       func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, amqpsub.Sessions(0)) },
+		"empty session id":    func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, amqpsub.SessionIDs("a", "")) },
+		"negative lock renewal": func() (*amqpsub.Subscriber, error) {
+			return amqpsub.New(nowhere, "q", h, amqpsub.MaxLockRenewal(-time.Second))
+		},
+		"zero settle timeout":       func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, amqpsub.SettleTimeout(0)) },
+		"empty dead-letter address": func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, amqpsub.DeadLetterCopy("")) },
 	} {
 		s, err := build()
 		if !errors.Is(err, amqpsub.ErrInvalidOption) || s != nil {

@@ -158,45 +158,6 @@ func TestUnorderedWorkersRunConcurrently(t *testing.T) {
 	})
 }
 
-func TestBatchesCloseAtSizeAndAtWait(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		in := make(chan item, 64)
-		type got struct {
-			n  int
-			at time.Duration
-		}
-		var mu sync.Mutex
-		var batches []got
-		start := time.Now()
-		done := make(chan struct{})
-		go func() {
-			defer close(done)
-			lanes.Run(in, lanes.Config[item]{
-				Lanes: 1, Key: keyOf, BatchSize: 10, BatchWait: 10 * time.Millisecond,
-				HandleBatch: func(_ int, items []item) {
-					mu.Lock()
-					batches = append(batches, got{len(items), time.Since(start)})
-					mu.Unlock()
-				},
-				Drop: func(item) { t.Error("dropped without a stop") },
-			})
-		}()
-		for i := range 25 {
-			in <- item{"k", i}
-		}
-		synctest.Wait()
-		time.Sleep(3 * time.Millisecond)
-		in <- item{"k", 25}
-		time.Sleep(20 * time.Millisecond)
-		close(in)
-		<-done
-		want := []got{{10, 0}, {10, 0}, {6, 10 * time.Millisecond}}
-		if fmt.Sprint(batches) != fmt.Sprint(want) {
-			t.Fatalf("batches %v, want %v", batches, want)
-		}
-	})
-}
-
 func TestStopDropsWhatNoHandlerHasTaken(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		for _, size := range []int{1, 5} {
@@ -241,24 +202,6 @@ func TestStopDropsWhatNoHandlerHasTaken(t *testing.T) {
 			}
 		}
 	})
-}
-
-func TestItemsTakeRefusesAreDropped(t *testing.T) {
-	in := make(chan item, 10)
-	for i := range 10 {
-		in <- item{"", i}
-	}
-	close(in)
-	var handled, dropped atomic.Int64
-	lanes.Run(in, lanes.Config[item]{
-		Lanes:  2,
-		Take:   func(it item) bool { return it.seq%2 != 0 },
-		Handle: func(int, item) { handled.Add(1) },
-		Drop:   func(item) { dropped.Add(1) },
-	})
-	if handled.Load() != 5 || dropped.Load() != 5 {
-		t.Fatalf("handled %d dropped %d", handled.Load(), dropped.Load())
-	}
 }
 
 // At a stop, the items queued behind a handler that is still running are

@@ -62,32 +62,6 @@ func TestSecondSettleIsRefused(t *testing.T) {
 	})
 }
 
-// Overshoot is counted every time, not only while it raises MaxHeld.
-func TestEveryOvershootIsCounted(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		src := fake.New(false, fake.Messages(100)...)
-		p := pump.New(pump.Config{Credit: 8})
-		cancel, errc := start(t, p, attachTo(src))
-		src.Overshoot(5)
-		synctest.Wait()
-		if st := p.Stats(); st.Overshoot != 5 || st.MaxHeld != 13 {
-			t.Fatalf("after the first overshoot: %+v", st)
-		}
-		for range 13 {
-			p.Settle(<-p.Out(), pump.Outcome{Kind: pump.Accept})
-		}
-		synctest.Wait() // a new window of 8 arrived and is held
-		// A second overshoot that leaves held below MaxHeld.
-		src.Overshoot(2)
-		synctest.Wait()
-		if st := p.Stats(); st.Overshoot != 7 || st.MaxHeld != 13 || st.Held != 10 {
-			t.Fatalf("after the second overshoot: %+v", st)
-		}
-		cancel()
-		<-errc
-	})
-}
-
 // Deliveries of a lost link that wait for a consumer stop counting as held
 // at once, so the new link gets the whole credit; the consumer that finds
 // one later is told not to handle it, and settling it only frees its entry.

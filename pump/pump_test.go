@@ -72,68 +72,6 @@ func TestEveryDeliveryIsSettledOnceAndHeldStaysWithinCredit(t *testing.T) {
 	}
 }
 
-// The design's guarantee: a stream nobody polls never holds the
-// acknowledgements of deliveries already handed out.
-func TestSettlementsAppliedWhileOutIsFullAndUnpolled(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		src := fake.New(true, fake.Messages(100)...)
-		p := pump.New(pump.Config{Credit: 4})
-		cancel, errc := start(t, p, attachTo(src))
-		var taken []pump.Ticket
-		for range 4 {
-			taken = append(taken, <-p.Out())
-		}
-		synctest.Wait()
-		// Settle the four handed out while nobody reads Out.
-		for _, d := range taken {
-			p.Settle(d, pump.Outcome{Kind: pump.Accept})
-		}
-		synctest.Wait()
-		if n := src.Count(fake.Accepted); n != 4 {
-			t.Fatalf("accepted %d, want 4 while Out is unpolled", n)
-		}
-		st := p.Stats()
-		if st.Held != 4 || st.Buffered != 4 || len(p.Out()) != 4 {
-			t.Fatalf("held %d buffered %d in Out %d, want 4/4/4", st.Held, st.Buffered, len(p.Out()))
-		}
-		cancel()
-		if err := <-errc; !errors.Is(err, context.Canceled) {
-			t.Fatalf("Run = %v", err)
-		}
-	})
-}
-
-func TestOvershootIsCountedAndDoesNotStall(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		src := fake.New(false, fake.Messages(200)...)
-		src.Overshoot(5)
-		p := pump.New(pump.Config{Credit: 8})
-		_, errc := start(t, p, attachTo(src))
-		var first []pump.Ticket
-		for range 8 {
-			first = append(first, <-p.Out())
-		}
-		synctest.Wait() // the credit is used up: the fake sends 5 past it
-		if st := p.Stats(); st.Overshoot != 5 || !st.Windowed || st.Held != 13 {
-			t.Fatalf("after overshoot: %+v", st)
-		}
-		for _, d := range first {
-			p.Settle(d, pump.Outcome{Kind: pump.Accept})
-		}
-		for range 200 - 8 {
-			p.Settle(<-p.Out(), pump.Outcome{Kind: pump.Accept})
-		}
-		p.Stop()
-		if err := <-errc; !errors.Is(err, pump.ErrStopped) {
-			t.Fatalf("Run = %v", err)
-		}
-		st := p.Stats()
-		if st.Accepted != 200 || st.MaxHeld != 13 || st.Held != 0 {
-			t.Fatalf("stats %+v", st)
-		}
-	})
-}
-
 func TestStopReleasesBufferedAndSettlesInProgress(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(true, fake.Messages(50)...)

@@ -420,32 +420,6 @@ func dialTLS(t *testing.T, ctx context.Context, addr string, pool *x509.CertPool
 	return wire.New(tc, raw, opts), raw
 }
 
-func TestGoAMQPOverTLS(t *testing.T) {
-	cert, pool := selfSigned(t)
-	srvConf := &tls.Config{Certificates: []tls.Certificate{cert}}
-	addr, peerErr := serve(t, func(c net.Conn) net.Conn { return tls.Server(c, srvConf) }, func(p peer) error {
-		if err := p.openConn(0); err != nil {
-			return err
-		}
-		return p.expectCloseAndEOF() // close_notify reads as EOF
-	})
-	ctx := testCtx(t)
-	w, _ := dialTLS(t, ctx, addr, pool, wire.Options{})
-	conn, err := amqp.NewConn(ctx, w, &amqp.ConnOptions{SASLType: amqp.SASLTypeAnonymous()})
-	if err != nil {
-		t.Fatalf("NewConn: %v", err)
-	}
-	if code, seen := w.SASLOutcome(); !seen || code != wire.SASLOK {
-		t.Fatalf("SASLOutcome = %d, %v", code, seen)
-	}
-	if err := conn.Close(); err != nil {
-		t.Fatalf("Close: %v", err)
-	}
-	if err := <-peerErr; err != nil {
-		t.Fatal(err)
-	}
-}
-
 // Over TLS, Abort closes the TCP socket under a TLS write stuck on a peer
 // that never reads.
 func TestAbortOverTLSClosesTheSocket(t *testing.T) {

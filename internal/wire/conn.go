@@ -230,6 +230,14 @@ func (c *Conn) flusher() {
 		if err == nil && n < len(buf) {
 			err = io.ErrShortWrite
 		}
+		if err != nil {
+			// Close the socket before the error is seen: a Read blocked in
+			// go-amqp's reader fails at once, and whoever sees the error
+			// finds the socket closed. The socket, not c: tls.Conn.Close
+			// would first try to send close_notify over the socket that just
+			// failed, for up to 5 s.
+			c.closeRaw()
+		}
 
 		c.mu.Lock()
 		c.flushing = false
@@ -247,10 +255,6 @@ func (c *Conn) flusher() {
 			c.queued = c.queued[:0]
 			c.unwritten = 0
 			c.mu.Unlock()
-			// Close the socket, not c: a Read blocked in go-amqp's reader
-			// fails at once, whereas tls.Conn.Close would first try to send
-			// close_notify over the socket that just failed, for up to 5 s.
-			c.closeRaw()
 			return
 		}
 	}

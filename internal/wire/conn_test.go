@@ -499,39 +499,6 @@ func TestAbortReleasesAWaitingWrite(t *testing.T) {
 	})
 }
 
-// The same over TCP: the flusher is stuck in a real syscall (the socket
-// buffers are full) when Abort comes.
-func TestAbortReleasesAStuckFlushOverTCP(t *testing.T) {
-	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
-	client, server := tcpPair(t)
-	client.SetWriteBuffer(4096)
-	server.SetReadBuffer(4096)
-	c := wire.New(client, nil, wire.Options{MaxQueued: 32 << 10})
-	waiting := make(chan struct{})
-	var once sync.Once
-	wire.SetWaitHook(c, func() { once.Do(func() { close(waiting) }) })
-	writeErr := make(chan error, 1)
-	go func() {
-		p := make([]byte, 8<<10)
-		for {
-			if _, err := c.Write(p); err != nil {
-				writeErr <- err
-				return
-			}
-		}
-	}()
-	<-waiting // MaxQueued bytes are unwritten: the flusher is blocked in write(2)
-	if err := c.Abort(); err != nil {
-		t.Fatal(err)
-	}
-	if err := <-writeErr; !errors.Is(err, wire.ErrAborted) {
-		t.Fatalf("Write = %v", err)
-	}
-	if err := c.Close(); !errors.Is(err, wire.ErrAborted) {
-		t.Fatalf("Close = %v", err)
-	}
-}
-
 func TestCloseAndAbortAreIdempotentFromAnyGoroutine(t *testing.T) {
 	client, server := tcpPair(t)
 	got := readAll(server)

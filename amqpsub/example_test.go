@@ -446,7 +446,7 @@ func ExampleSubscriber_Stats() {
 	fmt.Println(st)
 	fmt.Println("accepted", st.Settled.Accepted, "retried", st.Results.Retry, "rejected", st.Results.Reject)
 	// Output:
-	// held=0 max=1 (buffered=0 handling=0 settling=0) received=4 settled=2/0/1/1 results=2/0/1/1
+	// held=0 max=1 (buffered=0 handling=0 settling=0) longest_lane=0 received=4 settled(acc/rel/mod/rej)=2/0/1/1 results(acc/rel/retry/rej)=2/0/1/1
 	// accepted 2 retried 1 rejected 1
 }
 

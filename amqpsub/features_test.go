@@ -184,3 +184,56 @@ func TestRetainedDeliveryKeepsItsMessage(t *testing.T) {
 		}
 	})
 }
+
+// BalanceKeys on the whole pipeline: every group in order, one delivery at
+// a time, and nothing held at the end.
+func TestBalanceKeysKeepsGroupOrder(t *testing.T) {
+	for _, batch := range []bool{false, true} {
+		synctest.Test(t, func(t *testing.T) {
+			src := fake.New(true, fake.Messages(600, "a", "b", "c", "d", "e", "")...)
+			var mu sync.Mutex
+			last := map[string]int{}
+			violations := 0
+			check := func(d *amqpsub.Delivery) {
+				mu.Lock()
+				defer mu.Unlock()
+				if g := d.GroupID(); g != "" {
+					if i, ok := last[g]; ok && index(d) < i {
+						violations++
+					}
+					last[g] = index(d)
+				}
+			}
+			opts := []amqpsub.Option{amqpsub.WorkersByKey(4), amqpsub.BalanceKeys(), amqpsub.Credit(32), amqpsub.WithSource(src)}
+			var s *amqpsub.Subscriber
+			if batch {
+				s, _ = amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+					for _, d := range b {
+						check(d)
+					}
+					time.Sleep(time.Millisecond)
+					return nil
+				}), append(opts, amqpsub.Batch(5, time.Millisecond))...)
+			} else {
+				s, _ = amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+					check(d)
+					time.Sleep(time.Millisecond)
+					return nil
+				}), opts...)
+			}
+			cancel, errc := run(t, s)
+			synctest.Wait()
+			for src.Count(fake.Accepted) < 600 {
+				time.Sleep(10 * time.Millisecond)
+			}
+			cancel()
+			if err := <-errc; err != nil {
+				t.Fatal(err)
+			}
+			st := s.Stats()
+			if violations != 0 || st.Settled.Accepted != 600 || st.GroupsHeld != 0 || len(st.Lanes) != 4 {
+				t.Fatalf("batch %v: %d violations; stats %v", batch, violations, st)
+			}
+		})
+	}
+}

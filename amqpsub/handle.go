@@ -23,9 +23,11 @@ const RejectCondition amqp.ErrCond = "amqpsub:rejected"
 // handlers' context, cancelled when Run gives up on them.
 func (s *Subscriber) laneConfig(ctx context.Context, p *pipe) lanes.Config[pump.Ticket] {
 	cfg := lanes.Config[pump.Ticket]{
-		Lanes: s.cfg.workers,
-		Stop:  p.pump.Stopping(),
-		Take:  pump.Ticket.Begin,
+		Lanes:    s.cfg.workers,
+		Balanced: s.cfg.balanced,
+		Gauge:    p.gauge,
+		Stop:     p.pump.Stopping(),
+		Take:     pump.Ticket.Begin,
 		Drop: func(t pump.Ticket) {
 			kind := pump.Release
 			if t.Stale() {

@@ -31,6 +31,7 @@ type config struct {
 	workers      int
 	byKey        bool
 	workersSet   string // the option that set workers, to refuse a second one
+	balanced     bool
 	batchSize    int
 	batchWait    time.Duration
 	batchSet     bool
@@ -121,6 +122,22 @@ func Workers(n int) Option {
 // ≥ 1, and not given with Workers. Default: off (Workers(1)).
 func WorkersByKey(n int) Option {
 	return optionFunc(func(c *config) { c.setWorkers(fmt.Sprintf("WorkersByKey(%d)", n), n, true) })
+}
+
+// BalanceKeys changes how WorkersByKey places groups on its lanes: a group
+// is bound to a lane only while that lane has one of its deliveries (in its
+// handler or open batch); the group's other deliveries wait in a shared
+// pool, in order, and any lane that is free takes the next group that is
+// ready. Each group still runs in order, one delivery at a time (and its
+// batches keep their order), but a slow or busy group holds back no other
+// group, and groups spread over the lanes by load: with 100 groups on 8
+// lanes of 1 ms handlers, the lanes stay busy where the hash placement
+// leaves some idle. The cost is a lock shared by the lanes, taken a few
+// times per delivery. LocalRetry of a delivery holds only its own group.
+// Only with WorkersByKey. Default: off (a group's lane is the hash of its
+// group-id, mod n).
+func BalanceKeys() Option {
+	return optionFunc(func(c *config) { c.balanced = true })
 }
 
 func (c *config) setWorkers(name string, n int, byKey bool) {

@@ -8,6 +8,7 @@ import (
 
 	"github.com/Azure/go-amqp"
 
+	"github.com/amqpsub/amqpsub/lanes"
 	"github.com/amqpsub/amqpsub/lease"
 	"github.com/amqpsub/amqpsub/pump"
 )
@@ -20,6 +21,7 @@ type pipe struct {
 	s       *Subscriber
 	index   int
 	pump    *pump.Pump
+	gauge   *lanes.Gauge
 	book    *lease.Book // nil but for peek-lock profiles
 	att     *attacher
 	current atomic.Pointer[link] // the link attached now; nil between links
@@ -29,7 +31,7 @@ type pipe struct {
 }
 
 func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
-	p := &pipe{s: s, index: index, session: session}
+	p := &pipe{s: s, index: index, session: session, gauge: lanes.NewGauge(s.cfg.workers)}
 	p.att = &attacher{s: s, p: p}
 	pc := pump.Config{
 		Credit:  credit,

@@ -27,6 +27,14 @@ type Stats struct {
 	// meanwhile.
 	Buffered, Handling, Settling int
 
+	// Lanes is each lane's (or worker's) load now (deliveries waiting for
+	// it and in its handler) and deliveries finished in all; a session
+	// consumer sums its sessions' lanes. Skew shows here.
+	Lanes []LaneStats
+	// GroupsHeld is the number of groups (group-ids) with deliveries in the
+	// lanes now, under BalanceKeys; 0 otherwise.
+	GroupsHeld int
+
 	// Received counts deliveries received.
 	Received uint64
 	// Settled counts the settlements the broker took, by outcome.
@@ -67,6 +75,21 @@ type Settlements struct {
 	Released uint64 // released: Release(), a stop, Retry under RabbitMQ3
 	Modified uint64 // modified: Retry on Artemis and Generic
 	Rejected uint64 // rejected: Reject(), MaxDeliveryCount
+}
+
+// LaneStats are one lane's figures.
+type LaneStats struct {
+	Load     int    // deliveries waiting for the lane and in its handler
+	Finished uint64 // deliveries handled (or dropped) by the lane, in all
+}
+
+// LongestLane returns the highest load of any lane.
+func (st Stats) LongestLane() int {
+	m := 0
+	for _, l := range st.Lanes {
+		m = max(m, l.Load)
+	}
+	return m
 }
 
 // Locks count what happened to Service Bus message locks.
@@ -110,7 +133,15 @@ type Results struct {
 func (s *Subscriber) Stats() Stats {
 	var p pump.Stats
 	var locks Locks
+	lanesSt := make([]LaneStats, s.cfg.workers)
+	groups := 0
 	for _, pp := range s.pipes {
+		g := pp.gauge.Read()
+		for i := range lanesSt {
+			lanesSt[i].Load += g.Load[i]
+			lanesSt[i].Finished += g.Finished[i]
+		}
+		groups += g.Keys
 		q := pp.pump.Stats()
 		p.Held += q.Held
 		p.MaxHeld += q.MaxHeld
@@ -143,13 +174,15 @@ func (s *Subscriber) Stats() Stats {
 		}
 	}
 	return Stats{
-		Locks:    locks,
-		Held:     p.Held,
-		MaxHeld:  p.MaxHeld,
-		Buffered: p.Buffered,
-		Handling: p.Handling,
-		Settling: p.Settling,
-		Received: p.Received,
+		Lanes:      lanesSt,
+		GroupsHeld: groups,
+		Locks:      locks,
+		Held:       p.Held,
+		MaxHeld:    p.MaxHeld,
+		Buffered:   p.Buffered,
+		Handling:   p.Handling,
+		Settling:   p.Settling,
+		Received:   p.Received,
 		Settled: Settlements{
 			Accepted: p.Accepted,
 			Released: p.Released,
@@ -178,18 +211,21 @@ func (s *Subscriber) Stats() Stats {
 	}
 }
 
-// String returns the counters on one line, the ones that are usually zero
+// String returns the counters on one line: held and its census, the
+// longest lane's load, received, settlements by outcome
+// (accepted/released/modified/rejected), handler results
+// (accept/release/retry/reject), then the counters that are usually zero,
 // only when they are not.
 func (st Stats) String() string {
-	s := fmt.Sprintf("held=%d max=%d (buffered=%d handling=%d settling=%d) received=%d settled=%d/%d/%d/%d results=%d/%d/%d/%d",
-		st.Held, st.MaxHeld, st.Buffered, st.Handling, st.Settling, st.Received,
+	s := fmt.Sprintf("held=%d max=%d (buffered=%d handling=%d settling=%d) longest_lane=%d received=%d settled(acc/rel/mod/rej)=%d/%d/%d/%d results(acc/rel/retry/rej)=%d/%d/%d/%d",
+		st.Held, st.MaxHeld, st.Buffered, st.Handling, st.Settling, st.LongestLane(), st.Received,
 		st.Settled.Accepted, st.Settled.Released, st.Settled.Modified, st.Settled.Rejected,
 		st.Results.Accept, st.Results.Release, st.Results.Retry, st.Results.Reject)
 	for _, c := range []struct {
 		name string
 		n    uint64
 	}{
-		{"panics", st.Results.Panics}, {"local_retries", st.Results.LocalRetries}, {"poisoned", st.Results.Poisoned},
+		{"groups_held", uint64(st.GroupsHeld)}, {"panics", st.Results.Panics}, {"local_retries", st.Results.LocalRetries}, {"poisoned", st.Results.Poisoned},
 		{"settle_errors", st.SettleErrors}, {"stale", st.Stale}, {"dropped", st.Dropped},
 		{"overshoot", uint64(st.Overshoot)}, {"links_lost", st.LinksLost}, {"reconnects", st.Reconnects},
 		{"locks_renewed", st.Locks.Renewed}, {"lock_renew_requests", st.Locks.RenewRequests},
@@ -211,6 +247,8 @@ func (st Stats) MarshalLogObject(enc zapcore.ObjectEncoder) error {
 	enc.AddInt("buffered", st.Buffered)
 	enc.AddInt("handling", st.Handling)
 	enc.AddInt("settling", st.Settling)
+	enc.AddInt("longest_lane", st.LongestLane())
+	enc.AddInt("groups_held", st.GroupsHeld)
 	enc.AddUint64("received", st.Received)
 	enc.AddUint64("accepted", st.Settled.Accepted)
 	enc.AddUint64("released", st.Settled.Released)

@@ -104,6 +104,9 @@ func build(c Connector, queue string, opts []Option) (*Subscriber, error) {
 			cfg.invalid("queue %q: the connection string's EntityPath is %q", queue, sb.entity)
 		}
 	}
+	if cfg.balanced && !cfg.byKey {
+		cfg.invalid("BalanceKeys needs WorkersByKey")
+	}
 	if cfg.sessions() {
 		switch {
 		case !cfg.profile.peekLock:

@@ -11,20 +11,26 @@ import (
 // BatchWait has passed since its first item, or, with no wait, as soon as
 // nothing more is waiting. At a stop the open batch is dropped.
 func (r *runner[T]) batchLoop(lane int, f feed[T]) {
+	// The dispatcher counted a hash lane's items already.
+	_, counted := f.(*queue[T])
 	cfg := r.cfg
 	b := batch.New[T](cfg.BatchSize, cfg.BatchWait)
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
 	defer timer.Stop()
 	armed := false
+	var keys []string // the keys of a batch handed over, for finish
 	flush := func() {
 		if armed {
 			timer.Stop()
 			armed = false
 		}
-		r.handOver(lane, b.Flush())
+		r.handOver(lane, b.Flush(), &keys)
 	}
 	add := func(item T) {
+		if !counted {
+			r.gauge.lanes[lane].load.Add(1)
+		}
 		var now time.Time
 		if b.Len() == 0 && cfg.BatchWait > 0 {
 			now = time.Now()
@@ -80,7 +86,7 @@ func (r *runner[T]) batchLoop(lane int, f feed[T]) {
 				armed = false
 			}
 			for _, it := range b.Flush() {
-				cfg.Drop(it)
+				r.drop(lane, it)
 			}
 		}
 	}
@@ -88,25 +94,33 @@ func (r *runner[T]) batchLoop(lane int, f feed[T]) {
 
 // handOver gives a closed batch to HandleBatch, after passing to Drop the
 // items that must not be handled (stopping, or refused by Take).
-func (r *runner[T]) handOver(lane int, items []T) {
+func (r *runner[T]) handOver(lane int, items []T, scratch *[]string) {
 	if len(items) == 0 {
 		return
 	}
 	if r.stopped() {
 		for _, it := range items {
-			r.cfg.Drop(it)
+			r.drop(lane, it)
 		}
 		return
 	}
 	keep := items[:0]
 	for _, it := range items {
 		if r.cfg.Take != nil && !r.cfg.Take(it) {
-			r.cfg.Drop(it)
+			r.drop(lane, it)
 			continue
 		}
 		keep = append(keep, it)
 	}
 	if len(keep) > 0 {
+		keys := (*scratch)[:0]
+		for _, it := range keep {
+			keys = append(keys, r.keyOf(it))
+		}
+		*scratch = keys
 		r.cfg.HandleBatch(lane, keep)
+		for _, k := range keys {
+			r.finish(lane, k)
+		}
 	}
 }

@@ -47,6 +47,17 @@ type Config[T any] struct {
 	// handler (or into a batch handed over); false passes it to Drop
 	// instead, such as a delivery of a lost link.
 	Take func(T) bool
+	// Balanced, with Key, binds a key to a lane only while that lane holds
+	// one of its items (in its handler or open batch): the other items wait
+	// in a shared pool, in order, and any free lane takes the next ready
+	// key (see pool). A key's items still run in order and one at a time,
+	// but a slow key holds back no other, and keys spread over the lanes by
+	// load, not by hash. Default: the hash placement of LaneOf.
+	Balanced bool
+	// Gauge, when set, is kept up to date with each lane's load and count
+	// of items finished, and the keys held (Balanced). Made by NewGauge
+	// for Lanes lanes.
+	Gauge *Gauge
 
 	Handle      func(lane int, item T)
 	HandleBatch func(lane int, items []T)
@@ -71,8 +82,17 @@ func Run[T any](in <-chan T, cfg Config[T]) {
 		(cfg.HandleBatch != nil && cfg.BatchSize < 1) || cfg.BatchWait < 0 {
 		panic("lanes: invalid Config")
 	}
-	r := &runner[T]{cfg: &cfg}
+	r := &runner[T]{cfg: &cfg, gauge: cfg.Gauge}
+	if r.gauge == nil {
+		r.gauge = NewGauge(cfg.Lanes)
+	} else if len(r.gauge.lanes) != cfg.Lanes {
+		panic("lanes: Gauge made for another number of lanes")
+	}
 	var wg sync.WaitGroup
+	if cfg.Key != nil && cfg.Balanced {
+		r.runPool(in)
+		return
+	}
 	if cfg.Key == nil {
 		for i := range cfg.Lanes {
 			wg.Go(func() { r.worker(i, in) })
@@ -94,8 +114,8 @@ func Run[T any](in <-chan T, cfg Config[T]) {
 		wg.Go(func() {
 			select {
 			case <-cfg.Stop:
-				for _, q := range r.queues {
-					q.stop(cfg.Drop)
+				for i, q := range r.queues {
+					q.stop(func(item T) { r.drop(i, item) })
 				}
 			case <-inDone:
 			}
@@ -111,7 +131,52 @@ func Run[T any](in <-chan T, cfg Config[T]) {
 
 type runner[T any] struct {
 	cfg    *Config[T]
-	queues []*queue[T] // keyed lanes only; set before any goroutine starts
+	queues []*queue[T] // keyed lanes (hash placement) only; set before any goroutine starts
+	pool   *pool[T]    // Balanced only
+	gauge  *Gauge
+}
+
+// runPool runs the balanced placement: the dispatcher pushes into the
+// pool, every lane takes from it.
+func (r *runner[T]) runPool(in <-chan T) {
+	cfg := r.cfg
+	r.pool = newPool(cfg.Key, cfg.Lanes, r.gauge)
+	var wg sync.WaitGroup
+	for i := range cfg.Lanes {
+		f := &poolFeed[T]{p: r.pool}
+		wg.Go(func() {
+			if cfg.HandleBatch != nil {
+				r.batchLoop(i, f)
+				return
+			}
+			for {
+				item, ok := f.next()
+				if !ok {
+					return
+				}
+				r.gauge.lanes[i].load.Add(1)
+				r.give(i, item)
+			}
+		})
+	}
+	inDone := make(chan struct{})
+	if cfg.Stop != nil {
+		wg.Go(func() {
+			select {
+			case <-cfg.Stop:
+				r.pool.stop(cfg.Drop)
+			case <-inDone:
+			}
+		})
+	}
+	for item := range in {
+		if !r.pool.push(item) {
+			cfg.Drop(item)
+		}
+	}
+	close(inDone)
+	r.pool.close()
+	wg.Wait()
 }
 
 // stopped reports whether Stop is closed. A non-blocking receive from an
@@ -137,20 +202,50 @@ func (r *runner[T]) dispatch(in <-chan T) {
 				next = 0
 			}
 		}
+		r.gauge.lanes[lane].load.Add(1)
 		if !r.queues[lane].push(item) {
-			r.cfg.Drop(item)
+			r.drop(lane, item)
 		}
 	}
+}
+
+// keyOf returns the item's key for finish, under the balanced placement
+// (only then is it needed). Take it before the item is handled or
+// dropped: the item may change once it is (a settled delivery).
+func (r *runner[T]) keyOf(item T) string {
+	if r.pool == nil {
+		return ""
+	}
+	return r.cfg.Key(item)
+}
+
+// finish accounts for an item of key k that left lane, handled or dropped.
+func (r *runner[T]) finish(lane int, k string) {
+	g := &r.gauge.lanes[lane]
+	g.load.Add(-1)
+	g.finished.Add(1)
+	if r.pool != nil {
+		r.pool.finish(k)
+	}
+}
+
+// drop passes an item that was in lane to Drop.
+func (r *runner[T]) drop(lane int, item T) {
+	k := r.keyOf(item)
+	r.cfg.Drop(item)
+	r.finish(lane, k)
 }
 
 // give hands item to the handler unless the lanes are stopping or Take
 // refuses it.
 func (r *runner[T]) give(lane int, item T) {
 	if r.stopped() || (r.cfg.Take != nil && !r.cfg.Take(item)) {
-		r.cfg.Drop(item)
+		r.drop(lane, item)
 		return
 	}
+	k := r.keyOf(item)
 	r.cfg.Handle(lane, item)
+	r.finish(lane, k)
 }
 
 // lane runs the items of one keyed lane in order.
@@ -175,6 +270,7 @@ func (r *runner[T]) worker(i int, in <-chan T) {
 		return
 	}
 	for item := range in {
+		r.gauge.lanes[i].load.Add(1)
 		r.give(i, item)
 	}
 }

@@ -3,6 +3,7 @@ package amqpsub_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"testing/synctest"
 
@@ -97,5 +98,17 @@ func TestBodyAccessorsSayWhatTheBodyIs(t *testing.T) {
 	}, data, value, seq, empty)
 	for _, err := range errs {
 		t.Error(err)
+	}
+}
+
+func TestRetryOfARetryIsTheSameRetry(t *testing.T) {
+	cause := errors.New("store down")
+	once := amqpsub.Retry(cause)
+	twice := amqpsub.Retry(once)
+	if twice != once || twice.Error() != "amqpsub: retry: store down" || !errors.Is(twice, cause) {
+		t.Fatalf("Retry(Retry(err)) = %q", twice)
+	}
+	if wrapped := amqpsub.Retry(fmt.Errorf("save: %w", once)); !errors.Is(wrapped, cause) {
+		t.Fatalf("wrapped retry lost its cause: %q", wrapped)
 	}
 }

@@ -97,7 +97,9 @@ func (s *Subscriber) handle(ctx context.Context, d *Delivery) error {
 	for attempt := 1; isRetry(err) && r.allows(attempt); attempt++ {
 		s.failed(d, err, attempt)
 		if !s.pause(ctx, d.p, r.wait(attempt)) {
-			break
+			// Stopping: the delivery goes back uncounted, since the stop
+			// and not the message ended its retries.
+			return Release()
 		}
 		s.results.localRetries.Add(1)
 		err = s.call(ctx, d)
@@ -129,8 +131,9 @@ func (s *Subscriber) handleBatch(ctx context.Context, lane int, batch []*Deliver
 		}
 		s.batchFailed(lane, failed, firstErr, attempt)
 		if !s.pause(ctx, batch[0].p, r.wait(attempt)) {
+			// Stopping: they go back uncounted (see handle).
 			for _, d := range failed {
-				s.settle(d, Retry(firstErr))
+				s.settle(d, Release())
 			}
 			return
 		}

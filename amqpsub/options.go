@@ -413,7 +413,9 @@ type RetryPolicy struct {
 // give a Budget that outlasts the outages you expect (a store restarting,
 // say), and let the broker's own redelivery count (Artemis
 // max-delivery-attempts, with redelivery-delay) handle what outlasts it. A
-// stop or Close ends the waiting and sends the Retry to the broker. Only
+// stop or Close ends the waiting and releases the delivery: it goes back
+// to the broker uncounted, since the stop, not the message, cut its
+// retries short (Results.Release counts it). Only
 // Retry outcomes are retried, never Release or Reject. A BatchHandler that
 // fails a delivery of a group must fail the group's later deliveries in the
 // same batch too: the ones it accepted are settled at once, and their

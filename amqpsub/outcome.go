@@ -55,8 +55,13 @@ func Release() error { return releaseOutcome }
 // Under the RabbitMQ3 profile it is released, since RabbitMQ 3.10 ends the
 // session on modified. Any error a handler returns that is not an
 // OutcomeError means Retry; Retry(err) just says so explicitly. err may be
-// nil.
-func Retry(err error) error { return &OutcomeError{kind: outcomeRetry, err: err} }
+// nil. Retry of an error that is already a Retry returns it unchanged.
+func Retry(err error) error {
+	if o, ok := err.(*OutcomeError); ok && o.kind == outcomeRetry {
+		return o
+	}
+	return &OutcomeError{kind: outcomeRetry, err: err}
+}
 
 // Reject dead-letters the delivery at once, with reason: it is settled as
 // rejected, with an error whose description is reason (and info

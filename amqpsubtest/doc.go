@@ -105,6 +105,7 @@
 // plain rejections. Under RabbitMQ3 the queue does not
 // send past the credit, which RabbitMQ 3.10 does at small credits.
 //
-// Azure Service Bus, with its message locks, will be a profile too, set
-// with WithProfile once amqpsub has one; the queue does not play it yet.
+// The queue does not play Azure Service Bus (amqpsub.AzureServiceBus):
+// its message locks, sessions and $management node are not simulated; test
+// Service Bus consumers against the peer in integration/sbpeer.
 package amqpsubtest

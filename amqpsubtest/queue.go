@@ -45,9 +45,9 @@ func (f optionFunc) apply(q *Queue) { f(q) }
 // the package documentation): amqpsub.Artemis and amqpsub.Generic get
 // Artemis's rules, amqpsub.RabbitMQ3 gets RabbitMQ 3.10's. Give the
 // subscriber the same profile. NewQueue panics on a profile it has no rules
-// for. This is where Service Bus will come in: when amqpsub gains its
-// profile, WithProfile will give the queue Service Bus's rules, message
-// locks included. Default: amqpsub.Artemis.
+// for, amqpsub.AzureServiceBus among them: the queue does not simulate
+// message locks or sessions (test those against integration/sbpeer).
+// Default: amqpsub.Artemis.
 func WithProfile(p amqpsub.Profile) Option {
 	return optionFunc(func(q *Queue) {
 		r, ok := rulesFor(p)

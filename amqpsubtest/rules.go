@@ -4,13 +4,10 @@ import "github.com/amqpsub/amqpsub/amqpsub"
 
 // rules are what a broker does that the queue plays: one set per profile.
 //
-// Service Bus is the next profile. Its rules will add a message lock: a
+// Service Bus has no rules here yet: playing it needs a message lock (a
 // delivery not settled within the lock duration goes back to the queue,
-// counted, and settling it afterwards fails (amqp:message-lock-lost, or
-// the com.microsoft one). Build the expiry so that a synctest bubble's
-// clock drives it: compare time.Now() with each delivery's lock on every
-// call, and wait in Receive on a timer made on Receive's own goroutine,
-// never on a goroutine of the queue's. A LockDuration option will set it.
+// counted, and settling it afterwards fails with amqp:message-lock-lost),
+// driven by time.Now() so that a synctest bubble's clock expires it.
 type rules struct {
 	// counts: modified{delivery-failed} raises the delivery count, which
 	// the header carries, and MaxDeliveryAttempts dead-letters on it.

@@ -44,8 +44,8 @@ type service struct {
 	mu      sync.Mutex
 	until   map[amqp.UUID]time.Time
 	lost    map[amqp.UUID]bool
-	fail    error // every request fails with it, when set
-	delay   time.Duration // each request takes this long
+	fail    error                          // every request fails with it, when set
+	delay   time.Duration                  // each request takes this long
 	during  func(tokens []amqp.UUID) error // called within each request; its error is the answer
 	reqs    int
 	tokens  int

@@ -2,12 +2,12 @@ package amqpsub
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
 
 	"github.com/Azure/go-amqp"
-	"go.uber.org/zap"
 )
 
 // DeadLetterCopy makes a Reject (and a MaxDeliveryCount rejection) keep its
@@ -17,13 +17,17 @@ import (
 // DeadLetterErrorDescription, waits until the broker has taken the copy,
 // and then accepts the original. If the copy cannot be sent (the address
 // does not exist yet, say), the delivery is rejected as without this
-// option, and the broker dead-letters it without the reason. "{queue}" in
+// option, and the broker dead-letters it without the reason; that is
+// logged, reported as EventDeadLetterCopyFailed and counted in
+// Stats.DeadLetterCopyFailures. "{queue}" in
 // address stands for the queue's name.
 //
 // On Artemis, address is the fully qualified name (address::queue) of the
 // queue's dead-letter queue: "DLQ::DLQ.{queue}" with
 // auto-create-dead-letter-resources (as in our test broker), "DLQ::DLQ"
-// with the stock broker.xml. The copy carries what Artemis itself adds to a
+// with the stock broker.xml. Create that queue before the first dead
+// letter (docs/brokers.md has the recipe), or the first rejection, made
+// before auto-creation, loses its reason. The copy carries what Artemis itself adds to a
 // dead letter (_AMQ_ORIG_ADDRESS, _AMQ_ORIG_QUEUE, and the annotations
 // x-opt-ORIG-ADDRESS and x-opt-ORIG-QUEUE), which the auto-created queue's
 // filter and the broker's retry-from-DLQ operations need, loses its
@@ -50,13 +54,17 @@ type deadLetterSender struct {
 	snd *amqp.Sender
 }
 
+// errNoDeadLetterLink: d has no live broker link to send its copy on (a
+// test source, or its link is gone and its settlement will be skipped).
+var errNoDeadLetterLink = errors.New("no link")
+
 // copyToDeadLetter sends d's copy with oe's reason to the dead-letter
-// address, on the session of the link d came on. False means it was not
+// address, on the session of the link d came on. An error means it was not
 // sent: settle d as rejected.
-func (s *Subscriber) copyToDeadLetter(d *Delivery, oe *OutcomeError) bool {
+func (s *Subscriber) copyToDeadLetter(d *Delivery, oe *OutcomeError) error {
 	l := d.l
 	if l == nil || l.sess == nil || d.t.Stale() {
-		return false // no broker link (a test source), or d's link is gone
+		return errNoDeadLetterLink
 	}
 	addr := strings.ReplaceAll(s.cfg.deadLetterCopy, "{queue}", s.queue)
 	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.dialTimeout)
@@ -68,19 +76,15 @@ func (s *Subscriber) copyToDeadLetter(d *Delivery, oe *OutcomeError) bool {
 		snd, err = l.sess.NewSender(ctx, addr, &amqp.SenderOptions{TargetCapabilities: s.cfg.profile.sourceCaps})
 		if err != nil {
 			l.dlq.mu.Unlock()
-			s.log.Warn("cannot attach to the dead-letter address; rejecting without keeping the reason",
-				append(s.fields(d, err), zap.String("address", addr))...)
-			return false
+			return fmt.Errorf("attach to dead-letter address %q: %w", addr, err)
 		}
 		l.dlq.snd = snd
 	}
 	l.dlq.mu.Unlock()
 	if err := snd.Send(ctx, deadLetterCopy(d.msg, s.cfg.profile.address(s.queue), s.queue, oe), nil); err != nil {
-		s.log.Warn("dead-letter copy not taken; rejecting without keeping the reason",
-			append(s.fields(d, err), zap.String("address", addr))...)
-		return false
+		return fmt.Errorf("send to dead-letter address %q: %w", addr, err)
 	}
-	return true
+	return nil
 }
 
 // deadLetterCopy returns a copy of m for the dead-letter queue of queue

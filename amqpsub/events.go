@@ -45,10 +45,14 @@ const (
 	// within the grace period and CloseTimeout; their results are ignored
 	// and the broker redelivers their deliveries.
 	EventAbandoned
+	// EventDeadLetterCopyFailed: DeadLetterCopy could not send a delivery's
+	// copy to the dead-letter address (Err); the delivery was rejected
+	// instead, and the broker dead-letters it without the reason.
+	EventDeadLetterCopyFailed
 )
 
 var eventNames = [...]string{"", "handler-failed", "handler-panicked", "poisoned", "settle-failed",
-	"link-lost", "reconnect-failed", "reconnected", "credit-overshoot", "lock-lost", "abandoned"}
+	"link-lost", "reconnect-failed", "reconnected", "credit-overshoot", "lock-lost", "abandoned", "dead-letter-copy-failed"}
 
 func (k EventKind) String() string {
 	if int(k) < len(eventNames) && k > 0 {

@@ -322,10 +322,18 @@ func (s *Subscriber) settle(d *Delivery, err error) {
 		if !oe.poisoned {
 			s.results.reject.Add(1)
 		}
-		if s.cfg.deadLetterCopy != "" && s.copyToDeadLetter(d, oe) {
-			s.deadLetterCopies.Add(1)
-			d.p.pump.Settle(d.t, pump.Outcome{Kind: pump.Accept})
-			return
+		if s.cfg.deadLetterCopy != "" {
+			err := s.copyToDeadLetter(d, oe)
+			if err == nil {
+				s.deadLetterCopies.Add(1)
+				d.p.pump.Settle(d.t, pump.Outcome{Kind: pump.Accept})
+				return
+			}
+			if err != errNoDeadLetterLink {
+				s.deadLetterCopyFailures.Add(1)
+				s.log.Warn("dead-letter copy not taken; rejecting without keeping the reason", s.fields(d, err)...)
+				s.events.send(s.event(d, EventDeadLetterCopyFailed, err))
+			}
 		}
 		d.p.pump.Settle(d.t, pump.Outcome{Kind: pump.Reject, Error: oe.rejectError(s.cfg.profile.rejectCond)})
 	default:

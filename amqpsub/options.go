@@ -157,8 +157,12 @@ func (c *config) setWorkers(name string, n int, byKey bool) {
 // closes at size deliveries or wait after its first delivery, whichever
 // comes first. A wait of 0 means no wait: a batch closes as soon as no more
 // deliveries are waiting, so batches are as large as the backlog allows and
-// a lone delivery is handed over at once. Only for NewBatch. Size must be
-// ≥ 1, wait ≥ 0. Default: Batch(100, 10*time.Millisecond).
+// a lone delivery is handed over at once. A lane's batch holds only what
+// the broker has sent and not seen settled, which the credit bounds and the
+// lanes share: batches reach size only with Credit ≥ lanes × size (the
+// default Credit(256) with Workers(8) gives batches of about 32, closed by
+// wait). Only for NewBatch. Size must be ≥ 1, wait ≥ 0. Default:
+// Batch(100, 10*time.Millisecond).
 func Batch(size int, wait time.Duration) Option {
 	return optionFunc(func(c *config) {
 		c.batchSet = true

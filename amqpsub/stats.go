@@ -62,6 +62,10 @@ type Stats struct {
 	// DeadLetterCopies counts rejections kept as a copy on the dead-letter
 	// address (DeadLetterCopy); their originals are in Settled.Accepted.
 	DeadLetterCopies uint64
+	// DeadLetterCopyFailures counts DeadLetterCopy copies the broker did
+	// not take (EventDeadLetterCopyFailed); those deliveries were rejected
+	// instead, and lost their reason.
+	DeadLetterCopyFailures uint64
 	// Abandoned counts handlers that had not returned when Run returned.
 	Abandoned uint64
 	// EventsDropped counts events OnEvent's function fell too far behind
@@ -198,16 +202,17 @@ func (s *Subscriber) Stats() Stats {
 			LocalRetries: s.results.localRetries.Load(),
 			Poisoned:     s.results.poisoned.Load(),
 		},
-		SettleErrors:     p.SettleErrors,
-		Stale:            p.Stale,
-		Dropped:          p.Dropped,
-		Overshoot:        p.Overshoot,
-		Links:            p.Links,
-		LinksLost:        p.LinksLost,
-		Reconnects:       s.reconnects.Load(),
-		DeadLetterCopies: s.deadLetterCopies.Load(),
-		Abandoned:        s.abandoned.Load(),
-		EventsDropped:    s.events.droppedCount(),
+		SettleErrors:           p.SettleErrors,
+		Stale:                  p.Stale,
+		Dropped:                p.Dropped,
+		Overshoot:              p.Overshoot,
+		Links:                  p.Links,
+		LinksLost:              p.LinksLost,
+		Reconnects:             s.reconnects.Load(),
+		DeadLetterCopies:       s.deadLetterCopies.Load(),
+		DeadLetterCopyFailures: s.deadLetterCopyFailures.Load(),
+		Abandoned:              s.abandoned.Load(),
+		EventsDropped:          s.events.droppedCount(),
 	}
 }
 
@@ -230,7 +235,7 @@ func (st Stats) String() string {
 		{"overshoot", uint64(st.Overshoot)}, {"links_lost", st.LinksLost}, {"reconnects", st.Reconnects},
 		{"locks_renewed", st.Locks.Renewed}, {"lock_renew_requests", st.Locks.RenewRequests},
 		{"locks_lost", st.Locks.Lost}, {"lost_at_settle", st.Locks.LostAtSettle}, {"settle_timeouts", st.Locks.SettleTimeouts},
-		{"dead_letter_copies", st.DeadLetterCopies}, {"abandoned", st.Abandoned}, {"events_dropped", st.EventsDropped},
+		{"dead_letter_copies", st.DeadLetterCopies}, {"dead_letter_copy_failures", st.DeadLetterCopyFailures}, {"abandoned", st.Abandoned}, {"events_dropped", st.EventsDropped},
 	} {
 		if c.n != 0 {
 			s += fmt.Sprintf(" %s=%d", c.name, c.n)
@@ -274,6 +279,7 @@ func (st Stats) MarshalLogObject(enc zapcore.ObjectEncoder) error {
 	enc.AddUint64("locks_lost_at_settle", st.Locks.LostAtSettle)
 	enc.AddUint64("settle_timeouts", st.Locks.SettleTimeouts)
 	enc.AddUint64("dead_letter_copies", st.DeadLetterCopies)
+	enc.AddUint64("dead_letter_copy_failures", st.DeadLetterCopyFailures)
 	enc.AddUint64("abandoned", st.Abandoned)
 	enc.AddUint64("events_dropped", st.EventsDropped)
 	return nil

@@ -30,13 +30,14 @@ type Subscriber struct {
 	closeReq chan struct{} // closed by Close
 	done     chan struct{} // closed when Run returns
 
-	current          atomic.Pointer[link] // the link attached now; nil between links
-	running          atomic.Int64         // handler calls in progress
-	cut              atomic.Bool          // Run gave up on the running handlers: ignore their results
-	reconnects       atomic.Uint64
-	abandoned        atomic.Uint64
-	deadLetterCopies atomic.Uint64
-	results          struct {
+	current                atomic.Pointer[link] // the link attached now; nil between links
+	running                atomic.Int64         // handler calls in progress
+	cut                    atomic.Bool          // Run gave up on the running handlers: ignore their results
+	reconnects             atomic.Uint64
+	abandoned              atomic.Uint64
+	deadLetterCopies       atomic.Uint64
+	deadLetterCopyFailures atomic.Uint64
+	results                struct {
 		accept, release, retry, reject, panics, localRetries, poisoned atomic.Uint64
 	}
 }

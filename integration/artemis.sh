@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Lifecycle of the Apache Artemis test broker (no Docker needed).
 #
-#   artemis.sh start|stop|status|restart|kill9|reset|url|pid|log
+#   artemis.sh start|stop|status|restart|kill9|reset|url|pid|log|cli ARGS...
 #
 #   start    download (once), create the instance (once), copy
 #            integration/artemis/{broker.xml,login.config} into etc/, run the broker
@@ -16,6 +16,11 @@
 #   url      print amqp://127.0.0.1:5672
 #   pid      print the broker's PID (exit 3 if not running)
 #   log      print the path of the console log
+#   cli      run the distribution's `artemis` command against the running
+#            broker (CORE port, test user), e.g.
+#              artemis.sh cli queue create --name DLQ.orders --address DLQ \
+#                --anycast --durable --filter "_AMQ_ORIG_ADDRESS = 'orders'" \
+#                --preserve-on-no-consumers --auto-create-address --silent
 #
 # Environment:
 #   AMQPSUB_CACHE              cache dir        (default ~/.cache/amqpsub)
@@ -270,5 +275,7 @@ case "${1:-}" in
   url)     echo "amqp://$HOST:$PORT" ;;
   pid)     pid=$(broker_pid); [ -n "$pid" ] || exit 3; echo "$pid" ;;
   log)     echo "$LOG" ;;
-  *) echo "usage: $0 start|stop|status|restart|kill9|reset|url|pid|log" >&2; exit 2 ;;
+  cli)     shift; [ -x "$INSTANCE/bin/artemis" ] || die "no instance at $INSTANCE: run start first"
+           exec "$INSTANCE/bin/artemis" "$@" --url "tcp://$HOST:$CORE_PORT" --user amqpsub --password amqpsub ;;
+  *) echo "usage: $0 start|stop|status|restart|kill9|reset|url|pid|log|cli ARGS..." >&2; exit 2 ;;
 esac

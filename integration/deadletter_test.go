@@ -2,6 +2,9 @@ package integration
 
 import (
 	"context"
+	"fmt"
+	"os"
+	"os/exec"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -41,14 +44,18 @@ func TestArtemisDeadLetterCopyKeepsTheReason(t *testing.T) {
 	stopReader, waitReader := runSub(t, reader)
 
 	publishFast(t, conn, q, true, uniqueSeqs(1, 0))
-	var handled atomic.Int64
+	var handled, copyFailed atomic.Int64
 	s, err := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
 		handled.Add(1)
 		if seqOf(d) < 0 {
 			return nil
 		}
 		return amqpsub.RejectWith("malformed", "no customer in order")
-	}), amqpsub.DeadLetterCopy("DLQ::DLQ.{queue}"), amqpsub.Logger(logger(t)))
+	}), amqpsub.DeadLetterCopy("DLQ::DLQ.{queue}"), amqpsub.Logger(logger(t)), amqpsub.OnEvent(func(e amqpsub.Event) {
+		if e.Kind == amqpsub.EventDeadLetterCopyFailed {
+			copyFailed.Add(1)
+		}
+	}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -73,8 +80,9 @@ func TestArtemisDeadLetterCopyKeepsTheReason(t *testing.T) {
 		t.Fatal(err)
 	}
 	st := s.Stats()
-	if st.Results.Reject != 3 || st.DeadLetterCopies != 2 || st.Settled.Rejected != 1 || st.Settled.Accepted != 4 {
-		t.Fatalf("stats %v", st)
+	if st.Results.Reject != 3 || st.DeadLetterCopies != 2 || st.DeadLetterCopyFailures != 1 ||
+		st.Settled.Rejected != 1 || st.Settled.Accepted != 4 || copyFailed.Load() != 1 {
+		t.Fatalf("stats %v, %d copy-failed events", st, copyFailed.Load())
 	}
 	mu.Lock()
 	defer mu.Unlock()
@@ -95,5 +103,73 @@ func TestArtemisDeadLetterCopyKeepsTheReason(t *testing.T) {
 	}
 	if rs := reader.Stats(); rs.Reconnects != 0 || rs.Settled.Accepted != 3 {
 		t.Fatalf("reader stats %v", rs)
+	}
+}
+
+// The recipe of docs/brokers.md for a dead-letter queue created ahead of
+// the first dead letter (the Artemis CLI's queue create, with the filter
+// auto-creation would give it): the very first rejection keeps its reason,
+// and no copy fails.
+func TestArtemisPrecreatedDeadLetterQueueKeepsTheFirstReason(t *testing.T) {
+	url := artemisURL(t)
+	ctl := os.Getenv("AMQPSUB_ARTEMIS_CTL")
+	if ctl == "" {
+		t.Fatal("AMQPSUB_ARTEMIS_CTL is empty: this test creates a queue with `integration/artemis.sh cli` (`make test` sets it)")
+	}
+	q := queueName(t)
+	out, err := exec.Command("bash", ctl, "cli", "queue", "create", "--name", "DLQ."+q, "--address", "DLQ",
+		"--anycast", "--durable", "--filter", "_AMQ_ORIG_ADDRESS = '"+q+"'",
+		"--preserve-on-no-consumers", "--auto-create-address", "--silent").CombinedOutput()
+	if err != nil {
+		t.Fatalf("artemis queue create: %v\n%s", err, out)
+	}
+	conn := dial(t, url)
+	publishFast(t, conn, q, true, uniqueSeqs(3, 0))
+	s, err := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+		if seqOf(d) < 0 {
+			return nil // publishFast's barrier
+		}
+		return amqpsub.Reject("malformed")
+	}), amqpsub.DeadLetterCopy("DLQ::DLQ.{queue}"), amqpsub.Logger(logger(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop, wait := runSub(t, s)
+	waitFor(t, 30*time.Second, "3 rejections and the barrier", func() bool {
+		r := s.Stats().Results
+		return r.Reject == 3 && r.Accept == 1
+	})
+	stop()
+	if err := wait(); err != nil {
+		t.Fatal(err)
+	}
+	if st := s.Stats(); st.DeadLetterCopies != 3 || st.DeadLetterCopyFailures != 0 || st.Settled.Rejected != 0 {
+		t.Fatalf("stats %v", st)
+	}
+	var reasons []any
+	var mu sync.Mutex
+	reader, err := amqpsub.New(amqpsub.Dial(url, nil), dlq(q), amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+		mu.Lock()
+		defer mu.Unlock()
+		reasons = append(reasons, d.ApplicationProperties()["DeadLetterReason"])
+		return nil
+	}), amqpsub.Logger(logger(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stopReader, waitReader := runSub(t, reader)
+	waitFor(t, 30*time.Second, "3 dead letters", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(reasons) >= 3
+	})
+	stopReader()
+	if err := waitReader(); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if fmt.Sprint(reasons) != "[malformed malformed malformed]" {
+		t.Fatalf("reasons %v", reasons)
 	}
 }

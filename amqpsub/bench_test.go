@@ -27,6 +27,7 @@ var benchShapes = []benchShape{
 	{name: "Workers(1)", opts: []amqpsub.Option{amqpsub.Workers(1)}},
 	{name: "Workers(8)", opts: []amqpsub.Option{amqpsub.Workers(8)}},
 	{name: "WorkersByKey(8)", opts: []amqpsub.Option{amqpsub.WorkersByKey(8)}},
+	{name: "WorkersByKey(8)+BalanceKeys", opts: []amqpsub.Option{amqpsub.WorkersByKey(8), amqpsub.BalanceKeys()}},
 	{name: "Batch(100,10ms)", batch: true, opts: []amqpsub.Option{amqpsub.Batch(100, 10*time.Millisecond)}},
 }
 

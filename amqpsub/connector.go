@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
+	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/internal/wire"
 )
@@ -29,6 +30,7 @@ type Connector interface {
 type connectRequest struct {
 	idle   time.Duration // IdleTimeout, for connections whose options leave it 0
 	entity string        // the address the link attaches to
+	log    *zap.Logger   // for what runs beside the connection (never nil)
 }
 
 // connection is what a connector gives.

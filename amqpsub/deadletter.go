@@ -67,7 +67,9 @@ func (s *Subscriber) copyToDeadLetter(d *Delivery, oe *OutcomeError) error {
 		return errNoDeadLetterLink
 	}
 	addr := strings.ReplaceAll(s.cfg.deadLetterCopy, "{queue}", s.queue)
-	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.dialTimeout)
+	// Bound by DialTimeout, and cut short with the handlers at the end of
+	// a stop.
+	ctx, cancel := context.WithTimeout(s.hctx, s.cfg.dialTimeout)
 	defer cancel()
 	l.dlq.mu.Lock()
 	snd := l.dlq.snd
@@ -82,6 +84,15 @@ func (s *Subscriber) copyToDeadLetter(d *Delivery, oe *OutcomeError) error {
 	}
 	l.dlq.mu.Unlock()
 	if err := snd.Send(ctx, deadLetterCopy(d.msg, s.cfg.profile.address(s.queue), s.queue, oe), nil); err != nil {
+		var le *amqp.LinkError
+		if errors.As(err, &le) {
+			// The sender is gone: attach a new one for the next copy.
+			l.dlq.mu.Lock()
+			if l.dlq.snd == snd {
+				l.dlq.snd = nil
+			}
+			l.dlq.mu.Unlock()
+		}
 		return fmt.Errorf("send to dead-letter address %q: %w", addr, err)
 	}
 	return nil

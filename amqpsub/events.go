@@ -49,10 +49,13 @@ const (
 	// copy to the dead-letter address (Err); the delivery was rejected
 	// instead, and the broker dead-letters it without the reason.
 	EventDeadLetterCopyFailed
+	// EventOversize: a delivery's body was larger than MaxMessageSize
+	// (Err); it was rejected before any handler saw it.
+	EventOversize
 )
 
 var eventNames = [...]string{"", "handler-failed", "handler-panicked", "poisoned", "settle-failed",
-	"link-lost", "reconnect-failed", "reconnected", "credit-overshoot", "lock-lost", "abandoned", "dead-letter-copy-failed"}
+	"link-lost", "reconnect-failed", "reconnected", "credit-overshoot", "lock-lost", "abandoned", "dead-letter-copy-failed", "oversize"}
 
 func (k EventKind) String() string {
 	if int(k) < len(eventNames) && k > 0 {

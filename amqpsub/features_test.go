@@ -2,7 +2,9 @@ package amqpsub_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -157,6 +159,57 @@ func TestLargestCreditRuns(t *testing.T) {
 			t.Fatalf("stats %v", st)
 		}
 	})
+}
+
+// Every option runs at its largest valid value, and one past it is refused
+// (a batch size past the credit once crashed a lane with makeslice).
+func TestLargestValidOptionsRun(t *testing.T) {
+	accept := amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil })
+	acceptBatch := amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error { return nil })
+	for _, tc := range []struct {
+		name  string
+		batch bool
+		opts  []amqpsub.Option
+	}{
+		{"Workers(4096)", false, []amqpsub.Option{amqpsub.Workers(4096)}},
+		{"WorkersByKey(4096)", false, []amqpsub.Option{amqpsub.WorkersByKey(4096)}},
+		{"WorkersByKey(4096)+BalanceKeys", false, []amqpsub.Option{amqpsub.WorkersByKey(4096), amqpsub.BalanceKeys()}},
+		{"Batch(MaxInt,0)", true, []amqpsub.Option{amqpsub.Batch(math.MaxInt, 0)}},
+		{"Batch(MaxInt,1ms)+WorkersByKey(4096)", true, []amqpsub.Option{amqpsub.Batch(math.MaxInt, time.Millisecond), amqpsub.WorkersByKey(4096), amqpsub.Credit(1 << 20)}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				src := fake.New(true, fake.Messages(100, "a", "b", "c", "")...)
+				opts := append(tc.opts, amqpsub.WithSource(src))
+				var s *amqpsub.Subscriber
+				var err error
+				if tc.batch {
+					s, err = amqpsub.NewBatch(nowhere, "q", acceptBatch, opts...)
+				} else {
+					s, err = amqpsub.New(nowhere, "q", accept, opts...)
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				cancel, errc := run(t, s)
+				time.Sleep(time.Second) // the batches' wait, on the bubble's clock
+				synctest.Wait()
+				cancel()
+				if err := <-errc; err != nil {
+					t.Fatal(err)
+				}
+				if st := s.Stats(); st.Settled.Accepted != 100 {
+					t.Fatalf("stats %v", st)
+				}
+			})
+		})
+	}
+	for _, o := range []amqpsub.Option{amqpsub.Workers(4097), amqpsub.WorkersByKey(4097), amqpsub.Workers(math.MaxInt),
+		amqpsub.Sessions(257), amqpsub.SessionIDs("a", "a"), amqpsub.Credit(1<<20 + 1), amqpsub.MaxHeldBytes(-1), amqpsub.MaxMessageSize(-1)} {
+		if _, err := amqpsub.New(nowhere, "q", accept, o); !errors.Is(err, amqpsub.ErrInvalidOption) {
+			t.Errorf("New(%v) = %v, want ErrInvalidOption", o, err)
+		}
+	}
 }
 
 // A Delivery stays valid after its handler returned: a goroutine it was

@@ -49,7 +49,8 @@ func (s *Subscriber) laneConfig(ctx context.Context, p *pipe) lanes.Config[pump.
 		}
 		return cfg
 	}
-	cfg.BatchSize, cfg.BatchWait = s.cfg.batchSize, s.cfg.batchWait
+	// A batch never holds more than the credit.
+	cfg.BatchSize, cfg.BatchWait = min(s.cfg.batchSize, s.cfg.credit), s.cfg.batchWait
 	scratch := make([][]*Delivery, s.cfg.workers) // one per lane, reused
 	cfg.HandleBatch = func(lane int, ts []pump.Ticket) {
 		batch := scratch[lane][:0]
@@ -198,6 +199,16 @@ func (s *Subscriber) pause(ctx context.Context, p *pipe, d time.Duration) bool {
 
 // poison rejects a delivery whose delivery count is past MaxDeliveryCount.
 func (s *Subscriber) poison(d *Delivery) error {
+	if s.cfg.maxMessageSize > 0 {
+		if size := pump.Size(d.msg); size > s.cfg.maxMessageSize {
+			s.results.oversize.Add(1)
+			err := &OutcomeError{kind: outcomeReject, poisoned: true, cond: condMessageSizeExceeded,
+				reason: fmt.Sprintf("amqpsub: message body of %d bytes is past the limit of %d", size, s.cfg.maxMessageSize)}
+			s.log.Warn("message larger than MaxMessageSize; dead-lettering it unhandled", s.fields(d, err)...)
+			s.events.send(s.event(d, EventOversize, err))
+			return err
+		}
+	}
 	if s.cfg.maxDelivery == 0 || d.DeliveryCount() <= s.cfg.maxDelivery {
 		return nil
 	}
@@ -329,13 +340,17 @@ func (s *Subscriber) settle(d *Delivery, err error) {
 				d.p.pump.Settle(d.t, pump.Outcome{Kind: pump.Accept})
 				return
 			}
-			if err != errNoDeadLetterLink {
+			if err != errNoDeadLetterLink && !s.cut.Load() {
 				s.deadLetterCopyFailures.Add(1)
 				s.log.Warn("dead-letter copy not taken; rejecting without keeping the reason", s.fields(d, err)...)
 				s.events.send(s.event(d, EventDeadLetterCopyFailed, err))
 			}
 		}
-		d.p.pump.Settle(d.t, pump.Outcome{Kind: pump.Reject, Error: oe.rejectError(s.cfg.profile.rejectCond)})
+		cond := s.cfg.profile.rejectCond
+		if oe.cond != "" {
+			cond = oe.cond
+		}
+		d.p.pump.Settle(d.t, pump.Outcome{Kind: pump.Reject, Error: oe.rejectError(cond)})
 	default:
 		s.results.retry.Add(1)
 		if !errors.Is(err, ErrHandlerPanic) {

@@ -29,7 +29,7 @@ type link struct {
 func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.dialTimeout)
 	defer cancel()
-	c, err := s.connector.connect(ctx, connectRequest{idle: s.cfg.idleTimeout, entity: s.cfg.profile.address(s.queue)})
+	c, err := s.connector.connect(ctx, connectRequest{idle: s.cfg.idleTimeout, entity: s.cfg.profile.address(s.queue), log: s.log})
 	if err != nil {
 		// go-amqp sets the socket's deadline from ctx's, so a dial timeout
 		// shows as the socket's i/o timeout or as ctx's, whichever fires

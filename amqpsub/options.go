@@ -50,6 +50,8 @@ type config struct {
 	onEvent      func(Event)
 	localRetry   RetryPolicy
 	maxDelivery  uint32
+	// maxHeldBytes and maxMessageSize: MaxHeldBytes, MaxMessageSize; 0 off.
+	maxHeldBytes, maxMessageSize int64
 	// deadLetterCopy is DeadLetterCopy's address; "" when off.
 	deadLetterCopy string
 	// waitForQueue makes amqp:not-found at attach a reason to wait.
@@ -109,8 +111,8 @@ func Credit(n int) Option {
 }
 
 // Workers runs up to n handlers at once, with no order between deliveries.
-// Must be ≥ 1, and not given with WorkersByKey. Default: Workers(1), which
-// handles deliveries one at a time in queue order.
+// Must be between 1 and 4096, and not given with WorkersByKey. Default:
+// Workers(1), which handles deliveries one at a time in queue order.
 func Workers(n int) Option {
 	return optionFunc(func(c *config) { c.setWorkers(fmt.Sprintf("Workers(%d)", n), n, false) })
 }
@@ -119,7 +121,7 @@ func Workers(n int) Option {
 // to, and a lane handles its deliveries one at a time in arrival order, so
 // each group keeps its order while groups run side by side. Deliveries
 // without a group-id (or with an empty one) rotate over the lanes. Must be
-// ≥ 1, and not given with Workers. Default: off (Workers(1)).
+// between 1 and 4096, and not given with Workers. Default: off (Workers(1)).
 func WorkersByKey(n int) Option {
 	return optionFunc(func(c *config) { c.setWorkers(fmt.Sprintf("WorkersByKey(%d)", n), n, true) })
 }
@@ -140,14 +142,17 @@ func BalanceKeys() Option {
 	return optionFunc(func(c *config) { c.balanced = true })
 }
 
+// maxWorkers bounds Workers and WorkersByKey: each is a goroutine.
+const maxWorkers = 4096
+
 func (c *config) setWorkers(name string, n int, byKey bool) {
 	if c.workersSet != "" {
 		c.invalid("%s after %s: give one of Workers and WorkersByKey, once", name, c.workersSet)
 		return
 	}
 	c.workersSet = name
-	if n < 1 {
-		c.invalid("%s: must be ≥ 1", name)
+	if n < 1 || n > maxWorkers {
+		c.invalid("%s: must be between 1 and %d", name, maxWorkers)
 		return
 	}
 	c.workers, c.byKey = n, byKey
@@ -161,8 +166,8 @@ func (c *config) setWorkers(name string, n int, byKey bool) {
 // the broker has sent and not seen settled, which the credit bounds and the
 // lanes share: batches reach size only with Credit ≥ lanes × size (the
 // default Credit(256) with Workers(8) gives batches of about 32, closed by
-// wait). Only for NewBatch. Size must be ≥ 1, wait ≥ 0. Default:
-// Batch(100, 10*time.Millisecond).
+// wait); a size above the credit acts as the credit. Only for NewBatch.
+// Size must be ≥ 1, wait ≥ 0. Default: Batch(100, 10*time.Millisecond).
 func Batch(size int, wait time.Duration) Option {
 	return optionFunc(func(c *config) {
 		c.batchSet = true
@@ -230,12 +235,15 @@ func WithProfile(p Profile) Option {
 	})
 }
 
-// MaxLockRenewal bounds, on Azure Service Bus, how long after a delivery
-// arrived its message lock is still renewed: while it waits for a handler
-// and while one runs. After that the lock expires, the delivery is dropped
-// (or its handler's context cancelled) and the service delivers it again.
-// Must be ≥ 0; 0 renews no lock. Default: 5 min, as the .NET processor's
-// MaxAutoLockRenewalDuration.
+// MaxLockRenewal bounds, on Azure Service Bus, how long after its handler
+// began a delivery's message lock is still renewed (LocalRetry's waits
+// included). After that the lock expires, the handler's context is
+// cancelled and the service delivers the message again. While a delivery
+// waits for a handler (behind a busy group, say) its lock is renewed for as
+// long as it waits: the credit bounds how many wait. Must be ≥ 0; 0 renews
+// no lock of a delivery in a handler. Default: 5 min, as the .NET
+// processor's MaxAutoLockRenewalDuration, which also counts from the
+// handler's start.
 func MaxLockRenewal(d time.Duration) Option {
 	return optionFunc(func(c *config) {
 		if d < 0 {
@@ -249,23 +257,32 @@ func MaxLockRenewal(d time.Duration) Option {
 	})
 }
 
+// maxSessions bounds Sessions and SessionIDs: each session held is a
+// connection and a pipeline of its own.
+const maxSessions = 256
+
 // Sessions makes the subscriber a session consumer of a session-enabled
 // Service Bus entity: it holds up to max sessions at once, each on a link
 // of its own with its share of the credit (at least 1), accepting the next
 // available session whenever it has room; the handlers of each session run
-// as Workers or WorkersByKey say (WorkersByKey(1), or the default, runs a
-// session's messages one at a time, in order). A session's lock is renewed
+// as Workers or WorkersByKey say, per session (the default Workers(1) runs
+// each session's messages one at a time, in order, so Sessions(4) runs up
+// to 4 handlers at once). A handler's Retry sends its message back to the
+// service, which delivers it again after the session's messages already
+// sent: to keep a session's order through a passing failure, use
+// LocalRetry, which retries in the lane. A session's lock is renewed
 // while the consumer holds it; a session with no message for
 // SessionIdleTimeout is closed and the next one accepted; when no session
 // is available the service says so after a while and the consumer asks
 // again. Delivery.SessionState and SetSessionState read and write the
 // session's state. Only with the AzureServiceBus profile; not with
-// SessionIDs. Must be ≥ 1. Default: off (the entity must not require
-// sessions).
+// SessionIDs. Each session held is a connection of its own (8 for
+// Sessions(8); the emulator allows 10 in all). Must be between 1 and 256.
+// Default: off (the entity must not require sessions).
 func Sessions(max int) Option {
 	return optionFunc(func(c *config) {
-		if max < 1 {
-			c.invalid("Sessions(%d): must be ≥ 1", max)
+		if max < 1 || max > maxSessions {
+			c.invalid("Sessions(%d): must be between 1 and %d", max, maxSessions)
 			return
 		}
 		c.maxSessions = max
@@ -275,12 +292,21 @@ func Sessions(max int) Option {
 // SessionIDs makes the subscriber a session consumer of the named sessions
 // only, each on a link of its own, held for as long as the subscriber runs
 // (a session left idle for SessionIdleTimeout is accepted again). See
-// Sessions. Not with Sessions; at least one id, none empty.
+// Sessions. Not with Sessions; at least one id and at most 256, none empty,
+// none twice.
 func SessionIDs(ids ...string) Option {
 	return optionFunc(func(c *config) {
-		if len(ids) == 0 || slices.Contains(ids, "") {
-			c.invalid("SessionIDs(%q): give at least one id, none empty", ids)
+		if len(ids) == 0 || len(ids) > maxSessions || slices.Contains(ids, "") {
+			c.invalid("SessionIDs(%q): give between 1 and %d ids, none empty", ids, maxSessions)
 			return
+		}
+		seen := make(map[string]bool, len(ids))
+		for _, id := range ids {
+			if seen[id] {
+				c.invalid("SessionIDs: %q given twice (a session is locked by one link at a time)", id)
+				return
+			}
+			seen[id] = true
 		}
 		c.sessionIDs = slices.Clone(ids)
 	})
@@ -288,7 +314,11 @@ func SessionIDs(ids ...string) Option {
 
 // SessionIdleTimeout is how long a session consumer keeps a session that
 // sends no message (and of which it holds none) before it closes it and
-// accepts the next. Must be > 0. Default: 1 min.
+// accepts the next. A finished session holds its place that long: with
+// many short sessions, a few seconds keeps the consumer moving (8 sessions
+// of 5 messages under Sessions(4) took 60 s at the default in a trial, the
+// second four waiting for the first four to idle out). Must be > 0.
+// Default: 1 min.
 func SessionIdleTimeout(d time.Duration) Option {
 	return optionFunc(func(c *config) {
 		if d <= 0 {
@@ -301,12 +331,15 @@ func SessionIdleTimeout(d time.Duration) Option {
 
 // SettleTimeout bounds, on Azure Service Bus, how long a settlement waits
 // for the service's answer; one unanswered by then is counted
-// (Stats.Locks.SettleTimeouts) and left to the lock's expiry. Must be > 0.
-// Default: 30 s.
+// (Stats.Locks.SettleTimeouts) and left to the lock's expiry. The bound
+// is also the write deadline of the settlement's frame, and go-amqp ends
+// the whole connection on a write that misses its deadline: below a second
+// a busy connection would be torn down and handled messages delivered
+// again. Must be ≥ 1 s. Default: 30 s.
 func SettleTimeout(d time.Duration) Option {
 	return optionFunc(func(c *config) {
-		if d <= 0 {
-			c.invalid("SettleTimeout(%v): must be > 0", d)
+		if d < time.Second {
+			c.invalid("SettleTimeout(%v): must be ≥ 1s (it is also the frame's write deadline)", d)
 			return
 		}
 		c.settleTimeout = d
@@ -377,8 +410,10 @@ func FatalErrors(isFatal func(error) bool) Option {
 // OnReconnect sets a function called after the subscriber attached a new
 // link in place of a lost one, with the number of attempts it took and the
 // error that ended the old link. It runs on the goroutine that attaches
-// links, before the new link receives anything; keep it short. The same
-// news reaches OnEvent as EventReconnected. Default: none.
+// links, before the new link receives anything; keep it short: a stop
+// waits for it up to CloseTimeout, after which Run returns an error
+// wrapping ErrAbandoned (and the new link is closed once f returns). The
+// same news reaches OnEvent as EventReconnected. Default: none.
 func OnReconnect(f func(attempts int, cause error)) Option {
 	return optionFunc(func(c *config) { c.onReconnect = f })
 }
@@ -449,6 +484,48 @@ func LocalRetry(p RetryPolicy) Option {
 // reader can start first. Default: off.
 func WaitForQueue() Option {
 	return optionFunc(func(c *config) { c.waitForQueue = true })
+}
+
+// MaxHeldBytes bounds the bytes of the deliveries the process holds, as
+// Credit bounds their number: credit is granted only while the bodies held
+// (see MaxMessageSize for what is counted) stay under n. The broker does not
+// say how large a message is before sending it, so the subscriber grants by
+// the sizes it has seen: as many as n holds of the largest lately, one at a
+// time until it has seen one. What is held may pass n only by deliveries
+// larger than any lately (those already granted when such a run began), and
+// one delivery always flows when nothing is held, however large, so nothing
+// stalls. Stats.BytesHeld and MaxBytesHeld show it. With Sessions, each
+// session held gets its share of n. Must be ≥ 0; 0 means no bound.
+// Default: off (the credit alone bounds what is held: 256 deliveries of
+// 1 MiB hold 256 MiB).
+func MaxHeldBytes(n int64) Option {
+	return optionFunc(func(c *config) {
+		if n < 0 {
+			c.invalid("MaxHeldBytes(%d): must be ≥ 0", n)
+			return
+		}
+		c.maxHeldBytes = n
+	})
+}
+
+// MaxMessageSize rejects, with condition amqp:link:message-size-exceeded
+// and a reason, every delivery whose body is larger than n bytes (its data
+// sections, or a binary or string value; the rest of a message is not
+// counted) before a handler sees it: the broker dead-letters it.
+// Stats.Results.Oversize counts them and OnEvent hears of each
+// (EventOversize). The limit is checked once the message has arrived: go-amqp
+// v1.7 cannot refuse it on the wire against Artemis (which declares no
+// limit of its own, and go-amqp then applies none), so an oversized message
+// is read whole, once, before it is refused; MaxHeldBytes bounds the rest.
+// Must be ≥ 0; 0 means no limit. Default: off.
+func MaxMessageSize(n int64) Option {
+	return optionFunc(func(c *config) {
+		if n < 0 {
+			c.invalid("MaxMessageSize(%d): must be ≥ 0", n)
+			return
+		}
+		c.maxMessageSize = n
+	})
 }
 
 // MaxDeliveryCount rejects, with a reason, every delivery whose broker

@@ -21,17 +21,24 @@ var outcomeNames = [...]string{"accept", "release", "retry", "reject"}
 
 // OutcomeError is the error a handler returns to choose how a delivery is
 // settled other than by accepting it. Make one with Release, Retry or
-// Reject; it may be wrapped (errors.As finds it).
+// Reject; it may be wrapped (errors.As finds it). A nil *OutcomeError
+// returned as a (non-nil) error, or a zero OutcomeError, means Retry.
 type OutcomeError struct {
 	kind        outcomeKind
 	reason      string
 	description string
 	err         error
-	poisoned    bool // a Reject of MaxDeliveryCount's, not a handler's
+	poisoned    bool         // a Reject of MaxDeliveryCount's or MaxMessageSize's, not a handler's
+	cond        amqp.ErrCond // the rejection's condition, when not the profile's
 }
+
+// condMessageSizeExceeded is the condition of MaxMessageSize's rejections.
+const condMessageSizeExceeded = amqp.ErrCondMessageSizeExceeded
 
 func (e *OutcomeError) Error() string {
 	switch {
+	case e == nil || e.kind == outcomeAccept:
+		return "amqpsub: retry: an OutcomeError not made by Release, Retry or Reject"
 	case e.err != nil:
 		return fmt.Sprintf("amqpsub: %s: %v", outcomeNames[e.kind], e.err)
 	case e.reason != "":
@@ -41,7 +48,12 @@ func (e *OutcomeError) Error() string {
 }
 
 // Unwrap returns the error given to Retry.
-func (e *OutcomeError) Unwrap() error { return e.err }
+func (e *OutcomeError) Unwrap() error {
+	if e == nil {
+		return nil
+	}
+	return e.err
+}
 
 var releaseOutcome = &OutcomeError{kind: outcomeRelease}
 
@@ -57,7 +69,7 @@ func Release() error { return releaseOutcome }
 // OutcomeError means Retry; Retry(err) just says so explicitly. err may be
 // nil. Retry of an error that is already a Retry returns it unchanged.
 func Retry(err error) error {
-	if o, ok := err.(*OutcomeError); ok && o.kind == outcomeRetry {
+	if o, ok := err.(*OutcomeError); ok && o != nil && o.kind == outcomeRetry {
 		return o
 	}
 	return &OutcomeError{kind: outcomeRetry, err: err}
@@ -91,8 +103,11 @@ func decide(err error) (outcomeKind, *OutcomeError) {
 	if err == nil {
 		return outcomeAccept, nil
 	}
+	// A nil *OutcomeError returned as an error, or one not made by
+	// Release, Retry or Reject (its zero kind), is a non-nil error like
+	// any other: Retry.
 	var oe *OutcomeError
-	if errors.As(err, &oe) {
+	if errors.As(err, &oe) && oe != nil && oe.kind != outcomeAccept {
 		return oe.kind, oe
 	}
 	return outcomeRetry, nil

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
+	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/lanes"
 	"github.com/amqpsub/amqpsub/lease"
@@ -39,6 +40,10 @@ func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
 		Logger:  s.log,
 		OnEvent: s.pumpEvent,
 	}
+	if b := s.cfg.maxHeldBytes; b > 0 {
+		// A session's share of the budget, as of the credit.
+		pc.MaxHeldBytes = max(1, b*int64(credit)/int64(s.cfg.credit))
+	}
 	if s.cfg.profile.peekLock {
 		bc := lease.Config{
 			MaxRenewal: s.cfg.maxLockRenewal,
@@ -68,7 +73,7 @@ func (p *pipe) lockLost(t pump.Ticket) {
 	p.pump.LoseLock(t)
 	if m := t.Message(); m != nil {
 		d := &Delivery{msg: m, lane: -1}
-		p.s.events.send(p.s.event(d, EventLockLost, lease.ErrLockLost))
+		p.s.events.send(p.s.event(d, EventLockLost, errLockLost))
 	}
 }
 
@@ -77,10 +82,20 @@ var errNoLink = errors.New("amqpsub: no link to renew locks on")
 // renewer renews the locks of a pipe's current link (lease.Renewer).
 type renewer struct{ p *pipe }
 
+// RenewLocks renews tokens on the current link's $management node, within
+// ctx. When that node's link pair is gone for good (it could not be
+// attached again), no lock of the link can be renewed any more: the receive
+// link is closed too, so that the pump attaches both anew, and the service
+// delivers again what the link held.
 func (r renewer) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
 	l := r.p.current.Load()
 	if l == nil || l.mgmt == nil {
 		return nil, errNoLink
 	}
-	return l.mgmt.RenewLocks(ctx, tokens)
+	exp, err := l.mgmt.RenewLocks(ctx, tokens)
+	if errors.Is(err, errNodeGone) && r.p.current.Load() == l && l.mgmt.abandonLink(ctx, l.rcv) {
+		r.p.s.log.Warn("the $management link is gone and could not be attached again; closing the receive link to attach both anew",
+			zap.Error(err))
+	}
+	return exp, err
 }

@@ -21,8 +21,14 @@ import (
 // (amqp:not-found), a link the broker will not attach as asked
 // (amqp:invalid-field, amqp:not-implemented, and amqp:illegal-state, which
 // Artemis sends for capability "queue" on a multicast address), and a
-// connection given with Conn that is gone (ErrLinkLost). Lost connections,
+// connection given with Conn that is gone (ErrLinkLost), and a connector
+// given something it cannot use (ErrInvalidOption: a Service Bus token
+// without an expiry, say). Lost connections,
 // links and sessions, timeouts and refused TCP connections are not fatal.
+// It judges the errors of attempts to reconnect (any error of the first
+// attach ends Run), never what ended a link: a link Service Bus detaches with
+// amqp:unauthorized-access when its token expired is reconnected (with a
+// new token); a reconnect refused so ends Run.
 func IsFatal(err error) bool {
 	var ae *amqp.Error
 	if errors.As(err, &ae) {
@@ -37,7 +43,7 @@ func IsFatal(err error) bool {
 		// sys and sys-temp are the peer's own trouble: try again.
 		return se.Code == wire.SASLAuth || se.Code == wire.SASLSysPerm
 	}
-	return errors.Is(err, ErrLinkLost)
+	return errors.Is(err, ErrLinkLost) || errors.Is(err, ErrInvalidOption)
 }
 
 func isNotFound(err error) bool { return isCond(err, amqp.ErrCondNotFound) }
@@ -112,6 +118,16 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 				}
 			}
 			a.before = true
+			if ctx.Err() != nil {
+				// Stopped while OnReconnect ran: nobody will use the new
+				// link, and Run no longer closes it.
+				a.p.current.Store(nil)
+				a.current = nil
+				if l != nil { // nil under a test source
+					s.closeLink(context.WithoutCancel(ctx), l)
+				}
+				return nil, ctx.Err()
+			}
 			return src, nil
 		}
 		noSession := s.cfg.sessions() && isNoSession(err)

@@ -195,11 +195,12 @@ func TestStopCutsLocalRetryShort(t *testing.T) {
 		start := time.Now()
 		cancel()
 		<-errc
-		// The handler's release puts the message back, the fake redelivers
-		// it within the remaining credit and the stopping pump releases
-		// that copy too: two releases, no modified, one handler release.
+		// The stop drains the credit on a goroutine of its own: the
+		// released message is sent back at most once before the drain
+		// lands (and released again), never until the credit is spent.
+		// No modified, one release by the handler path.
 		st := s.Stats()
-		if time.Since(start) != 0 || src.Count(fake.Released) != 2 || src.Count(fake.Modified) != 0 ||
+		if rel := src.Count(fake.Released); time.Since(start) != 0 || rel < 1 || rel > 2 || src.Count(fake.Modified) != 0 ||
 			st.Results.Release != 1 || st.Results.Retry != 0 {
 			t.Fatalf("stop took %v, released %d, modified %d, results %+v", time.Since(start), src.Count(fake.Released), src.Count(fake.Modified), st.Results)
 		}
@@ -238,6 +239,53 @@ func TestPoisonLimitRejectsBeforeTheHandler(t *testing.T) {
 			for _, st := range sts {
 				if st.Msg == msgs[0] && (st.Outcome != fake.Rejected || st.Error == nil || st.Error.Description == "") {
 					t.Fatalf("poison settled %+v", st)
+				}
+			}
+		}
+	})
+}
+
+// MaxMessageSize rejects a delivery whose body is past the limit before a
+// handler sees it, with condition message-size-exceeded, single and batch.
+func TestMaxMessageSizeRejectsBeforeTheHandler(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		msgs := fake.Messages(3)
+		msgs[0].Data = [][]byte{make([]byte, 60), make([]byte, 41)} // 101 bytes
+		msgs[1].Data = [][]byte{make([]byte, 100)}
+		msgs[2].Value = string(make([]byte, 200))
+		for _, batch := range []bool{false, true} {
+			src := fake.New(true, msgs...)
+			var seen atomic.Int64
+			var events atomic.Int64
+			opts := []amqpsub.Option{amqpsub.MaxMessageSize(100), amqpsub.WithSource(src), amqpsub.OnEvent(func(e amqpsub.Event) {
+				if e.Kind == amqpsub.EventOversize {
+					events.Add(1)
+				}
+			})}
+			var s *amqpsub.Subscriber
+			if batch {
+				s, _ = amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+					seen.Add(int64(len(b)))
+					return nil
+				}), append(opts, amqpsub.Batch(3, time.Millisecond))...)
+			} else {
+				s, _ = amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+					seen.Add(1)
+					return nil
+				}), opts...)
+			}
+			cancel, errc := run(t, s)
+			synctest.Wait()
+			time.Sleep(10 * time.Millisecond)
+			cancel()
+			<-errc
+			st := s.Stats()
+			if seen.Load() != 1 || st.Results.Oversize != 2 || st.Results.Reject != 0 || st.Settled.Rejected != 2 || events.Load() != 2 {
+				t.Fatalf("batch %v: handler saw %d; %d events; stats %v", batch, seen.Load(), events.Load(), st)
+			}
+			for _, set := range src.Settlements() {
+				if set.Msg != msgs[1] && (set.Outcome != fake.Rejected || set.Error == nil || set.Error.Condition != amqp.ErrCondMessageSizeExceeded) {
+					t.Fatalf("oversize settled %+v", set)
 				}
 			}
 		}
@@ -353,5 +401,32 @@ func TestLocalRetryBudgetAndBatches(t *testing.T) {
 				t.Fatalf("batches %v, accepted %d, modified %d", batches, src.Count(fake.Accepted), src.Count(fake.Modified))
 			}
 		})
+	})
+}
+
+// An OnReconnect that does not return holds the attaching goroutine: a stop
+// still returns within GracePeriod + CloseTimeout, with an error wrapping
+// ErrAbandoned that says so (before, Run returned nil and said nothing).
+func TestBlockingOnReconnectIsReportedAtTheStop(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		first := fake.New(true, fake.Messages(1)...)
+		second := fake.New(true)
+		unblock := make(chan struct{})
+		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.GracePeriod(time.Second), amqpsub.CloseTimeout(time.Second),
+			amqpsub.OnReconnect(func(int, error) { <-unblock }),
+			amqpsub.WithSources(sources(first, second)))
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		first.Fail(fake.ErrLinkLost)
+		time.Sleep(time.Minute) // reattached; OnReconnect blocks
+		began := time.Now()
+		cancel()
+		err := <-errc
+		if took := time.Since(began); !errors.Is(err, amqpsub.ErrAbandoned) || took > 2*time.Second {
+			t.Fatalf("Run = %v after %v, want ErrAbandoned within 2s", err, took)
+		}
+		close(unblock)
+		synctest.Wait()
 	})
 }

@@ -28,7 +28,8 @@ var (
 	// not returned by the end of the stop (the grace period, then
 	// CloseTimeout); the error says how many. Their context was cancelled,
 	// their results are ignored, and the broker redelivers their
-	// deliveries.
+	// deliveries. It is also wrapped when an OnReconnect function had not
+	// returned by then.
 	ErrAbandoned = errors.New("amqpsub: handlers abandoned")
 	// ErrLockLost is the cause (context.Cause) of a handler's context
 	// cancelled because the Service Bus lock of its delivery (or session)
@@ -63,11 +64,17 @@ var (
 // Shutdown or Close.
 func (s *Subscriber) Run(ctx context.Context) error {
 	s.mu.Lock()
-	if s.started || s.closed {
+	if s.started {
+		s.mu.Unlock()
+		return ErrClosed // the first Run owns Done
+	}
+	s.started = true
+	if s.closed {
+		// Closed before it ran: this Run has returned, as Done says.
+		close(s.done)
 		s.mu.Unlock()
 		return ErrClosed
 	}
-	s.started = true
 	s.mu.Unlock()
 	defer close(s.done)
 	s.events.start()
@@ -75,6 +82,7 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	// Handlers and the pumps outlive ctx by the grace period.
 	hctx, cancelHandlers := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelHandlers()
+	s.hctx = hctx // set before the lanes start; they read it
 	pctx, cancelPump := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelPump()
 
@@ -146,7 +154,12 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	var closings sync.WaitGroup
 	for _, r := range runs {
 		if !waitClosed(r.done, closeBy) {
-			s.log.Error("the pump did not end within CloseTimeout; leaving the link to the broker")
+			// Its attach goroutine is still in OnReconnect (the only user
+			// code it runs): the link it attached is closed once that
+			// returns.
+			s.log.Error("the pump did not end within CloseTimeout (an OnReconnect function that does not return?); leaving it")
+			errs = append(errs, fmt.Errorf("%w: the receiver had not ended %v after the stop began (OnReconnect had not returned)",
+				ErrAbandoned, time.Since(stopAt).Round(time.Millisecond)))
 			continue
 		}
 		r.p.current.Store(nil)
@@ -179,14 +192,15 @@ type running struct {
 }
 
 // graceful waits for the pumps to settle everything held, up to the grace
-// period. GracePeriod(0) waits only until each pump has released what it
-// buffered. Close cuts the wait short.
+// period. GracePeriod(0) waits only until each pump holds nothing but what
+// handlers have: what waited in the pump, Out, a lane's queue or an open
+// batch was released. Close cuts the wait short.
 func (s *Subscriber) graceful(runs []*running) {
 	s.log.Debug("stopping", zap.Duration("grace", s.cfg.grace))
 	if s.cfg.grace == 0 {
 		for _, r := range runs {
 			select {
-			case <-r.p.pump.Released():
+			case <-r.p.pump.Quiet():
 			case <-s.closeReq:
 				return
 			}

@@ -23,8 +23,11 @@ type Token struct {
 	// JWT for Entra ID.
 	Value string
 	// Expiry is when the token stops being valid; the subscriber puts a new
-	// one before then. The zero time means it is never refreshed (a
-	// pre-made SharedAccessSignature).
+	// one before then. The zero time means it is never refreshed, and is
+	// for a pre-made SAS token only (TokenTypeSAS): a token of any other
+	// type with no Expiry is refused with an error wrapping
+	// ErrInvalidOption, since Service Bus would detach the links when it
+	// expired.
 	Expiry time.Time
 }
 
@@ -34,12 +37,51 @@ const (
 	TokenTypeJWT = "jwt"
 )
 
-// TokenProvider gives the tokens a Service Bus connector puts on $cbs: one
-// for the entity, one for its $management node, each again before it
-// expires. audience is "amqps://<namespace>/<entity path>" ("amqp://" in
-// emulator mode). An Entra ID provider returns type TokenTypeJWT with the
-// access token for the scope "https://servicebus.azure.net/.default"; ctx
-// bounds the call.
+// TokenProvider gives the tokens a Service Bus connector puts on $cbs.
+//
+// audience is "amqps://<namespace>/<entity path>" ("amqp://" in emulator
+// mode), for the entity and for "<entity path>/$management". An Entra ID
+// provider returns type TokenTypeJWT with the access token for the scope
+// "https://servicebus.azure.net/.default" (the same token for every
+// audience) and its expiry.
+//
+// When Token is called: each connection asks for one token per audience
+// (two calls, one after the other) when it connects, and again for each
+// audience 10 minutes before its token's Expiry (halfway, for a token that
+// lives less than 20 minutes). A subscriber has a connection of its own
+// for each session it holds (Sessions, SessionIDs) and makes a new one
+// after a lost connection, so Token is called concurrently and must be
+// safe for concurrent use; a provider that can should cache its token.
+//
+// Each call is bounded by ctx's deadline: DialTimeout when connecting;
+// 30 s, and no later than the token in place expires, for a refresh. Token
+// should return when ctx ends; one that does not is left to return in its
+// own time (its result is dropped), and does not hold up Run or Close. A
+// refresh that fails (an error, a deadline, no answer from $cbs) is tried
+// again, after waits that double from about 1 s up to 30 s (jittered),
+// until 30 s (at most a tenth of the token's lifetime) before the token in
+// place expires; then the connection is dropped and made anew, which asks
+// for tokens again. A token the service refuses (status 401 or 403) drops the
+// connection at once, and the reconnect's refusal ends Run (IsFatal).
+//
+// An adapter for azidentity (any azcore.TokenCredential), kept out of
+// amqpsub so that its go.mod stays small:
+//
+//	type entraTokens struct{ cred azcore.TokenCredential }
+//
+//	func (e entraTokens) Token(ctx context.Context, _ string) (amqpsub.Token, error) {
+//		t, err := e.cred.GetToken(ctx, policy.TokenRequestOptions{
+//			Scopes: []string{"https://servicebus.azure.net/.default"},
+//		})
+//		if err != nil {
+//			return amqpsub.Token{}, err
+//		}
+//		return amqpsub.Token{Type: amqpsub.TokenTypeJWT, Value: t.Token, Expiry: t.ExpiresOn}, nil
+//	}
+//
+//	cred, err := azidentity.NewDefaultAzureCredential(nil) // azidentity caches and refreshes the token
+//	...
+//	c, err := amqpsub.ServiceBusWithToken("sb://<namespace>.servicebus.windows.net", entraTokens{cred})
 type TokenProvider interface {
 	Token(ctx context.Context, audience string) (Token, error)
 }
@@ -85,18 +127,18 @@ func (s staticSAS) Token(context.Context, string) (Token, error) {
 
 // ErrConnectionString is wrapped by the error ServiceBus returns for a
 // connection string it cannot use; the error names the key at fault and
-// never quotes a secret.
+// quotes none of the string's values (any of them may hold the key, when
+// the ';' between two is missing).
 var ErrConnectionString = errors.New("amqpsub: invalid Service Bus connection string")
 
 // sbConnString is a parsed Service Bus connection string.
 type sbConnString struct {
-	host       string // FQDN, with :port in emulator mode when given
-	entity     string // EntityPath; "" when absent
-	keyName    string
-	key        string // secret
-	sas        string // secret: a pre-made SharedAccessSignature
-	emulator   bool
-	endpointIn string // the Endpoint as given, for errors (no secret in it)
+	host     string // the Endpoint's host, with :port when given
+	entity   string // EntityPath; "" when absent
+	keyName  string
+	key      string // secret
+	sas      string // secret: a pre-made SharedAccessSignature
+	emulator bool
 }
 
 // parseSBConnString parses "Endpoint=sb://…;SharedAccessKeyName=…;
@@ -113,7 +155,7 @@ func parseSBConnString(s string) (*sbConnString, error) {
 		}
 		k, v, ok := strings.Cut(seg, "=")
 		if !ok {
-			return nil, fmt.Errorf("%w: a segment has no '=' (keys: Endpoint, SharedAccessKeyName, SharedAccessKey, SharedAccessSignature, EntityPath, UseDevelopmentEmulator)", ErrConnectionString)
+			return nil, fmt.Errorf("%w: a segment has no '=' (keys: Endpoint, SharedAccessKeyName, SharedAccessKey, SharedAccessSignature, EntityPath, UseDevelopmentEmulator)%s", ErrConnectionString, separatorHint(s))
 		}
 		switch strings.ToLower(strings.TrimSpace(k)) {
 		case "endpoint":
@@ -133,12 +175,11 @@ func parseSBConnString(s string) (*sbConnString, error) {
 		}
 	}
 	if endpoint == "" {
-		return nil, fmt.Errorf("%w: Endpoint is missing", ErrConnectionString)
+		return nil, fmt.Errorf("%w: Endpoint is missing%s", ErrConnectionString, separatorHint(s))
 	}
-	c.endpointIn = endpoint
 	u, err := url.Parse(endpoint)
 	if err != nil || u.Host == "" {
-		return nil, fmt.Errorf("%w: Endpoint %q is not a URL like sb://<namespace>.servicebus.windows.net/", ErrConnectionString, endpoint)
+		return nil, fmt.Errorf("%w: Endpoint is not a URL like sb://<namespace>.servicebus.windows.net/%s", ErrConnectionString, separatorHint(s))
 	}
 	if u.User != nil {
 		return nil, fmt.Errorf("%w: Endpoint must not hold credentials", ErrConnectionString)
@@ -146,27 +187,34 @@ func parseSBConnString(s string) (*sbConnString, error) {
 	c.host = u.Host
 	if emulator != "" {
 		if c.emulator, err = strconv.ParseBool(emulator); err != nil {
-			return nil, fmt.Errorf("%w: UseDevelopmentEmulator %q is not true or false", ErrConnectionString, emulator)
+			return nil, fmt.Errorf("%w: UseDevelopmentEmulator is not true or false%s", ErrConnectionString, separatorHint(s))
 		}
 	}
 	if c.emulator && !isLoopback(u.Hostname()) {
-		return nil, fmt.Errorf("%w: UseDevelopmentEmulator needs an Endpoint on localhost (plain AMQP, no TLS), not %q", ErrConnectionString, u.Hostname())
-	}
-	if !c.emulator && u.Port() != "" {
-		c.host = u.Hostname() // the service listens on 5671
+		return nil, fmt.Errorf("%w: UseDevelopmentEmulator needs an Endpoint on localhost (plain AMQP, no TLS)", ErrConnectionString)
 	}
 	switch {
 	case c.sas != "" && (c.keyName != "" || c.key != ""):
 		return nil, fmt.Errorf("%w: give SharedAccessSignature or SharedAccessKeyName with SharedAccessKey, not both", ErrConnectionString)
 	case c.sas != "":
 	case c.keyName == "" && c.key == "":
-		return nil, fmt.Errorf("%w: SharedAccessKeyName and SharedAccessKey (or SharedAccessSignature) are missing", ErrConnectionString)
+		return nil, fmt.Errorf("%w: SharedAccessKeyName and SharedAccessKey (or SharedAccessSignature) are missing%s", ErrConnectionString, separatorHint(s))
 	case c.keyName == "":
-		return nil, fmt.Errorf("%w: SharedAccessKeyName is missing", ErrConnectionString)
+		return nil, fmt.Errorf("%w: SharedAccessKeyName is missing%s", ErrConnectionString, separatorHint(s))
 	case c.key == "":
-		return nil, fmt.Errorf("%w: SharedAccessKey is missing", ErrConnectionString)
+		return nil, fmt.Errorf("%w: SharedAccessKey is missing%s", ErrConnectionString, separatorHint(s))
 	}
 	return &c, nil
+}
+
+// separatorHint says, for a connection string that holds a line break or a
+// tab, that its keys are separated with ';' (a .env file or a secret pasted
+// with one key per line): the key then ends up inside another key's value.
+func separatorHint(s string) string {
+	if strings.ContainsAny(s, "\n\r\t") {
+		return " (the string holds a line break or a tab: separate its keys with ';')"
+	}
+	return ""
 }
 
 func isLoopback(host string) bool {

@@ -3,6 +3,7 @@ package amqpsub
 import (
 	"context"
 	"errors"
+	"math/rand/v2"
 	"strings"
 	"testing"
 	"time"
@@ -47,6 +48,8 @@ func TestParseConnectionString(t *testing.T) {
 			want: sbConnString{host: "localhost", keyName: "Root", key: key, emulator: true}},
 		{in: "Endpoint=sb://127.0.0.1:5673;SharedAccessKeyName=Root;SharedAccessKey=" + key + ";UseDevelopmentEmulator=true",
 			want: sbConnString{host: "127.0.0.1:5673", keyName: "Root", key: key, emulator: true}},
+		{in: "Endpoint=sb://ns.servicebus.windows.net:5671/;SharedAccessKeyName=Root;SharedAccessKey=" + key,
+			want: sbConnString{host: "ns.servicebus.windows.net:5671", keyName: "Root", key: key}},
 		{in: "SharedAccessKeyName=Root;SharedAccessKey=" + key, missing: "Endpoint is missing"},
 		{in: "Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKey=" + key, missing: "SharedAccessKeyName is missing"},
 		{in: "Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=Root", missing: "SharedAccessKey is missing"},
@@ -70,37 +73,126 @@ func TestParseConnectionString(t *testing.T) {
 			t.Errorf("%q: %v", tc.in, err)
 			continue
 		}
-		got.endpointIn = ""
 		if *got != tc.want {
 			t.Errorf("%q: %+v, want %+v", tc.in, *got, tc.want)
 		}
 	}
 }
 
+// The key must not reach an error through another key's value: a string
+// with line breaks or tabs where the ';' should be, or a whole connection
+// string given to ServiceBusWithToken.
+func TestConnectionStringErrorsQuoteNoValue(t *testing.T) {
+	const secret = "c2VjcmV0LWtleS12YWx1ZQ=="
+	for _, cs := range []string{
+		// one key per line (a .env file or a Kubernetes secret pasted as is)
+		"Endpoint=sb://ns.servicebus.windows.net/\nSharedAccessKeyName=RootManageSharedAccessKey\nSharedAccessKey=" + secret,
+		"Endpoint=sb://ns.servicebus.windows.net/\r\nSharedAccessKeyName=Root\r\nSharedAccessKey=" + secret,
+		// a tab where the ';' should be
+		"Endpoint=sb://ns.servicebus.windows.net/\tSharedAccessKey=" + secret + ";SharedAccessKeyName=Root",
+		// UseDevelopmentEmulator on a line of its own, the key after it
+		"Endpoint=sb://localhost;SharedAccessKeyName=Root;UseDevelopmentEmulator=true\nSharedAccessKey=" + secret,
+		// the key in the Endpoint's place
+		"Endpoint=" + secret + ";SharedAccessKeyName=Root",
+		"Endpoint=sb://" + secret + ";SharedAccessKeyName=Root;SharedAccessKey=k;UseDevelopmentEmulator=true",
+		"Endpoint=sb://localhost;SharedAccessKeyName=Root;SharedAccessKey=k;UseDevelopmentEmulator=" + secret,
+	} {
+		_, err := ServiceBus(cs)
+		if err == nil || !errors.Is(err, ErrConnectionString) {
+			t.Errorf("%q: %v, want an error wrapping ErrConnectionString", cs, err)
+			continue
+		}
+		if strings.Contains(err.Error(), secret) {
+			t.Errorf("the error quotes the key: %v", err)
+		}
+		if strings.ContainsAny(cs, "\n\t") && !strings.Contains(err.Error(), "separate its keys with ';'") {
+			t.Errorf("no hint about the separators: %v", err)
+		}
+	}
+	for _, endpoint := range []string{
+		"Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=Root;SharedAccessKey=" + secret,
+		"sb://ns.servicebus.windows.net/\nSharedAccessKey=" + secret,
+		"amqp://" + secret + ":5672",
+		"http://ns/" + secret,
+	} {
+		_, err := ServiceBusWithToken(endpoint, SASTokenProvider("Root", "k", time.Hour))
+		if err == nil || !errors.Is(err, ErrInvalidOption) {
+			t.Errorf("%q: %v, want an error wrapping ErrInvalidOption", endpoint, err)
+			continue
+		}
+		if strings.Contains(err.Error(), secret) {
+			t.Errorf("the error quotes the endpoint: %v", err)
+		}
+	}
+}
+
+// fuzzSecret returns a key made of chunks of random base64 drawn from seed
+// (long enough never to occur in an error's own words), joined by mid: any
+// bytes, a separator too.
+func fuzzSecret(seed uint64, mid string) (secret string, chunks []string) {
+	const b64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+	r := rand.New(rand.NewPCG(seed, seed^0x5bd1e995))
+	for range 2 {
+		b := make([]byte, 12)
+		for i := range b {
+			b[i] = b64[r.IntN(len(b64))]
+		}
+		chunks = append(chunks, string(b))
+	}
+	return chunks[0] + mid + chunks[1] + "==", chunks
+}
+
 // Connection strings come from users' configuration: any string parses or
-// fails with ErrConnectionString, never panics, and an error never quotes
-// the key or the signature.
+// fails with ErrConnectionString, never panics, and no error, of ServiceBus
+// or of ServiceBusWithToken given the string by mistake, holds any part of
+// the key, wherever it stands: as SharedAccessKey or SharedAccessSignature,
+// inside another key's value, after a line break or a tab in place of ';',
+// or as a value of its own.
 func FuzzParseConnectionString(f *testing.F) {
-	f.Add("Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=Root;SharedAccessKey=k3y", "k3y")
-	f.Add("Endpoint=sb://localhost:5672;SharedAccessSignature=sig;UseDevelopmentEmulator=true", "sig")
-	f.Add(";;=;Endpoint=;EntityPath=a=b", "zz")
-	f.Fuzz(func(t *testing.T, s, secret string) {
-		if len(secret) < 3 || strings.ContainsAny(secret, ";=") {
+	for _, seed := range []struct {
+		s, prefix, mid string
+		at             uint
+		sep            byte
+	}{
+		{"Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=Root", ";SharedAccessKey=", "", 1000, ';'},
+		{"Endpoint=sb://ns.servicebus.windows.net/\nSharedAccessKeyName=Root", "\nSharedAccessKey=", "", 1000, '\n'},
+		{"Endpoint=sb://ns.servicebus.windows.net/\tSharedAccessKeyName=Root", "\tSharedAccessKey=", "", 42, '\t'},
+		{"Endpoint=sb://localhost;SharedAccessKeyName=Root;UseDevelopmentEmulator=true", "\nSharedAccessKey=", "", 1000, ';'},
+		{"Endpoint=sb://localhost:5672;UseDevelopmentEmulator=true", ";SharedAccessSignature=SharedAccessSignature sr=x&sig=", "=;", 1000, '&'},
+		{"Endpoint=sb://ns/;SharedAccessKeyName=Root;SharedAccessKey=k", "", ";", 12, ';'},
+		{";;=;Endpoint=;EntityPath=a=b", "", "\n", 0, ' '},
+		{"Endpoint=;SharedAccessKeyName=Root;SharedAccessKey=k", "sb://", "", 9, ';'},
+	} {
+		f.Add(seed.s, seed.at, seed.sep, seed.prefix, seed.mid, uint64(len(seed.s)))
+	}
+	f.Fuzz(func(t *testing.T, s string, at uint, sep byte, prefix, mid string, seed uint64) {
+		if len(mid) > 4 || len(prefix) > 64 {
 			return
 		}
-		in := s + ";SharedAccessKey=" + secret
+		secret, chunks := fuzzSecret(seed, mid)
+		pos := int(min(at, uint(len(s))))
+		in := s[:pos] + prefix + secret + string(sep) + s[pos:]
+		leaks := func(err error) bool {
+			for _, c := range chunks {
+				if strings.Contains(err.Error(), c) {
+					return true
+				}
+			}
+			return false
+		}
 		c, err := parseSBConnString(in)
 		if err != nil {
 			if !errors.Is(err, ErrConnectionString) {
 				t.Fatalf("error %v does not wrap ErrConnectionString", err)
 			}
-			if strings.Contains(err.Error(), secret) && !strings.Contains(strings.ReplaceAll(in, "SharedAccessKey="+secret, ""), secret) {
-				t.Fatalf("the error quotes the key: %v", err)
+			if leaks(err) {
+				t.Fatalf("the error holds the key %q: %v", secret, err)
 			}
-			return
-		}
-		if c.host == "" || (c.sas == "" && (c.keyName == "" || c.key == "")) {
+		} else if c.host == "" || (c.sas == "" && (c.keyName == "" || c.key == "")) {
 			t.Fatalf("parsed %+v from %q", *c, in)
+		}
+		if _, err := ServiceBusWithToken(in, SASTokenProvider("Root", "k", time.Hour)); err != nil && leaks(err) {
+			t.Fatalf("ServiceBusWithToken's error holds the key %q: %v", secret, err)
 		}
 	})
 }

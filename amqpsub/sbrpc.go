@@ -15,19 +15,43 @@ import (
 // rpc is a request/response link pair on a Service Bus node ($cbs or an
 // entity's $management): requests go out on a sender to the node with a
 // message-id and reply-to; the node answers on a receiver whose target is
-// that reply-to, with correlation-id = the request's message-id. One
-// goroutine, started by newRPC and ended by close, routes the answers.
+// that reply-to, with correlation-id = the request's message-id.
+//
+// One goroutine, started by newRPC, routes the answers. When the pair dies
+// (the service detaches an idle link, say) while the session lives, it
+// attaches a new pair on the same session, so that lock renewal goes on
+// without the receive link; requests made meanwhile wait for it. It gives
+// up (and every later call fails at once with an error wrapping
+// errNodeGone) when the session or connection is gone, when the new pair
+// cannot be attached, or when a pair died before it answered anything and
+// within rpcHealthy of its attach: a node that drops every pair at once is
+// not attached again in a loop. done is closed when it has given up.
 type rpc struct {
-	node  string
-	snd   *amqp.Sender
-	rcv   *amqp.Receiver
-	reply string
+	node string
+	sess *amqp.Session
+	done chan struct{} // closed when the routing goroutine has returned
 
 	mu      sync.Mutex
+	snd     *amqp.Sender   // nil while no pair is attached
+	rcv     *amqp.Receiver // the pair's receiver
+	reply   string         // the pair's reply address
 	pending map[string]chan *amqp.Message
-	err     error // why the routing goroutine ended, once it has
-	done    chan struct{}
+	// reopening is not nil while the routing goroutine attaches a new
+	// pair, and closed when it is done.
+	reopening chan struct{}
+	err       error // why no pair is attached, while snd is nil
 }
+
+// errNodeGone is wrapped by the error of a call to a node whose link pair is
+// gone for good (see rpc).
+var errNodeGone = errors.New("amqpsub: the link pair to the node is gone")
+
+// rpcHealthy is how long a pair that never answered must have lived for the
+// routing goroutine to attach a new one when it dies.
+const rpcHealthy = 10 * time.Second
+
+// rpcReattachTimeout bounds the attach of a new pair after one died.
+const rpcReattachTimeout = 10 * time.Second
 
 func randomID() string {
 	var b [16]byte
@@ -35,40 +59,107 @@ func randomID() string {
 	return hex.EncodeToString(b[:])
 }
 
-// newRPC attaches the link pair to node on sess.
+// newRPC attaches the link pair to node on sess, within ctx.
 func newRPC(ctx context.Context, sess *amqp.Session, node string) (*rpc, error) {
-	r := &rpc{node: node, reply: node + "-reply-" + randomID(), pending: map[string]chan *amqp.Message{}, done: make(chan struct{})}
-	var err error
-	if r.rcv, err = sess.NewReceiver(ctx, node, &amqp.ReceiverOptions{TargetAddress: r.reply, Credit: 64}); err != nil {
-		return nil, fmt.Errorf("amqpsub: attach to %s: %w", node, err)
+	r := &rpc{node: node, sess: sess, pending: map[string]chan *amqp.Message{}, done: make(chan struct{})}
+	snd, rcv, reply, err := r.attachPair(ctx)
+	if err != nil {
+		return nil, err
 	}
-	if r.snd, err = sess.NewSender(ctx, node, nil); err != nil {
-		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		_ = r.rcv.Close(cctx)
-		return nil, fmt.Errorf("amqpsub: attach to %s: %w", node, err)
-	}
-	go r.route()
+	r.snd, r.rcv, r.reply = snd, rcv, reply
+	go r.route(rcv)
 	return r, nil
 }
 
-// route hands each answer to the request waiting for it, until the
-// receiver fails (its session or connection closed).
-func (r *rpc) route() {
+// attachPair attaches a receiver with a fresh reply address and a sender to
+// the node, within ctx.
+func (r *rpc) attachPair(ctx context.Context) (*amqp.Sender, *amqp.Receiver, string, error) {
+	reply := r.node + "-reply-" + randomID()
+	rcv, err := r.sess.NewReceiver(ctx, r.node, &amqp.ReceiverOptions{TargetAddress: reply, Credit: 64})
+	if err != nil {
+		return nil, nil, "", fmt.Errorf("amqpsub: attach to %s: %w", r.node, err)
+	}
+	snd, err := r.sess.NewSender(ctx, r.node, nil)
+	if err != nil {
+		closeAbandoned(ctx, rcv)
+		return nil, nil, "", fmt.Errorf("amqpsub: attach to %s: %w", r.node, err)
+	}
+	return snd, rcv, reply, nil
+}
+
+// closer is a link to close (*amqp.Sender, *amqp.Receiver).
+type closer interface {
+	Close(ctx context.Context) error
+}
+
+// closeAbandoned closes a link that is no longer used (not nil), waiting
+// at most a second, and no later than ctx ends, for the peer's answer
+// (go-amqp goes on closing it in the background).
+func closeAbandoned(ctx context.Context, l closer) {
+	ctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	_ = l.Close(ctx)
+}
+
+// route hands each answer to the request waiting for it, and attaches a new
+// pair when one dies (see rpc), until it gives up.
+func (r *rpc) route(rcv *amqp.Receiver) {
 	defer close(r.done)
+	opened := time.Now()
 	for {
-		m, err := r.rcv.Receive(context.Background(), nil)
-		if err != nil {
-			r.mu.Lock()
-			r.err = err
-			for id, ch := range r.pending {
-				close(ch)
-				delete(r.pending, id)
-			}
-			r.mu.Unlock()
+		answered, err := r.serve(rcv)
+		again := answered || time.Since(opened) >= rpcHealthy
+		var reopened chan struct{}
+		r.mu.Lock()
+		old := r.snd
+		r.snd, r.rcv, r.err = nil, nil, err
+		for id, ch := range r.pending {
+			close(ch)
+			delete(r.pending, id)
+		}
+		if again {
+			reopened = make(chan struct{})
+			r.reopening = reopened
+		} else {
+			r.err = fmt.Errorf("%w: %w (it died %v after it was attached, before it answered)",
+				errNodeGone, err, time.Since(opened).Round(time.Millisecond))
+		}
+		r.mu.Unlock()
+		ctx, cancel := context.WithTimeout(context.Background(), rpcReattachTimeout)
+		if old != nil {
+			closeAbandoned(ctx, old)
+		}
+		if !again {
+			cancel()
 			return
 		}
-		_ = r.rcv.AcceptMessage(context.Background(), m)
+		snd, nrcv, reply, aerr := r.attachPair(ctx)
+		cancel()
+		r.mu.Lock()
+		r.reopening = nil
+		if aerr == nil {
+			r.snd, r.rcv, r.reply, r.err = snd, nrcv, reply, nil
+		} else {
+			r.err = fmt.Errorf("%w: %w (attaching a new pair after: %v)", errNodeGone, aerr, err)
+		}
+		r.mu.Unlock()
+		close(reopened)
+		if aerr != nil {
+			return
+		}
+		rcv, opened = nrcv, time.Now()
+	}
+}
+
+// serve routes the answers rcv brings until it fails; answered says
+// whether it brought any to a request.
+func (r *rpc) serve(rcv *amqp.Receiver) (answered bool, err error) {
+	for {
+		m, err := rcv.Receive(context.Background(), nil)
+		if err != nil {
+			return answered, err
+		}
+		_ = rcv.AcceptMessage(context.Background(), m)
 		var id string
 		if m.Properties != nil {
 			id, _ = m.Properties.CorrelationID.(string)
@@ -79,35 +170,67 @@ func (r *rpc) route() {
 		r.mu.Unlock()
 		if ch != nil {
 			ch <- m
+			answered = true
 		}
 	}
 }
 
-// call sends req and returns the answer, or ctx's error; a call whose ctx
-// ends leaves the request in doubt.
+// call sends req and returns the answer. It returns ctx's error when ctx
+// ends first: the request is then in doubt (it may have been carried out).
+// While a new pair is being attached it waits for it, within ctx; once the
+// pair is gone for good it fails at once with an error wrapping
+// errNodeGone.
 func (r *rpc) call(ctx context.Context, req *amqp.Message) (*amqp.Message, error) {
 	id := randomID()
-	if req.Properties == nil {
-		req.Properties = &amqp.MessageProperties{}
-	}
-	req.Properties.MessageID = id
-	req.Properties.ReplyTo = &r.reply
 	ch := make(chan *amqp.Message, 1)
-	r.mu.Lock()
-	if r.err != nil {
-		err := r.err
+	var snd *amqp.Sender
+	for {
+		r.mu.Lock()
+		snd = r.snd
+		reply, wait, err := r.reply, r.reopening, r.err
+		if snd != nil {
+			r.pending[id] = ch
+		}
 		r.mu.Unlock()
-		return nil, fmt.Errorf("amqpsub: %s: %w", r.node, err)
+		if snd != nil {
+			if req.Properties == nil {
+				req.Properties = &amqp.MessageProperties{}
+			}
+			req.Properties.MessageID = id
+			req.Properties.ReplyTo = &reply
+			break
+		}
+		if wait == nil {
+			return nil, fmt.Errorf("amqpsub: %s: %w", r.node, err)
+		}
+		select {
+		case <-wait:
+		case <-ctx.Done():
+			return nil, fmt.Errorf("amqpsub: %s did not answer: %w", r.node, ctx.Err())
+		}
 	}
-	r.pending[id] = ch
-	r.mu.Unlock()
 	forget := func() {
 		r.mu.Lock()
 		delete(r.pending, id)
 		r.mu.Unlock()
 	}
-	if err := r.snd.Send(ctx, req, nil); err != nil {
+	if err := snd.Send(ctx, req, nil); err != nil {
 		forget()
+		var le *amqp.LinkError
+		if errors.As(err, &le) {
+			// The sender is gone but its receiver may live on: close the
+			// receiver too, so that the routing goroutine attaches a new
+			// pair.
+			r.mu.Lock()
+			rcv := r.rcv
+			if r.snd != snd {
+				rcv = nil // that pair is gone already
+			}
+			r.mu.Unlock()
+			if rcv != nil {
+				closeAbandoned(ctx, rcv)
+			}
+		}
 		return nil, fmt.Errorf("amqpsub: request to %s: %w", r.node, err)
 	}
 	select {
@@ -131,9 +254,12 @@ func (r *rpc) lastErr() error {
 	return r.err
 }
 
-// wait waits for the routing goroutine, which ends once the session or
-// connection under the links is closed.
-func (r *rpc) wait() { <-r.done }
+// receiver returns the current pair's receiver (nil while there is none).
+func (r *rpc) receiver() *amqp.Receiver {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.rcv
+}
 
 // status reads a Service Bus answer's status code and description; $cbs
 // names them status-code/status-description, $management

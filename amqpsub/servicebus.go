@@ -2,16 +2,20 @@ package amqpsub
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/url"
 	"strconv"
 	"strings"
-	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/Azure/go-amqp"
+	"go.uber.org/zap"
 
+	"github.com/amqpsub/amqpsub/internal/backoff"
 	"github.com/amqpsub/amqpsub/lease"
 )
 
@@ -22,19 +26,21 @@ import (
 //
 // or with SharedAccessSignature=<token> in place of the key name and key,
 // EntityPath=<entity> and UseDevelopmentEmulator=true optional. It connects
-// with TLS to port 5671 (the emulator: plain AMQP, on localhost only, to
-// the Endpoint's port or 5672), authenticates with SASL ANONYMOUS and
-// claims-based security: a SAS token for the entity and one for its
-// $management node, put on $cbs at once and again before they expire
-// (tokens signed with the key last 2 h; a pre-made SharedAccessSignature is
-// used as it is, never refreshed). A refused token ends Run with an error
-// naming the entity (never the key), which IsFatal takes as fatal; a
-// refresh that fails otherwise reconnects.
+// with TLS to the Endpoint's port, 5671 when it names none (the emulator:
+// plain AMQP, on localhost only, to the Endpoint's port or 5672),
+// authenticates with SASL ANONYMOUS and claims-based security: a SAS token
+// for the entity and one for its $management node, put on $cbs at once and
+// again before they expire (tokens signed with the key last 2 h; a pre-made
+// SharedAccessSignature is used as it is, never refreshed). See
+// TokenProvider for when tokens are refreshed and what a failed refresh
+// does. A refused token ends Run with an error naming the entity (never the
+// key), which IsFatal takes as fatal.
 //
 // Subscribers made with it use the AzureServiceBus profile. A connection
 // string with EntityPath takes that entity only: New must be given it as
 // the queue. An invalid connection string gives an error wrapping
-// ErrConnectionString that names the key at fault.
+// ErrConnectionString that names the key at fault and quotes none of the
+// string's values.
 func ServiceBus(connectionString string) (Connector, error) {
 	cs, err := parseSBConnString(connectionString)
 	if err != nil {
@@ -50,44 +56,71 @@ func ServiceBus(connectionString string) (Connector, error) {
 // ServiceBusWithToken returns a Connector for the Service Bus namespace at
 // endpoint ("sb://<namespace>.servicebus.windows.net", or, for the
 // emulator, "amqp://localhost:5672") that authenticates with the tokens tp
-// gives: an Entra ID (JWT) source, say, or SASTokenProvider with a lifetime
-// of your choice. See ServiceBus.
+// gives: an Entra ID (JWT) source, say (see TokenProvider), or
+// SASTokenProvider with a lifetime of your choice. sb:// and amqps://
+// connect with TLS, to the endpoint's port or 5671; amqp:// (the emulator,
+// on localhost only) without, to its port or 5672. The endpoint is a URL,
+// not a connection string (give that to ServiceBus). See ServiceBus. Errors
+// wrap ErrInvalidOption and quote nothing of endpoint.
 func ServiceBusWithToken(endpoint string, tp TokenProvider) (Connector, error) {
 	if tp == nil {
 		return nil, fmt.Errorf("%w: nil TokenProvider", ErrInvalidOption)
 	}
+	// The endpoint is never quoted: a connection string given here by
+	// mistake holds the key.
+	if strings.ContainsAny(endpoint, ";=") {
+		return nil, fmt.Errorf("%w: the endpoint holds ';' or '=': it looks like a connection string; give that to ServiceBus, "+
+			"and ServiceBusWithToken only the namespace's URL, sb://<namespace>.servicebus.windows.net", ErrInvalidOption)
+	}
 	u, err := url.Parse(endpoint)
 	if err != nil || u.Host == "" {
-		return nil, fmt.Errorf("%w: endpoint %q is not a URL like sb://<namespace>.servicebus.windows.net", ErrInvalidOption, endpoint)
+		return nil, fmt.Errorf("%w: the endpoint is not a URL like sb://<namespace>.servicebus.windows.net%s", ErrInvalidOption, separatorHint(endpoint))
+	}
+	if u.User != nil {
+		return nil, fmt.Errorf("%w: the endpoint must not hold credentials", ErrInvalidOption)
 	}
 	switch u.Scheme {
 	case "sb", "amqps":
-		return newSBConnector(u.Hostname(), false, "", tp), nil
+		return newSBConnector(u.Host, false, "", tp), nil
 	case "amqp":
 		if !isLoopback(u.Hostname()) {
-			return nil, fmt.Errorf("%w: plain amqp:// is for the emulator on localhost only, not %q", ErrInvalidOption, u.Hostname())
+			return nil, fmt.Errorf("%w: plain amqp:// is for the emulator on localhost only; use sb:// or amqps:// (TLS)", ErrInvalidOption)
 		}
 		return newSBConnector(u.Host, true, "", tp), nil
 	}
-	return nil, fmt.Errorf("%w: endpoint %q: the scheme must be sb, amqps, or amqp (emulator)", ErrInvalidOption, endpoint)
+	return nil, fmt.Errorf("%w: the endpoint's scheme must be sb, amqps, or amqp (the emulator, on localhost)", ErrInvalidOption)
 }
 
 type sbConnector struct {
-	host     string // FQDN; host:port in emulator mode
-	emulator bool
+	host     string // the Endpoint's host[:port]: the namespace in audiences
+	dialHost string // its host
+	port     string // its port, or the default (5671; the emulator's 5672)
+	emulator bool   // plain AMQP, no TLS
 	entity   string // EntityPath; "" when any
 	tp       TokenProvider
 }
 
+// newSBConnector returns the connector for the endpoint host (host or
+// host:port, as a URL's Host).
 func newSBConnector(host string, emulator bool, entity string, tp TokenProvider) *sbConnector {
-	return &sbConnector{host: host, emulator: emulator, entity: entity, tp: tp}
+	c := &sbConnector{host: host, dialHost: host, port: "5671", emulator: emulator, entity: entity, tp: tp}
+	if emulator {
+		c.port = "5672"
+	}
+	if h, p, err := net.SplitHostPort(host); err == nil {
+		c.dialHost, c.port = h, p
+	}
+	c.dialHost = strings.TrimSuffix(strings.TrimPrefix(c.dialHost, "["), "]")
+	return c
 }
 
+// String names the endpoint with the port it dials.
 func (c *sbConnector) String() string {
+	hp := net.JoinHostPort(c.dialHost, c.port)
 	if c.emulator {
-		return "amqp://" + c.host + " (Service Bus emulator)"
+		return "amqp://" + hp + " (Service Bus emulator)"
 	}
-	return "sb://" + c.host
+	return "sb://" + hp
 }
 
 // audience is the name a token is put for: the node's address on the
@@ -101,13 +134,6 @@ func (c *sbConnector) audience(path string) string {
 }
 
 func (c *sbConnector) connect(ctx context.Context, req connectRequest) (*connection, error) {
-	host, port := c.host, "5671"
-	if c.emulator {
-		port = "5672"
-		if h, p, err := net.SplitHostPort(c.host); err == nil {
-			host, port = h, p
-		}
-	}
 	opts := &amqp.ConnOptions{
 		SASLType:    amqp.SASLTypeAnonymous(),
 		IdleTimeout: req.idle,
@@ -115,16 +141,17 @@ func (c *sbConnector) connect(ctx context.Context, req connectRequest) (*connect
 		Properties:  map[string]any{"product": "amqpsub"},
 	}
 	if !c.emulator {
-		opts.HostName = host
+		opts.HostName = c.dialHost
 	}
-	conn, err := dialAMQP(ctx, host, port, !c.emulator, opts)
+	// Errors name the connector, whose String says the host and port.
+	conn, err := dialAMQP(ctx, c.dialHost, c.port, !c.emulator, opts)
 	if err != nil {
 		return nil, err
 	}
 	// The claims: one for the entity, one for its $management node. A
 	// session or subscription path is claimed as a whole.
 	entity := strings.TrimSuffix(req.entity, "/$DeadLetterQueue")
-	r, err := newRefresher(ctx, conn, c.tp, []string{c.audience(entity), c.audience(entity + "/$management")})
+	r, err := newRefresher(ctx, conn, c.tp, []string{c.audience(entity), c.audience(entity + "/$management")}, req.log)
 	if err != nil {
 		conn.abort()
 		return nil, err
@@ -137,48 +164,206 @@ func (c *sbConnector) connect(ctx context.Context, req connectRequest) (*connect
 // Service Bus takes as "dead-letter this message".
 const ErrCondDeadLetter amqp.ErrCond = "com.microsoft:dead-letter"
 
-// refresher puts the connection's tokens on $cbs, and again before each
-// expires. Its goroutine is ended by stop.
-type refresher struct {
-	cbs      *rpc
-	sess     *amqp.Session
-	tp       TokenProvider
-	conn     *connection
-	stopOnce sync.Once
-	quit     chan struct{}
-	done     chan struct{}
+// How tokens are refreshed (see TokenProvider).
+const (
+	// refreshTimeout bounds each refresh: the TokenProvider's call and the
+	// put-token.
+	refreshTimeout = 30 * time.Second
+	// A failed refresh is tried again after a wait between half and all of
+	// a ceiling that doubles from refreshRetryMin up to refreshRetryMax.
+	refreshRetryMin = time.Second
+	refreshRetryMax = 30 * time.Second
+	// refreshGiveUp is how long before a token expires the connection is
+	// dropped when no refresh has succeeded (at most a tenth of the
+	// token's lifetime).
+	refreshGiveUp = 30 * time.Second
+)
+
+// claim is one audience's token on a connection.
+type claim struct {
+	audience string
+	issued   time.Time // when the token in place was asked for
+	expiry   time.Time // when it expires; zero: never
+	next     time.Time // when to put the next one; zero: never
+	failures int       // refreshes failed in a row
 }
 
-// newRefresher puts a token for each audience, within ctx, and starts the
-// goroutine that refreshes them.
-func newRefresher(ctx context.Context, conn *connection, tp TokenProvider, audiences []string) (*refresher, error) {
+func newClaim(audience string, issued, expiry time.Time) claim {
+	c := claim{audience: audience, issued: issued, expiry: expiry}
+	if !expiry.IsZero() {
+		c.next = refreshAt(issued, expiry)
+	}
+	return c
+}
+
+// giveUpAt is when the connection is dropped if no refresh has succeeded.
+func (c *claim) giveUpAt() time.Time {
+	return c.expiry.Add(-min(refreshGiveUp, max(0, c.expiry.Sub(c.issued))/10))
+}
+
+// refreshAt is when a token issued at issued and expiring at expiry is
+// replaced: 10 minutes before it expires (as the Azure SDKs do), or, for a
+// token shorter-lived than 20 minutes, halfway.
+func refreshAt(issued, expiry time.Time) time.Time {
+	return expiry.Add(-min(10*time.Minute, max(0, expiry.Sub(issued))/2))
+}
+
+// retryWait is the wait before the failures-th retry of a refresh: "equal
+// jitter", between half the backoff ceiling and all of it.
+func retryWait(failures int) time.Duration {
+	c := backoff.Ceiling(failures-1, refreshRetryMin, refreshRetryMax)
+	return c/2 + rand.N(c/2+1)
+}
+
+// refresher keeps a connection's tokens on $cbs: it puts each again before
+// it expires, tries a failed refresh again until shortly before the token
+// in place expires, and drops the connection (abort) then, or at once when
+// the service refuses a token (it will not take the next either); the
+// subscriber then reconnects, which claims anew. Its goroutine is started
+// by startRefresher and ended by stop.
+type refresher struct {
+	// put gets a token for audience and puts it; it returns the token's
+	// expiry.
+	put    func(ctx context.Context, audience string) (time.Time, error)
+	abort  func()
+	log    *zap.Logger
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+// newRefresher puts a token for each audience on conn's $cbs node, within
+// ctx, and starts the refresher. On an error the caller aborts conn.
+func newRefresher(ctx context.Context, conn *connection, tp TokenProvider, audiences []string, log *zap.Logger) (*refresher, error) {
 	sess, err := conn.conn.NewSession(ctx, nil)
 	if err != nil {
 		return nil, fmt.Errorf("amqpsub: session for $cbs: %w", err)
 	}
 	cbs, err := newRPC(ctx, sess, "$cbs")
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("%w (%s)", err, notServiceBus)
 	}
-	r := &refresher{cbs: cbs, sess: sess, tp: tp, conn: conn, quit: make(chan struct{}), done: make(chan struct{})}
-	due := make([]time.Time, len(audiences))
+	p := &cbsPutter{cbs: cbs, tp: tp}
+	claims := make([]claim, len(audiences))
 	for i, a := range audiences {
-		if due[i], err = r.put(ctx, a); err != nil {
-			r.closeSession()
+		issued := time.Now()
+		expiry, err := p.put(ctx, a)
+		if err != nil {
+			if errors.As(err, new(noAnswer)) {
+				err = fmt.Errorf("%w (%s)", err, notServiceBus)
+			}
 			return nil, err
 		}
+		claims[i] = newClaim(a, issued, expiry)
 	}
-	go r.run(audiences, due)
-	return r, nil
+	return startRefresher(claims, p.put, conn.abort, log), nil
 }
 
-// put gets a token for audience and puts it on $cbs; it returns when to
-// put the next one (the zero time: never).
-func (r *refresher) put(ctx context.Context, audience string) (time.Time, error) {
-	issued := time.Now()
-	tok, err := r.tp.Token(ctx, audience)
+// notServiceBus is the hint of an error that a server which is not Service
+// Bus would cause.
+const notServiceBus = "no answer to claims-based security: is this a Service Bus endpoint?"
+
+// startRefresher starts refreshing claims with put; abort drops the
+// connection. log (nil: none) hears of failed refreshes.
+func startRefresher(claims []claim, put func(context.Context, string) (time.Time, error), abort func(), log *zap.Logger) *refresher {
+	ctx, cancel := context.WithCancel(context.Background())
+	if log == nil {
+		log = zap.NewNop()
+	}
+	r := &refresher{put: put, abort: abort, log: log, cancel: cancel, done: make(chan struct{})}
+	go r.run(ctx, claims)
+	return r
+}
+
+func (r *refresher) run(ctx context.Context, claims []claim) {
+	defer close(r.done)
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	for {
+		var c *claim
+		for i := range claims {
+			if !claims[i].next.IsZero() && (c == nil || claims[i].next.Before(c.next)) {
+				c = &claims[i]
+			}
+		}
+		if c == nil {
+			<-ctx.Done()
+			return
+		}
+		timer.Reset(time.Until(c.next))
+		select {
+		case <-ctx.Done():
+			return
+		case <-timer.C:
+		}
+		issued := time.Now()
+		// No later than the token in place expires: a refresh that ends
+		// after it is of no use.
+		pctx, cancel := context.WithDeadline(ctx, minTime(issued.Add(refreshTimeout), c.expiry))
+		expiry, err := r.put(pctx, c.audience)
+		cancel()
+		if ctx.Err() != nil {
+			return
+		}
+		if err == nil {
+			*c = newClaim(c.audience, issued, expiry)
+			continue
+		}
+		c.failures++
+		now := time.Now()
+		if giveUp := c.giveUpAt(); isCond(err, amqp.ErrCondUnauthorizedAccess) || !now.Before(giveUp) {
+			// The links would be detached when the token expires (or the
+			// service refuses our tokens): start afresh on a new
+			// connection now, which claims anew, and fails for good if
+			// the token is refused.
+			r.log.Error("token refresh failed and the token in place is about to expire (or was refused); reconnecting",
+				zap.String("audience", c.audience), zap.Int("failures", c.failures), zap.Time("expiry", c.expiry), zap.Error(err))
+			r.abort()
+			return
+		}
+		c.next = minTime(now.Add(retryWait(c.failures)), c.giveUpAt())
+		r.log.Warn("token refresh failed; trying again", zap.String("audience", c.audience),
+			zap.Int("failures", c.failures), zap.Duration("wait", time.Until(c.next)), zap.Time("expiry", c.expiry), zap.Error(err))
+	}
+}
+
+func minTime(a, b time.Time) time.Time {
+	if b.Before(a) {
+		return b
+	}
+	return a
+}
+
+// stop ends the refresher and waits for it. That is quick: a refresh in
+// progress is cancelled, and a TokenProvider that does not return is left
+// behind (tokenWithin). The $cbs session ends with the connection, which
+// the caller closes next.
+func (r *refresher) stop() {
+	r.cancel()
+	<-r.done
+}
+
+// cbsPutter puts tokens on a connection's $cbs node.
+type cbsPutter struct {
+	cbs *rpc
+	tp  TokenProvider
+}
+
+// noAnswer wraps put's error when $cbs did not answer (or is gone).
+type noAnswer struct{ error }
+
+func (e noAnswer) Unwrap() error { return e.error }
+
+// put gets a token for audience from the TokenProvider and puts it on
+// $cbs, both within ctx; it returns the token's expiry (zero: never).
+func (p *cbsPutter) put(ctx context.Context, audience string) (time.Time, error) {
+	tok, err := tokenWithin(ctx, p.tp, audience)
 	if err != nil {
 		return time.Time{}, fmt.Errorf("amqpsub: token for %s: %w", audience, err)
+	}
+	if tok.Expiry.IsZero() && tok.Type != TokenTypeSAS {
+		return time.Time{}, fmt.Errorf("amqpsub: token for %s: the TokenProvider gave a %q token with no Expiry: "+
+			"it would never be refreshed, and Service Bus detaches the links when it expires "+
+			"(only a pre-made SAS token may have none): %w", audience, tok.Type, ErrInvalidOption)
 	}
 	expiration := "0"
 	if !tok.Expiry.IsZero() {
@@ -187,11 +372,9 @@ func (r *refresher) put(ctx context.Context, audience string) (time.Time, error)
 	req := &amqp.Message{Value: tok.Value, ApplicationProperties: map[string]any{
 		"operation": "put-token", "type": tok.Type, "name": audience, "expiration": expiration,
 	}}
-	cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	resp, err := r.cbs.call(cctx, req)
+	resp, err := p.cbs.call(ctx, req)
 	if err != nil {
-		return time.Time{}, fmt.Errorf("amqpsub: put-token for %s: %w", audience, err)
+		return time.Time{}, fmt.Errorf("amqpsub: put-token for %s: %w", audience, noAnswer{err})
 	}
 	code, desc := status(resp)
 	switch {
@@ -202,87 +385,46 @@ func (r *refresher) put(ctx context.Context, audience string) (time.Time, error)
 	default:
 		return time.Time{}, fmt.Errorf("amqpsub: put-token for %s: status %d: %s", audience, code, desc)
 	}
-	if tok.Expiry.IsZero() {
-		return time.Time{}, nil
+	return tok.Expiry, nil
+}
+
+// tokenWithin calls tp.Token and returns at ctx's end at the latest. A
+// provider that ignores ctx is left to return in its own time, in a
+// goroutine that then only hands its result to a buffered channel nobody
+// reads: no stop waits on user code.
+func tokenWithin(ctx context.Context, tp TokenProvider, audience string) (Token, error) {
+	if err := ctx.Err(); err != nil {
+		return Token{}, err
 	}
-	return refreshAt(issued, tok.Expiry), nil
-}
-
-// refreshAt is when a token issued at issued and expiring at expiry is
-// replaced: 10 minutes before it expires (as the Azure SDKs do), or, for a
-// token shorter-lived than 20 minutes, halfway.
-func refreshAt(issued, expiry time.Time) time.Time {
-	return expiry.Add(-min(10*time.Minute, expiry.Sub(issued)/2))
-}
-
-func (r *refresher) run(audiences []string, due []time.Time) {
-	defer close(r.done)
-	timer := time.NewTimer(time.Hour)
-	defer timer.Stop()
-	for {
-		next := -1
-		for i, d := range due {
-			if !d.IsZero() && (next < 0 || d.Before(due[next])) {
-				next = i
-			}
-		}
-		if next < 0 {
-			<-r.quit
-			return
-		}
-		timer.Reset(time.Until(due[next]))
-		select {
-		case <-r.quit:
-			return
-		case <-timer.C:
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		go func() {
-			select {
-			case <-r.quit:
-				cancel()
-			case <-ctx.Done():
-			}
-		}()
-		d, err := r.put(ctx, audiences[next])
-		cancel()
-		if err != nil {
-			select {
-			case <-r.quit:
-				return
-			default:
-			}
-			// The links would be detached when the token expires: start
-			// afresh on a new connection now, which claims anew (and fails
-			// for good if the token is refused).
-			r.conn.abort()
-			return
-		}
-		due[next] = d
+	type result struct {
+		tok Token
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		tok, err := tp.Token(ctx, audience)
+		ch <- result{tok, err}
+	}()
+	select {
+	case r := <-ch:
+		return r.tok, r.err
+	case <-ctx.Done():
+		return Token{}, fmt.Errorf("the TokenProvider did not return in time: %w", ctx.Err())
 	}
 }
 
-// stop ends the refresher and waits for it.
-func (r *refresher) stop() {
-	r.stopOnce.Do(func() { close(r.quit) })
-	<-r.done
-	r.closeSession()
-}
-
-func (r *refresher) closeSession() {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-	defer cancel()
-	_ = r.sess.Close(ctx)
-}
-
-// management is an entity's $management node on a link's session.
+// management is an entity's $management node on a link's session. Its rpc
+// attaches a new link pair when one dies; when that fails, abandonLink
+// gives up the receive link too (see renewer and sessionSource).
 type management struct {
 	*rpc
 	linkName string // the receive link, named in each request
+
+	abandoned atomic.Bool // abandonLink has run
 }
 
-// ErrLockLostStatus is the status code $management answers for a lock
-// that is lost (or unknown).
+// lockLostStatus is the status code $management answers for a lock that
+// is lost (or unknown).
 const lockLostStatus = 410
 
 // RenewLocks renews message locks (lease.Renewer).
@@ -300,7 +442,9 @@ func (m *management) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time
 }
 
 // request sends operation with body and returns the answer, an error
-// wrapping lease.ErrLockLost for status 410, or another error.
+// wrapping lease.ErrLockLost for status 410, one wrapping errNodeGone when
+// the $management link pair is gone for good, or another error. ctx bounds
+// it; when ctx ends first, the operation is in doubt.
 func (m *management) request(ctx context.Context, operation string, body map[string]any) (*amqp.Message, error) {
 	props := map[string]any{"operation": operation, "associated-link-name": m.linkName}
 	if dl, ok := ctx.Deadline(); ok {
@@ -315,7 +459,25 @@ func (m *management) request(ctx context.Context, operation string, body map[str
 	case code >= 200 && code < 300:
 		return resp, nil
 	case code == lockLostStatus:
-		return nil, fmt.Errorf("amqpsub: %s: status %d: %s: %w", operation, code, desc, lease.ErrLockLost)
+		return nil, fmt.Errorf("amqpsub: %s: status %d: %s: %w", operation, code, desc, errLockLost)
 	}
 	return nil, fmt.Errorf("amqpsub: %s: status %d: %s", operation, code, desc)
 }
+
+// abandonLink closes rcv, the receive link the node serves, once its
+// $management link pair is gone for good: no lock of it can be renewed any
+// more, so the pump is made to attach both anew (held deliveries are
+// redelivered by the service). ctx bounds the wait for the service's
+// answer; the link is closing either way. It reports whether this call
+// closed it (false after the first).
+func (m *management) abandonLink(ctx context.Context, rcv *amqp.Receiver) bool {
+	if rcv == nil || !m.abandoned.CompareAndSwap(false, true) {
+		return false
+	}
+	_ = rcv.Close(ctx)
+	return true
+}
+
+// errLockLost is the error users see (in events and $management errors)
+// for a lock the service says is lost: ErrLockLost.
+var errLockLost = lease.ErrLockLost

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"time"
 
 	"github.com/Azure/go-amqp"
@@ -50,9 +49,8 @@ type sessionSource struct {
 	p    *pipe
 	l    *link
 
-	stopOnce sync.Once
-	quit     chan struct{}
-	done     chan struct{}
+	cancel context.CancelFunc // ends the renewal
+	done   chan struct{}      // closed when the renewal has returned
 }
 
 // startSession takes the session l's receiver was granted, and starts
@@ -68,9 +66,10 @@ func (s *Subscriber) startSession(p *pipe, l *link) (*sessionSource, error) {
 			zap.String("session_id", id))
 		until = time.Now()
 	}
+	ctx, cancel := context.WithCancel(context.Background())
 	src := &sessionSource{Receiver: l.rcv, id: id, idle: s.cfg.sessionIdle, p: p, l: l,
-		quit: make(chan struct{}), done: make(chan struct{})}
-	go src.renew(s, until)
+		cancel: cancel, done: make(chan struct{})}
+	go src.renew(ctx, s.log, until)
 	s.log.Info("session accepted", zap.String("session_id", id), zap.Time("locked_until", until), zap.Int("slot", p.index))
 	return src, nil
 }
@@ -110,64 +109,112 @@ func (src *sessionSource) Receive(ctx context.Context, opts *amqp.ReceiveOptions
 	}
 }
 
-// renew keeps the session's lock up, at the same rule as message locks,
-// until stop. A lock the service refuses is lost: every delivery of the
-// session is given up (dropped, or its handler's context cancelled) and
-// the link is closed, so that the next session is accepted.
-func (src *sessionSource) renew(s *Subscriber, until time.Time) {
+// renew keeps the session's lock up (keepSessionLock) until ctx ends. A
+// lock that is lost, or can no longer be renewed, gives up every delivery
+// of the session (dropped, or its handler's context cancelled) and closes
+// the link, so that the next session is accepted.
+func (src *sessionSource) renew(ctx context.Context, log *zap.Logger, until time.Time) {
 	defer close(src.done)
+	err := keepSessionLock(ctx, until, func(ctx context.Context) (time.Time, error) {
+		resp, err := src.l.mgmt.request(ctx, "com.microsoft:renew-session-lock", map[string]any{"session-id": src.id})
+		if err != nil {
+			return time.Time{}, err
+		}
+		body, _ := resp.Value.(map[string]any)
+		if exp, ok := body["expiration"].(time.Time); ok {
+			return exp, nil
+		}
+		return time.Time{}, errors.New("amqpsub: renew-session-lock: no expiration in the answer")
+	}, func(err error, until time.Time) {
+		log.Warn("renewing the session lock failed; trying again", zap.String("session_id", src.id),
+			zap.Time("locked_until", until), zap.Error(err))
+	})
+	if err == nil {
+		return // stopped
+	}
+	log.Warn("session lock lost; giving up its deliveries", zap.String("session_id", src.id), zap.Error(err))
+	src.p.book.LoseAll("the session lock was lost")
+	// Bounded, and cut short by stop: go-amqp goes on closing the link.
+	cctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	_ = src.Receiver.Close(cctx)
+}
+
+// Session lock renewal after a failed request.
+const (
+	sessionRetryMin = 250 * time.Millisecond
+	sessionRetryMax = 2 * time.Second
+	// sessionRenewTimeout bounds each request (and so does the lock's
+	// expiry).
+	sessionRenewTimeout = 10 * time.Second
+)
+
+// keepSessionLock renews a session lock that expires at until, with renew
+// (which returns the new expiry), until ctx ends (it returns nil) or the
+// lock is lost (it returns why). A renewal goes out at the rule of message
+// locks: once remaining − min(remaining/2, 10 s) of the remaining time has
+// passed. A failed request is reported to retrying and tried again after
+// half the time left (between 250 ms and 2 s), for as long as the lock
+// lasts: the lock is lost when it expired, or at once when the service says
+// it is (status 410) or the $management link is gone for good.
+func keepSessionLock(ctx context.Context, until time.Time, renew func(context.Context) (time.Time, error),
+	retrying func(err error, until time.Time)) error {
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
+	next := renewalDue(time.Now(), until)
+	var failed error // the last request's error, while they fail
 	for {
-		now := time.Now()
-		remaining := until.Sub(now)
-		wait := remaining - min(remaining/2, 10*time.Second)
-		timer.Reset(max(0, wait))
+		timer.Reset(time.Until(next))
 		select {
-		case <-src.quit:
-			return
+		case <-ctx.Done():
+			return nil
 		case <-timer.C:
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		go func() {
-			select {
-			case <-src.quit:
-				cancel()
-			case <-ctx.Done():
-			}
-		}()
-		resp, err := src.l.mgmt.request(ctx, "com.microsoft:renew-session-lock", map[string]any{"session-id": src.id})
+		now := time.Now()
+		if failed != nil && !now.Before(until) {
+			return fmt.Errorf("amqpsub: the session lock expired at %v, unrenewed: %w", until, failed)
+		}
+		// An answer after the lock expired is of no use (an expiry in the
+		// past is the session's unknown lock time: then 10 s).
+		timeout := sessionRenewTimeout
+		if left := until.Sub(now); left > 0 {
+			timeout = min(timeout, left)
+		}
+		rctx, cancel := context.WithTimeout(ctx, timeout)
+		exp, err := renew(rctx)
 		cancel()
+		if ctx.Err() != nil {
+			return nil
+		}
+		now = time.Now()
 		if err == nil {
-			body, _ := resp.Value.(map[string]any)
-			if exp, ok := body["expiration"].(time.Time); ok {
-				until = exp
-				continue
-			}
-			err = errors.New("amqpsub: renew-session-lock: no expiration in the answer")
-		}
-		select {
-		case <-src.quit:
-			return
-		default:
-		}
-		if !errors.Is(err, lease.ErrLockLost) && time.Until(until) > 0 {
-			s.log.Warn("renewing the session lock failed; trying again", zap.String("session_id", src.id), zap.Error(err))
-			until = time.Now().Add(min(time.Until(until), 2*time.Second)) // retry at half of what is left, or sooner
+			until, failed = exp, nil
+			next = renewalDue(now, until)
 			continue
 		}
-		s.log.Warn("session lock lost; giving up its deliveries", zap.String("session_id", src.id), zap.Error(err))
-		src.p.book.LoseAll("the session lock was lost")
-		cctx, ccancel := context.WithTimeout(context.Background(), time.Second)
-		_ = src.Receiver.Close(cctx)
-		ccancel()
-		return
+		if errors.Is(err, lease.ErrLockLost) || errors.Is(err, errNodeGone) {
+			return err
+		}
+		if !now.Before(until) {
+			return fmt.Errorf("amqpsub: the session lock expired at %v, unrenewed: %w", until, err)
+		}
+		failed = err
+		retrying(err, until)
+		next = now.Add(min(sessionRetryMax, max(sessionRetryMin, until.Sub(now)/2)))
 	}
 }
 
-// stop ends the renewal and waits for it.
+// renewalDue is when a lock that expires at until is renewed: after
+// remaining − min(remaining/2, 10 s), .NET's rule.
+func renewalDue(now, until time.Time) time.Time {
+	remaining := until.Sub(now)
+	return now.Add(max(0, remaining-min(remaining/2, 10*time.Second)))
+}
+
+// stop ends the renewal and waits for it: at once, since a request in
+// progress is cancelled.
 func (src *sessionSource) stop() {
-	src.stopOnce.Do(func() { close(src.quit) })
+	src.cancel()
 	<-src.done
 }
 

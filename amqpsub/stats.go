@@ -26,6 +26,9 @@ type Stats struct {
 	// runs, so its sum is Held give or take the deliveries that moved
 	// meanwhile.
 	Buffered, Handling, Settling int
+	// BytesHeld is the size of the bodies held now, MaxBytesHeld the most
+	// at once (see MaxHeldBytes; counted with or without it).
+	BytesHeld, MaxBytesHeld int64
 
 	// Lanes is each lane's (or worker's) load now (deliveries waiting for
 	// it and in its handler) and deliveries finished in all; a session
@@ -130,6 +133,9 @@ type Results struct {
 	// Poisoned counts deliveries rejected for their delivery count before
 	// a handler saw them (MaxDeliveryCount); they are not in Reject.
 	Poisoned uint64
+	// Oversize counts deliveries rejected for their size before a handler
+	// saw them (MaxMessageSize); they are not in Reject.
+	Oversize uint64
 }
 
 // Stats returns the subscriber's counters. It may be called at any time from
@@ -149,6 +155,8 @@ func (s *Subscriber) Stats() Stats {
 		q := pp.pump.Stats()
 		p.Held += q.Held
 		p.MaxHeld += q.MaxHeld
+		p.BytesHeld += q.BytesHeld
+		p.MaxBytesHeld += q.MaxBytesHeld
 		p.Buffered += q.Buffered
 		p.Handling += q.Handling
 		p.Settling += q.Settling
@@ -178,15 +186,17 @@ func (s *Subscriber) Stats() Stats {
 		}
 	}
 	return Stats{
-		Lanes:      lanesSt,
-		GroupsHeld: groups,
-		Locks:      locks,
-		Held:       p.Held,
-		MaxHeld:    p.MaxHeld,
-		Buffered:   p.Buffered,
-		Handling:   p.Handling,
-		Settling:   p.Settling,
-		Received:   p.Received,
+		Lanes:        lanesSt,
+		GroupsHeld:   groups,
+		Locks:        locks,
+		Held:         p.Held,
+		MaxHeld:      p.MaxHeld,
+		BytesHeld:    p.BytesHeld,
+		MaxBytesHeld: p.MaxBytesHeld,
+		Buffered:     p.Buffered,
+		Handling:     p.Handling,
+		Settling:     p.Settling,
+		Received:     p.Received,
 		Settled: Settlements{
 			Accepted: p.Accepted,
 			Released: p.Released,
@@ -201,6 +211,7 @@ func (s *Subscriber) Stats() Stats {
 			Panics:       s.results.panics.Load(),
 			LocalRetries: s.results.localRetries.Load(),
 			Poisoned:     s.results.poisoned.Load(),
+			Oversize:     s.results.oversize.Load(),
 		},
 		SettleErrors:           p.SettleErrors,
 		Stale:                  p.Stale,
@@ -230,7 +241,7 @@ func (st Stats) String() string {
 		name string
 		n    uint64
 	}{
-		{"groups_held", uint64(st.GroupsHeld)}, {"panics", st.Results.Panics}, {"local_retries", st.Results.LocalRetries}, {"poisoned", st.Results.Poisoned},
+		{"bytes_held", uint64(st.BytesHeld)}, {"groups_held", uint64(st.GroupsHeld)}, {"panics", st.Results.Panics}, {"local_retries", st.Results.LocalRetries}, {"poisoned", st.Results.Poisoned}, {"oversize", st.Results.Oversize},
 		{"settle_errors", st.SettleErrors}, {"stale", st.Stale}, {"dropped", st.Dropped},
 		{"overshoot", uint64(st.Overshoot)}, {"links_lost", st.LinksLost}, {"reconnects", st.Reconnects},
 		{"locks_renewed", st.Locks.Renewed}, {"lock_renew_requests", st.Locks.RenewRequests},
@@ -249,6 +260,8 @@ func (st Stats) String() string {
 func (st Stats) MarshalLogObject(enc zapcore.ObjectEncoder) error {
 	enc.AddInt("held", st.Held)
 	enc.AddInt("max_held", st.MaxHeld)
+	enc.AddInt64("bytes_held", st.BytesHeld)
+	enc.AddInt64("max_bytes_held", st.MaxBytesHeld)
 	enc.AddInt("buffered", st.Buffered)
 	enc.AddInt("handling", st.Handling)
 	enc.AddInt("settling", st.Settling)
@@ -266,6 +279,7 @@ func (st Stats) MarshalLogObject(enc zapcore.ObjectEncoder) error {
 	enc.AddUint64("panics", st.Results.Panics)
 	enc.AddUint64("local_retries", st.Results.LocalRetries)
 	enc.AddUint64("poisoned", st.Results.Poisoned)
+	enc.AddUint64("oversize", st.Results.Oversize)
 	enc.AddUint64("settle_errors", st.SettleErrors)
 	enc.AddUint64("stale", st.Stale)
 	enc.AddUint64("dropped", st.Dropped)

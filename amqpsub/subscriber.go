@@ -1,6 +1,7 @@
 package amqpsub
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"sync"
@@ -30,6 +31,11 @@ type Subscriber struct {
 	closeReq chan struct{} // closed by Close
 	done     chan struct{} // closed when Run returns
 
+	// hctx is the handlers' context of the running Run, cancelled at the
+	// cut; DeadLetterCopy's sends are bound to it. Set by Run before the
+	// lanes start.
+	hctx context.Context
+
 	current                atomic.Pointer[link] // the link attached now; nil between links
 	running                atomic.Int64         // handler calls in progress
 	cut                    atomic.Bool          // Run gave up on the running handlers: ignore their results
@@ -38,7 +44,7 @@ type Subscriber struct {
 	deadLetterCopies       atomic.Uint64
 	deadLetterCopyFailures atomic.Uint64
 	results                struct {
-		accept, release, retry, reject, panics, localRetries, poisoned atomic.Uint64
+		accept, release, retry, reject, panics, localRetries, poisoned, oversize atomic.Uint64
 	}
 }
 

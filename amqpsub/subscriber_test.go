@@ -144,7 +144,10 @@ func TestInvalidOptionsFailAtConstruction(t *testing.T) {
 		"negative lock renewal": func() (*amqpsub.Subscriber, error) {
 			return amqpsub.New(nowhere, "q", h, amqpsub.MaxLockRenewal(-time.Second))
 		},
-		"zero settle timeout":       func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, amqpsub.SettleTimeout(0)) },
+		"zero settle timeout": func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, amqpsub.SettleTimeout(0)) },
+		"settle timeout under 1s": func() (*amqpsub.Subscriber, error) {
+			return amqpsub.New(nowhere, "q", h, amqpsub.SettleTimeout(999*time.Millisecond))
+		},
 		"empty dead-letter address": func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, amqpsub.DeadLetterCopy("")) },
 	} {
 		s, err := build()
@@ -280,6 +283,15 @@ func TestShutdownBeforeRun(t *testing.T) {
 	}
 	if err := s.Run(context.Background()); !errors.Is(err, amqpsub.ErrClosed) {
 		t.Fatalf("Run = %v", err)
+	}
+	// Run has returned: Done says so (amqpsubtest's Drain waits on it).
+	select {
+	case <-s.Done():
+	default:
+		t.Fatal("Run returned ErrClosed, but Done is not closed")
+	}
+	if err := s.Run(context.Background()); !errors.Is(err, amqpsub.ErrClosed) {
+		t.Fatalf("second Run = %v", err)
 	}
 }
 

@@ -24,7 +24,9 @@ func New[T any](size int, wait time.Duration) *Batcher[T] {
 	if size < 1 || wait < 0 {
 		panic("batch: size < 1 or wait < 0")
 	}
-	return &Batcher[T]{size: size, wait: wait, items: make([]T, 0, size)}
+	// The batch grows as items come: a size far above what arrives (the
+	// caller's bound) must not cost its memory up front.
+	return &Batcher[T]{size: size, wait: wait, items: make([]T, 0, min(size, 64))}
 }
 
 // Add appends item, added at now, and reports whether the batch is full.

@@ -28,6 +28,19 @@
 // After an overshoot the Account switches to windowed granting: it grants
 // only once everything granted so far has arrived, so no flow frame is sent
 // while transfers are in flight, which is when RabbitMQ 3.10 miscounts.
+//
+// # A byte budget
+//
+// With a byte budget (SetByteBudget) the Account also bounds the bytes of
+// the deliveries held. The broker does not say how large a message is
+// before it sends it, so the Account grants by an estimate: it keeps held
+// plus outstanding within the budget divided by the largest size received
+// lately (decaying by 1/16 a delivery), and grants nothing while the bytes
+// held are at the budget. Until a first delivery has arrived, and whenever
+// nothing is held or outstanding, it grants one, so that a delivery larger
+// than the whole budget still flows, alone. What is held passes the budget
+// only by deliveries larger than any lately: those already granted when
+// such a run began, up to the budget's worth of the earlier size.
 package credit
 
 import "fmt"
@@ -66,11 +79,17 @@ type Account struct {
 	granted  int64 // credit issued on this link
 	received int64 // deliveries received on this link
 
-	held       int64 // deliveries held in the process, every link
-	maxHeld    int64
-	overshoot  int64 // deliveries received past the credit, all links
-	overshoots int64 // links on which an overshoot was seen
-	seen       bool  // overshoot seen on this link
+	held    int64 // deliveries held in the process, every link
+	maxHeld int64
+
+	// With a byte budget (0: none).
+	budget       int64
+	bytesHeld    int64
+	maxBytesHeld int64
+	sizeEst      int64 // the largest size received lately; 0 before any
+	overshoot    int64 // deliveries received past the credit, all links
+	overshoots   int64 // links on which an overshoot was seen
+	seen         bool  // overshoot seen on this link
 }
 
 // New returns an Account that keeps at most limit deliveries in the process
@@ -118,6 +137,47 @@ func (a *Account) Settled(n int) {
 	}
 }
 
+// SetByteBudget bounds the bytes held, besides the deliveries (see the
+// package comment); 0 removes the bound. It panics if budget < 0, which
+// callers validate first.
+func (a *Account) SetByteBudget(budget int64) {
+	if budget < 0 {
+		panic("credit: byte budget < 0")
+	}
+	a.budget = budget
+}
+
+// ReceivedBytes records the size of a delivery just Received.
+func (a *Account) ReceivedBytes(n int64) {
+	a.bytesHeld += n
+	a.maxBytesHeld = max(a.maxBytesHeld, a.bytesHeld)
+	// The largest lately: a larger size counts at once, and the estimate
+	// decays by 1/16 a delivery after it (halved in about 11), so that a
+	// burst of large messages is assumed to go on for a while.
+	a.sizeEst = max(n, a.sizeEst-a.sizeEst/16, 1)
+}
+
+// SettledBytes records that held deliveries of n bytes in all left the
+// process.
+func (a *Account) SettledBytes(n int64) {
+	a.bytesHeld -= n
+	if a.bytesHeld < 0 {
+		panic("credit: more bytes settled than held")
+	}
+}
+
+// limitNow is the most deliveries to hold now: the limit, or fewer under a
+// byte budget.
+func (a *Account) limitNow() int64 {
+	if a.budget == 0 {
+		return a.limit
+	}
+	if a.sizeEst == 0 {
+		return 1 // no size seen yet
+	}
+	return min(a.limit, max(1, a.budget/a.sizeEst))
+}
+
 // Grant returns the credit to issue now and records it as issued; 0 means
 // issue nothing. The result never exceeds what keeps held+outstanding within
 // the limit, plus the overshoot to win back (see the package comment).
@@ -126,12 +186,23 @@ func (a *Account) Grant() uint32 {
 	if a.mode == Windowed && outstanding > 0 {
 		return 0
 	}
-	want := a.limit - a.held - outstanding
+	limit, chunk := a.limit, a.chunk
+	if a.budget > 0 {
+		if a.bytesHeld >= a.budget && a.held > 0 {
+			return 0 // at the budget: wait for settlements
+		}
+		limit = a.limitNow()
+		chunk = min(chunk, max(1, limit/8))
+	}
+	want := limit - a.held - outstanding
+	if a.budget > 0 && a.held == 0 && outstanding <= 0 {
+		want = max(want, 1) // one always flows, however large
+	}
 	// Below a chunk, wait for more settlements, unless nothing is held: then
 	// no settlement is coming to trigger the next grant, and a broker that
 	// re-checks its consumers only on a flow frame (Artemis with
 	// group-rebalance-pause-dispatch) would wait forever.
-	if want < a.chunk && (a.held > 0 || want <= 0) {
+	if want < chunk && (a.held > 0 || want <= 0) {
 		return 0
 	}
 	// want ≤ limit + overshoot of this link; both fit a uint32 for any limit
@@ -143,6 +214,10 @@ func (a *Account) Grant() uint32 {
 
 // Held returns the deliveries held in the process.
 func (a *Account) Held() int { return int(a.held) }
+
+// BytesHeld returns the bytes of the deliveries held (ReceivedBytes less
+// SettledBytes), and the most held at once.
+func (a *Account) BytesHeld() (now, most int64) { return a.bytesHeld, a.maxBytesHeld }
 
 // Overshoot returns the deliveries received past the credit, on all links.
 func (a *Account) Overshoot() int64 { return a.overshoot }
@@ -156,17 +231,22 @@ type Snapshot struct {
 	Outstanding int64 // credit the broker still has on this link; negative after an overshoot
 	Overshoot   int64 // deliveries received past the credit, in all
 	Overshoots  int64 // links on which the broker overshot
+	// With a byte budget: the bytes held now and at most, and the budget.
+	BytesHeld, MaxBytesHeld, ByteBudget int64
 }
 
 // Snapshot returns the Account's counters.
 func (a *Account) Snapshot() Snapshot {
 	return Snapshot{
-		Limit:       int(a.limit),
-		Mode:        a.mode,
-		Held:        int(a.held),
-		MaxHeld:     int(a.maxHeld),
-		Outstanding: a.granted - a.received,
-		Overshoot:   a.overshoot,
-		Overshoots:  a.overshoots,
+		Limit:        int(a.limit),
+		Mode:         a.mode,
+		Held:         int(a.held),
+		MaxHeld:      int(a.maxHeld),
+		Outstanding:  a.granted - a.received,
+		Overshoot:    a.overshoot,
+		Overshoots:   a.overshoots,
+		BytesHeld:    a.bytesHeld,
+		MaxBytesHeld: a.maxBytesHeld,
+		ByteBudget:   a.budget,
 	}
 }

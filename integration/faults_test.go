@@ -810,6 +810,11 @@ type childConfig struct {
 	Report time.Duration
 	// Handled prints "h <seq>" for each delivery the handler accepted.
 	Handled bool
+	// MaxHeldBytes is the subscriber's MaxHeldBytes (0: off).
+	MaxHeldBytes int64
+	// CheckOrder counts, with Workers(1), the deliveries handled out of
+	// seq order (OrderViolations).
+	CheckOrder bool
 }
 
 // childStats is one "s {...}" line of a child.
@@ -820,6 +825,9 @@ type childStats struct {
 	Goroutines             int
 	Held                   int
 	MaxHeld                int
+	BytesHeld              int64
+	MaxBytesHeld           int64
+	OrderViolations        int64
 	Received               uint64
 	Accepted               uint64
 	Released               uint64
@@ -842,9 +850,16 @@ func childMain() int {
 	}
 	var outMu sync.Mutex
 	out := bufio.NewWriter(os.Stdout)
-	var handled, stuck atomic.Int64
+	var handled, stuck, violations atomic.Int64
+	last := -1 // CheckOrder, under Workers(1): one handler at a time
 	h := amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
 		seq := seqOf(d)
+		if cfg.CheckOrder && seq >= 0 {
+			if seq != last+1 {
+				violations.Add(1)
+			}
+			last = seq
+		}
 		if slices.Contains(cfg.Stuck, seq) {
 			stuck.Add(1)
 			defer stuck.Add(-1)
@@ -864,7 +879,8 @@ func childMain() int {
 	})
 	log := zap.New(zapcore.NewCore(zapcore.NewConsoleEncoder(zap.NewDevelopmentEncoderConfig()),
 		zapcore.Lock(os.Stderr), zap.WarnLevel))
-	opts := []amqpsub.Option{amqpsub.Credit(cfg.Credit), amqpsub.GracePeriod(cfg.Grace), amqpsub.Logger(log)}
+	opts := []amqpsub.Option{amqpsub.Credit(cfg.Credit), amqpsub.GracePeriod(cfg.Grace), amqpsub.Logger(log),
+		amqpsub.MaxHeldBytes(cfg.MaxHeldBytes)}
 	if cfg.ByKey {
 		opts = append(opts, amqpsub.WorkersByKey(cfg.Workers))
 	} else {
@@ -882,6 +898,7 @@ func childMain() int {
 		line, _ := json.Marshal(childStats{
 			RSSKiB: rssKiB(), GoSysKiB: int64(ms.Sys >> 10), HeapInuseKiB: int64(ms.HeapInuse >> 10),
 			Goroutines: runtime.NumGoroutine(), Held: st.Held, MaxHeld: st.MaxHeld, Received: st.Received,
+			BytesHeld: st.BytesHeld, MaxBytesHeld: st.MaxBytesHeld, OrderViolations: violations.Load(),
 			Accepted: st.Settled.Accepted, Released: st.Settled.Released, Modified: st.Settled.Modified, Stale: st.Stale,
 			Handled: handled.Load(), Stuck: stuck.Load(), Final: final, StopTook: stopTook,
 		})

@@ -579,3 +579,172 @@ func BenchmarkServiceBusRenewalCost(b *testing.B) {
 		})
 	}
 }
+
+// fxEntity makes a fresh queue named fx-<test>-<n> with spec's settings,
+// deleted when the test ends.
+func (p *sbPeer) fxEntity(t testing.TB, spec map[string]any) string {
+	t.Helper()
+	name := fmt.Sprintf("fx-%s-%d-%d", strings.ToLower(strings.NewReplacer("/", "-", " ", "-", "_", "-").Replace(t.Name())),
+		time.Now().UnixNano(), queueSeq.Add(1))
+	spec["name"] = name
+	p.call(t, "POST", "/entities", spec, nil)
+	t.Cleanup(func() { p.call(t, "POST", "/entities/delete", map[string]any{"name": name}, nil) })
+	return name
+}
+
+// tokenEndpoint is the peer's address for ServiceBusWithToken (emulator
+// mode), and a SAS token provider with the peer's key and lifetime life.
+func (p *sbPeer) tokenEndpoint(life time.Duration) (string, amqpsub.TokenProvider) {
+	host := strings.TrimRight(strings.TrimPrefix(connValue(p.conn, "Endpoint"), "sb://"), "/")
+	return "amqp://" + host, amqpsub.SASTokenProvider(connValue(p.conn, "SharedAccessKeyName"), connValue(p.conn, "SharedAccessKey"), life)
+}
+
+// tokenScript wraps a TokenProvider: the calls numbered in fail (from 1)
+// fail; from call blockFrom on (when > 0) Token blocks, ignoring ctx, until
+// release is closed, and says so on blocked.
+type tokenScript struct {
+	amqpsub.TokenProvider
+	fail      map[int]bool
+	blockFrom int
+	blocked   chan struct{}
+	release   chan struct{}
+
+	mu sync.Mutex
+	n  int
+}
+
+func (s *tokenScript) Token(ctx context.Context, audience string) (amqpsub.Token, error) {
+	s.mu.Lock()
+	s.n++
+	n := s.n
+	s.mu.Unlock()
+	if s.fail[n] {
+		return amqpsub.Token{}, errors.New("identity endpoint: 503 Service Unavailable")
+	}
+	if s.blockFrom > 0 && n >= s.blockFrom {
+		if n == s.blockFrom {
+			close(s.blocked)
+		}
+		<-s.release
+	}
+	return s.TokenProvider.Token(ctx, audience)
+}
+
+func (s *tokenScript) calls() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.n
+}
+
+// One failed token refresh, while the token in place is still valid for
+// half its life, is tried again: the connection, the link and the
+// deliveries held on it are kept.
+func TestServiceBusTokenRefreshFails(t *testing.T) {
+	p := serviceBusPeer(t)
+	q := p.fxEntity(t, map[string]any{"lock_duration_ms": 30000})
+	endpoint, sas := p.tokenEndpoint(8 * time.Second)
+	// Calls 1 and 2 claim the entity and its $management node; 3 is the
+	// first refresh, 4 s later.
+	tp := &tokenScript{TokenProvider: sas, fail: map[int]bool{3: true}}
+	c, err := amqpsub.ServiceBusWithToken(endpoint, tp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int32
+	s, _ := amqpsub.New(c, q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		calls.Add(1)
+		select {
+		case <-time.After(6 * time.Second): // spans the failed refresh
+			return nil
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		}
+	}), amqpsub.Workers(3), amqpsub.Logger(logger(t)))
+	stop, wait := runSub(t, s)
+	p.call(t, "POST", "/messages", map[string]any{"entity": q, "count": 3, "message_id_prefix": q}, nil)
+	waitFor(t, 40*time.Second, "3 completed", func() bool { return p.info(t, q).Stats["completed"] == 3 })
+	stop()
+	if err := wait(); err != nil {
+		t.Fatal(err)
+	}
+	st := s.Stats()
+	t.Logf("%d Token calls, %d handler calls; stats %v", tp.calls(), calls.Load(), st)
+	if st.LinksLost != 0 || calls.Load() != 3 {
+		t.Fatalf("one failed refresh: %d links lost, %d handler calls for 3 messages", st.LinksLost, calls.Load())
+	}
+	if tp.calls() < 5 {
+		t.Fatalf("%d Token calls: the failed refresh was not tried again", tp.calls())
+	}
+}
+
+// Run returns within CloseTimeout of Close, whatever the peer or the
+// TokenProvider does: a peer that stops answering (its sockets open,
+// nothing forwarded), or a TokenProvider stuck in a refresh that ignores
+// its ctx.
+func TestServiceBusCloseBound(t *testing.T) {
+	p := serviceBusPeer(t)
+	const closeTimeout = 200 * time.Millisecond
+	const slack = 300 * time.Millisecond // scheduling, under -race on a busy machine
+	closeAndTime := func(t *testing.T, s *amqpsub.Subscriber, wait func() error) {
+		t.Helper()
+		began := time.Now()
+		s.Close()
+		err := wait()
+		took := time.Since(began)
+		t.Logf("Run returned %v after Close (CloseTimeout %v): %v", took.Round(time.Millisecond), closeTimeout, err)
+		if took > closeTimeout+slack {
+			t.Fatalf("Run returned %v after Close, CloseTimeout is %v", took.Round(time.Millisecond), closeTimeout)
+		}
+	}
+	for _, sessions := range []bool{false, true} {
+		t.Run(fmt.Sprintf("peer hangs, sessions %v", sessions), func(t *testing.T) {
+			spec := map[string]any{"lock_duration_ms": 30000}
+			send := map[string]any{"count": 4}
+			opts := []amqpsub.Option{amqpsub.CloseTimeout(closeTimeout), amqpsub.Logger(logger(t))}
+			if sessions {
+				spec["requires_session"] = true
+				send["sessions"] = []string{"a", "b"}
+				opts = append(opts, amqpsub.Sessions(2))
+			}
+			q := p.fxEntity(t, spec)
+			send["entity"], send["message_id_prefix"] = q, q
+			p.call(t, "POST", "/messages", send, nil)
+			host := strings.TrimRight(strings.TrimPrefix(connValue(p.conn, "Endpoint"), "sb://"), "/")
+			px := newProxy(t, host)
+			c, err := amqpsub.ServiceBus(strings.Replace(p.conn, host, px.ln.Addr().String(), 1))
+			if err != nil {
+				t.Fatal(err)
+			}
+			s, _ := amqpsub.New(c, q, amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }), opts...)
+			_, wait := runSub(t, s)
+			waitFor(t, 20*time.Second, "4 accepted", func() bool { return s.Stats().Settled.Accepted == 4 })
+			px.freeze()
+			closeAndTime(t, s, wait)
+		})
+	}
+	t.Run("TokenProvider blocks", func(t *testing.T) {
+		q := p.fxEntity(t, map[string]any{"lock_duration_ms": 30000})
+		endpoint, sas := p.tokenEndpoint(4 * time.Second)
+		tp := &tokenScript{TokenProvider: sas, blockFrom: 3, blocked: make(chan struct{}), release: make(chan struct{})}
+		var once sync.Once
+		release := func() { once.Do(func() { close(tp.release) }) }
+		defer release()
+		c, err := amqpsub.ServiceBusWithToken(endpoint, tp)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, _ := amqpsub.New(c, q, amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.CloseTimeout(closeTimeout), amqpsub.Logger(logger(t)))
+		_, wait := runSub(t, s)
+		select {
+		case <-tp.blocked: // the refresh, due 2 s after connecting, is stuck in Token
+		case <-time.After(20 * time.Second):
+			t.Fatal("no token refresh within 20 s")
+		}
+		// Let the provider go if Run is not back in time, so that the test
+		// reports the time rather than hanging.
+		watchdog := time.AfterFunc(closeTimeout+5*time.Second, release)
+		defer watchdog.Stop()
+		closeAndTime(t, s, wait)
+	})
+}

@@ -7,7 +7,8 @@
 //     lanes. A dispatcher goroutine reads the stream and appends each item
 //     to its lane's queue, which never blocks: the stream's capacity (the
 //     credit) bounds what the queues hold together, so one slow lane never
-//     holds back dispatch to the others.
+//     holds back dispatch to the others (though its backlog may hold most
+//     of the credit, and so starve them of items).
 //   - Unordered (no Key): n workers take items from the stream as they come.
 //
 // With HandleBatch set, each lane or worker assembles its own batches

@@ -7,18 +7,47 @@
 // pump's channel, in a lane, or in a handler — loses the locks of those
 // that wait longest, and the service delivers them again to someone else.
 // The Book knows every delivery the pump holds (the pump feeds it through
-// pump.Leases) with its lock token and expiry, and one goroutine (Run)
-// renews the locks: each before half its remaining time has passed (the
-// .NET rule: remaining − min(remaining/2, 10 s)), every lock due in the
-// same round in one request, up to MaxRenewal after the delivery arrived.
+// pump.Leases) with its lock token and expiry, and Run renews the locks:
+// for as long as a delivery waits for its handler, and up to MaxRenewal
+// after its handler began (Bind).
+//
+// # When a lock is renewed
+//
+// A lock is renewed once half the time it had left when it was received or
+// last renewed has passed: a 60 s lock every 30 s, a 30 s lock every 15 s, a
+// 2 s lock every second. Every lock that falls due within a round's window
+// of the earliest one (1 s, or half the time that lock has left, if less)
+// goes in the same request, up to MaxBatch tokens a request, so deliveries
+// that arrived close together cost one request a round, not one each.
+//
+// Each request is bounded by a third of the time left on the earliest lock
+// in it (and by Timeout), so a request that is never answered ends with two
+// thirds of that time still left, and its locks are asked again within a
+// second. The .NET processor renews at remaining − min(remaining/2, 10 s),
+// that is 10 s before expiry for any lock of 20 s or more; with a 10 s
+// request timeout, an unanswered request would end just as its locks
+// expire, with no time left to try again. Renewing at half costs more
+// renewals: two per lock duration, where the .NET rule makes 1.2 for a
+// 60 s lock (every 50 s) and 1.5 for a 30 s one (every 20 s).
+//
+// Run has at most MaxInFlight requests out at once, each on a goroutine
+// that Run starts and waits for before it returns, so one request that
+// hangs delays only the locks in it: locks falling due meanwhile go out in
+// requests of their own.
+//
+// # Losses
+//
 // A lock that is lost (the service says so, or it expired unrenewed) is
 // reported to OnLost once; a handler's context bound to the delivery is
-// cancelled.
+// cancelled. A delivery whose settlement is on its way (pump.Settling) is
+// neither renewed nor declared lost by the book: the settlement's answer
+// decides, and the pump then removes it from the book.
 package lease
 
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"time"
 
@@ -39,7 +68,7 @@ type Renewer interface {
 // ErrLockLost is wrapped by the errors of a Renewer when the service says a
 // lock is lost (status 410), and is the cause of a handler's context
 // cancelled for that reason.
-var ErrLockLost = errors.New("lease: the message lock was lost")
+var ErrLockLost = errors.New("amqpsub: the message lock was lost")
 
 // Config configures a Book.
 type Config struct {
@@ -47,14 +76,22 @@ type Config struct {
 	// handlers' contexts to their deliveries (LoseAll), as for the messages
 	// of a Service Bus session, which the session's lock covers.
 	Renewer Renewer
-	// MaxRenewal is how long after a delivery arrived its lock is still
-	// renewed; after that it expires. 0 means 5 minutes (the .NET
-	// processor's MaxAutoLockRenewalDuration).
+	// MaxRenewal is how long after its handler began (Bind) a delivery's
+	// lock is still renewed; after that it expires. While it waits for a
+	// handler it is renewed without a bound: the credit bounds how many
+	// wait, and a wait behind a busy group must not cost the lock. 0 means
+	// 5 minutes (the .NET processor's MaxAutoLockRenewalDuration, which
+	// also counts from the handler's start).
 	MaxRenewal time.Duration
-	// Timeout bounds each renewal request. 0 means 10 s.
+	// Timeout bounds each renewal request. A request is also bounded by a
+	// third of the time left on the earliest lock in it, so that one that
+	// is never answered leaves time to ask again. 0 means 10 s.
 	Timeout time.Duration
 	// MaxBatch is the most lock tokens in one request. 0 means 256.
 	MaxBatch int
+	// MaxInFlight is the most renewal requests out at once: while one waits
+	// for its answer, locks falling due go out in others. 0 means 4.
+	MaxInFlight int
 	// OnLost is told, once, of each delivery whose lock was lost. It runs
 	// on Run's goroutine and must not block. Required.
 	OnLost func(t pump.Ticket)
@@ -89,7 +126,7 @@ type entry struct {
 	t        pump.Ticket
 	token    amqp.UUID
 	until    time.Time // when the lock expires
-	arrived  time.Time
+	began    time.Time // when its handler began (Bind); zero while it waits
 	due      time.Time // when to renew it next
 	cancel   context.CancelCauseFunc
 	renewing bool // in a request now
@@ -109,6 +146,9 @@ func New(cfg Config) *Book {
 	}
 	if cfg.MaxBatch <= 0 {
 		cfg.MaxBatch = 256
+	}
+	if cfg.MaxInFlight <= 0 {
+		cfg.MaxInFlight = 4
 	}
 	log := cfg.Logger
 	if log == nil {
@@ -144,13 +184,21 @@ func LockedUntil(m *amqp.Message) (time.Time, bool) {
 	return t, ok && isTime
 }
 
-// dueAt is when a lock that expires at until, seen at now, is renewed.
+// dueAt is when a lock that expires at until, seen at now, is renewed:
+// once half its remaining time has passed, so that the other half leaves
+// room for a request that goes unanswered and the one that follows it.
 func dueAt(now, until time.Time) time.Time {
 	remaining := until.Sub(now)
 	if remaining <= 0 {
 		return now
 	}
-	return until.Add(-min(remaining/2, 10*time.Second))
+	return now.Add(remaining / 2)
+}
+
+// requestTimeout bounds a request, sent at now, whose earliest lock expires
+// at until: a third of what is left of that lock, at most Timeout.
+func (b *Book) requestTimeout(now, until time.Time) time.Duration {
+	return max(time.Millisecond, min(b.cfg.Timeout, until.Sub(now)/3))
 }
 
 // Add enters the delivery t in the book (pump.Leases). A delivery without
@@ -159,7 +207,7 @@ func dueAt(now, until time.Time) time.Time {
 func (b *Book) Add(t pump.Ticket) {
 	now := time.Now()
 	m := t.Message()
-	e := &entry{t: t, arrived: now}
+	e := &entry{t: t}
 	token, okToken := LockToken(m.DeliveryTag)
 	until, okUntil := LockedUntil(m)
 	b.mu.Lock()
@@ -187,14 +235,17 @@ func (b *Book) Remove(d *pump.Delivery) {
 }
 
 // Bind ties a handler's context to t: it is cancelled, with ErrLockLost as
-// its cause, if t's lock is lost. It reports false if t is not in the book
-// (any more).
+// its cause, if t's lock is lost. MaxRenewal counts from the first Bind of
+// t. It reports false if t is not in the book (any more).
 func (b *Book) Bind(t pump.Ticket, cancel context.CancelCauseFunc) bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	e, ok := b.entries[t.Entry()]
 	if !ok || e.t != t {
 		return false
+	}
+	if e.began.IsZero() {
+		e.began = time.Now()
 	}
 	e.cancel = cancel
 	return true
@@ -216,13 +267,27 @@ func (b *Book) Stats() Stats {
 	return s
 }
 
-// Run renews locks until ctx ends. A renewal cut short by ctx is not a
-// failure.
+// Run renews locks until ctx ends. It sends each request on a goroutine of
+// its own, at most MaxInFlight at once, and returns once every request has
+// returned: ctx's end cancels them (a Renewer must honour its ctx). A
+// renewal cut short by ctx is not a failure; a lock the service refused
+// meanwhile is still reported to OnLost, before Run returns.
 func (b *Book) Run(ctx context.Context) {
+	// Each request goroutine sends one report on finished as its last act,
+	// and at most MaxInFlight are out, so none ever blocks on it.
+	finished := make(chan []*entry, b.cfg.MaxInFlight)
+	var requests sync.WaitGroup
+	inFlight := 0
+	defer func() {
+		requests.Wait()
+		for ; inFlight > 0; inFlight-- {
+			b.loseRefused(<-finished)
+		}
+	}()
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 	for ctx.Err() == nil {
-		renew, lost, next := b.round(time.Now())
+		renew, lost, next := b.round(time.Now(), (b.cfg.MaxInFlight-inFlight)*b.cfg.MaxBatch)
 		for _, e := range lost {
 			b.lose(e, "the lock expired unrenewed")
 		}
@@ -234,10 +299,11 @@ func (b *Book) Run(ctx context.Context) {
 				}
 				continue
 			}
-			b.renew(ctx, batch)
+			inFlight++
+			requests.Go(func() { finished <- b.renew(ctx, batch) })
 		}
 		if len(renew) > 0 || len(lost) > 0 {
-			continue // look again at once: time has passed, expiries moved
+			continue // look again at once, for when to look next
 		}
 		timer.Reset(time.Until(next))
 		select {
@@ -245,21 +311,28 @@ func (b *Book) Run(ctx context.Context) {
 			return
 		case <-b.wake:
 			timer.Stop()
+		case refused := <-finished:
+			inFlight--
+			timer.Stop()
+			b.loseRefused(refused)
 		case <-timer.C:
 		}
 	}
 }
 
 // round picks the locks to renew now (every one due within a window of
-// the earliest, so that they share a request), the ones past their
-// expiry, and when to look next.
-func (b *Book) round(now time.Time) (renew, lost []*entry, next time.Time) {
+// the earliest, so that they share a request; at most room, those that
+// expire first), the ones past their expiry, and when to look next.
+// Deliveries whose settlement is on its way are left alone: renewing one
+// would only be refused as lost, and cost the whole batch, and whether it
+// is lost is for the settlement's answer to say.
+func (b *Book) round(now time.Time, room int) (renew, lost []*entry, next time.Time) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	next = now.Add(time.Hour)
 	var earliest *entry
 	for d, e := range b.entries {
-		if e.until.IsZero() || e.renewing {
+		if e.until.IsZero() || e.renewing || e.t.State() == pump.Settling {
 			continue
 		}
 		if !e.until.After(now) {
@@ -280,19 +353,14 @@ func (b *Book) round(now time.Time) (renew, lost []*entry, next time.Time) {
 	window := min(time.Second, earliest.until.Sub(earliest.due)/2)
 	horizon := now.Add(window)
 	for _, e := range b.entries {
-		if e.until.IsZero() || e.renewing || !e.until.After(now) {
-			continue
-		}
-		if e.t.State() == pump.Settling {
-			// Its settlement is on its way: renewing it would only be
-			// refused as lost, and cost the whole batch.
+		if e.until.IsZero() || e.renewing || e.t.State() == pump.Settling {
 			continue
 		}
 		if e.due.After(horizon) {
 			next = minTime(next, minTime(e.due, e.until))
 			continue
 		}
-		if now.Sub(e.arrived) >= b.cfg.MaxRenewal {
+		if !e.began.IsZero() && now.Sub(e.began) >= b.cfg.MaxRenewal {
 			// Left to expire: look at it again when it has.
 			if e.due != e.until {
 				b.stats.PastMaxRenew++
@@ -301,8 +369,20 @@ func (b *Book) round(now time.Time) (renew, lost []*entry, next time.Time) {
 			next = minTime(next, e.until)
 			continue
 		}
-		e.renewing = true
 		renew = append(renew, e)
+	}
+	// Those that expire first go first, and share requests with the locks
+	// that expire close to them (a request's timeout follows its earliest).
+	slices.SortFunc(renew, func(x, y *entry) int { return x.until.Compare(y.until) })
+	if len(renew) > room {
+		// Due, but every request is out: a finished one wakes Run.
+		for _, e := range renew[room:] {
+			next = minTime(next, e.until)
+		}
+		renew = renew[:room]
+	}
+	for _, e := range renew {
+		e.renewing = true
 	}
 	return renew, lost, next
 }
@@ -314,14 +394,21 @@ func minTime(a, b time.Time) time.Time {
 	return a
 }
 
-// renew sends one request for es; when the service says a lock is lost and
-// the request held several, each is asked again alone, to find which.
-func (b *Book) renew(ctx context.Context, es []*entry) {
+// renew sends one request for es, on a request goroutine; when the service
+// says a lock is lost and the request held several, it asks again to find
+// which. It returns the entries whose locks the service refused, taken out
+// of the book, for Run to report.
+func (b *Book) renew(ctx context.Context, es []*entry) (refused []*entry) {
 	tokens := make([]amqp.UUID, len(es))
+	b.mu.Lock()
+	earliest := es[0].until
 	for i, e := range es {
 		tokens[i] = e.token
+		earliest = minTime(earliest, e.until)
 	}
-	rctx, cancel := context.WithTimeout(ctx, b.cfg.Timeout)
+	b.mu.Unlock()
+	timeout := b.requestTimeout(time.Now(), earliest)
+	rctx, cancel := context.WithTimeout(ctx, timeout)
 	expiries, err := b.cfg.Renewer.RenewLocks(rctx, tokens)
 	cancel()
 	b.mu.Lock()
@@ -338,6 +425,7 @@ func (b *Book) renew(ctx context.Context, es []*entry) {
 		}
 		b.stats.Renewed += uint64(len(es))
 		b.mu.Unlock()
+		return nil
 	case errors.Is(err, ErrLockLost) && len(es) > 1:
 		// A lock settled meanwhile makes the service refuse the whole
 		// request: ask again for those still held and not settling, as one
@@ -351,38 +439,39 @@ func (b *Book) renew(ctx context.Context, es []*entry) {
 			}
 		}
 		if len(still) < len(es) && len(still) > 0 && ctx.Err() == nil {
-			b.renew(ctx, still)
-			return
+			return b.renew(ctx, still)
 		}
 		for _, e := range still {
 			if ctx.Err() != nil {
 				b.done(e)
 				continue
 			}
-			b.renew(ctx, []*entry{e})
+			refused = append(refused, b.renew(ctx, []*entry{e})...)
 		}
+		return refused
 	case errors.Is(err, ErrLockLost):
 		e := es[0]
 		b.mu.Lock()
-		held := b.entries[e.t.Entry()] == e
-		if held {
-			delete(b.entries, e.t.Entry())
+		defer b.mu.Unlock()
+		e.renewing = false
+		if b.entries[e.t.Entry()] != e || e.t.State() == pump.Settling {
+			// Settled, or its settlement's answer will say.
+			return nil
 		}
-		b.mu.Unlock()
-		if held {
-			b.lose(e, "the service refused to renew it")
-		}
+		delete(b.entries, e.t.Entry())
+		return []*entry{e}
 	default:
 		if ctx.Err() != nil {
 			for _, e := range es {
 				b.done(e)
 			}
-			return // stopping: not a failure
+			return nil // stopping: not a failure
 		}
 		if err == nil {
 			err = errors.New("lease: the answer's expirations do not match the request")
 		}
-		b.log.Warn("renewing message locks failed; trying again until they expire", zap.Int("locks", len(es)), zap.Error(err))
+		b.log.Warn("renewing message locks failed; trying again until they expire",
+			zap.Int("locks", len(es)), zap.Duration("timeout", timeout), zap.Error(err))
 		now := time.Now()
 		b.mu.Lock()
 		b.stats.Failures++
@@ -393,6 +482,14 @@ func (b *Book) renew(ctx context.Context, es []*entry) {
 			e.due = now.Add(min(time.Second, max(100*time.Millisecond, e.until.Sub(now)/4)))
 		}
 		b.mu.Unlock()
+		return nil
+	}
+}
+
+// loseRefused reports the locks the service refused to renew.
+func (b *Book) loseRefused(es []*entry) {
+	for _, e := range es {
+		b.lose(e, "the service refused to renew it")
 	}
 }
 

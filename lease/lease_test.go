@@ -2,7 +2,6 @@ package lease_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"testing"
@@ -50,10 +49,29 @@ type service struct {
 	reqs    int
 	tokens  int
 	expired int // renewals asked for a lock already expired: a lock lost
+	// left is, for each lock, the least time it had left when a renewal
+	// of it was answered.
+	left map[amqp.UUID]time.Duration
 }
 
 func newService(lockFor time.Duration) *service {
-	return &service{lockFor: lockFor, until: map[amqp.UUID]time.Time{}, lost: map[amqp.UUID]bool{}}
+	return &service{lockFor: lockFor, until: map[amqp.UUID]time.Time{}, lost: map[amqp.UUID]bool{}, left: map[amqp.UUID]time.Duration{}}
+}
+
+// leastLeft returns the least time lock i had left when a renewal of it was
+// answered, and whether one was.
+func (s *service) leastLeft(i int) (time.Duration, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	d, ok := s.left[token(i)]
+	return d, ok
+}
+
+func token(i int) amqp.UUID {
+	tag := make([]byte, 16)
+	copy(tag, fmt.Sprintf("%016d", i))
+	u, _ := lease.LockToken(tag)
+	return u
 }
 
 // message returns message i with a lock starting now.
@@ -103,9 +121,57 @@ func (s *service) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Ti
 		out[i] = now.Add(s.lockFor)
 	}
 	for i, tok := range tokens {
+		left := s.until[tok].Sub(now)
+		if prev, ok := s.left[tok]; !ok || left < prev {
+			s.left[tok] = left
+		}
 		s.until[tok] = out[i]
 	}
 	return out, nil
+}
+
+// hanging is a service some of whose requests are never answered: each
+// request for which hang says so (n counts the requests from 1) returns
+// only when its ctx ends, linger after. It counts the requests out at once.
+type hanging struct {
+	*service
+	hang   func(n int) bool
+	linger time.Duration
+
+	mu     sync.Mutex
+	n      int
+	out    int // requests out now
+	maxOut int // the most out at once
+	hung   []time.Time
+}
+
+func (h *hanging) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
+	h.mu.Lock()
+	h.n++
+	hang := h.hang(h.n)
+	h.out++
+	h.maxOut = max(h.maxOut, h.out)
+	h.mu.Unlock()
+	defer func() {
+		h.mu.Lock()
+		h.out--
+		h.mu.Unlock()
+	}()
+	if hang {
+		<-ctx.Done()
+		time.Sleep(h.linger) // the answer to a cancelled request takes a moment
+		h.mu.Lock()
+		h.hung = append(h.hung, time.Now())
+		h.mu.Unlock()
+		return nil, ctx.Err()
+	}
+	return h.service.RenewLocks(ctx, tokens)
+}
+
+func (h *hanging) counts() (out, maxOut int) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.out, h.maxOut
 }
 
 // lostOnes returns the messages whose locks were reported lost, sorted.
@@ -126,15 +192,21 @@ type rig struct {
 }
 
 // newRig runs a pump holding n messages of svc, with a book renewing
-// their locks.
+// their locks (through cfg.Renewer if set, else svc).
 func newRig(t *testing.T, svc *service, n int, cfg lease.Config) *rig {
-	r := &rig{svc: svc}
 	msgs := make([]*amqp.Message, n)
 	for i := range msgs {
 		msgs[i] = svc.message(i)
 	}
-	r.src = fake.New(true, msgs...)
-	cfg.Renewer = svc
+	return newRigWith(t, svc, fake.New(true, msgs...), cfg, pump.Config{Credit: 256})
+}
+
+// newRigWith is newRig with the source and the pump's configuration given.
+func newRigWith(t *testing.T, svc *service, src *fake.Source, cfg lease.Config, pc pump.Config) *rig {
+	r := &rig{svc: svc, src: src}
+	if cfg.Renewer == nil {
+		cfg.Renewer = svc
+	}
 	cfg.OnLost = func(t pump.Ticket) {
 		r.lostM.Lock()
 		r.lost = append(r.lost, t.Message().Value.(int))
@@ -142,12 +214,15 @@ func newRig(t *testing.T, svc *service, n int, cfg lease.Config) *rig {
 		r.pump.LoseLock(t)
 	}
 	r.book = lease.New(cfg)
-	r.pump = pump.New(pump.Config{Credit: 256, Leases: r.book})
+	pc.Leases = r.book
+	r.pump = pump.New(pc)
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	wg.Go(func() { r.pump.Run(ctx, func(context.Context, error) (pump.Source, error) { return r.src, nil }) })
 	wg.Go(func() { r.book.Run(ctx) })
-	r.stop = func() { cancel(); wg.Wait() }
+	var once sync.Once
+	r.stop = func() { once.Do(func() { cancel(); wg.Wait() }) }
+	t.Cleanup(r.stop) // a test that fails early still ends its goroutines
 	return r
 }
 
@@ -277,14 +352,27 @@ func TestALockSettledDuringItsRenewalCostsOneMoreRequest(t *testing.T) {
 	})
 }
 
-// After MaxRenewal a lock is left to expire, and then reported lost.
-func TestRenewalStopsAfterMaxRenewal(t *testing.T) {
+// MaxRenewal counts from the handler's start (Bind): a delivery that waits
+// longer than that for its handler keeps its lock; MaxRenewal after its
+// handler began, the lock is left to expire, and then reported lost.
+func TestRenewalStopsMaxRenewalAfterTheHandlerBegan(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
 		r := newRig(t, svc, 1, lease.Config{MaxRenewal: 10 * time.Second})
+		time.Sleep(20 * time.Second) // waiting in Out, twice MaxRenewal
+		if r.lostOnes() != "[]" {
+			t.Fatal("lost while it waited for a handler")
+		}
+		tk := <-r.pump.Out()
+		tk.Begin()
+		_, cancel := context.WithCancelCause(context.Background())
+		defer cancel(nil)
+		if !r.book.Bind(tk, cancel) {
+			t.Fatal("Bind refused a held delivery")
+		}
 		time.Sleep(9 * time.Second)
 		if r.lostOnes() != "[]" {
-			t.Fatal("lost before MaxRenewal")
+			t.Fatal("lost before MaxRenewal after its handler began")
 		}
 		time.Sleep(5 * time.Second) // MaxRenewal + at most one lock duration
 		st := r.book.Stats()
@@ -312,19 +400,187 @@ func TestFailingRenewalsAndUnrenewableDeliveries(t *testing.T) {
 	})
 }
 
-// Stopping while a request is out is not a failure.
+// Stopping while a request is out is not a failure, and Run returns only
+// once that request has.
 func TestStopDuringARenewalIsNotAFailure(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
-		r := newRig(t, svc, 1, lease.Config{})
-		time.Sleep(1500 * time.Millisecond) // a renewal was due at 1 s and went through
-		svc.mu.Lock()
-		svc.fail = errors.New("unreachable")
-		svc.mu.Unlock()
-		r.stop()
-		if st := r.book.Stats(); st.Lost != 0 || st.Renewed != 1 {
-			t.Fatalf("stats %+v", st)
+		h := &hanging{service: svc, hang: func(n int) bool { return n >= 2 }, linger: 10 * time.Millisecond}
+		r := newRig(t, svc, 1, lease.Config{Renewer: h})
+		time.Sleep(2100 * time.Millisecond) // renewed at 1 s; the request sent at 2 s is out (for ⅓ s)
+		synctest.Wait()
+		if out, _ := h.counts(); out != 1 {
+			t.Fatalf("%d requests out when stopping, want 1", out)
 		}
+		r.stop()
+		st := r.book.Stats()
+		if out, _ := h.counts(); out != 0 {
+			t.Fatalf("Run returned with %d requests out", out)
+		}
+		if st.Failures != 0 || st.Lost != 0 || st.Renewed != 1 || st.Requests != 2 || r.lostOnes() != "[]" {
+			t.Fatalf("stats %+v, lost %s", st, r.lostOnes())
+		}
+	})
+}
+
+// Each lock is renewed once half the time it had left has passed, in one
+// request for locks that arrived together: it has half its duration left
+// when renewed, and renewing costs two requests per lock duration.
+func TestLocksAreRenewedAtHalfTheirRemainingTime(t *testing.T) {
+	for _, lockFor := range []time.Duration{2 * time.Second, 30 * time.Second, 60 * time.Second, 5 * time.Minute} {
+		t.Run(lockFor.String(), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				svc := newService(lockFor)
+				r := newRig(t, svc, 5, lease.Config{MaxRenewal: time.Hour})
+				time.Sleep(3*lockFor + lockFor/4) // renewals at ½, 1, … 3 lock durations
+				st := r.book.Stats()
+				r.stop()
+				for i := range 5 {
+					left, ok := svc.leastLeft(i)
+					if !ok || left < lockFor/2-lockFor/100 {
+						t.Errorf("lock %d renewed with %v of %v left (renewed: %v)", i, left, lockFor, ok)
+					}
+				}
+				if st.Lost != 0 || st.Failures != 0 || st.Requests != 6 || st.Renewed != 30 || st.RequestTokens != 30 {
+					t.Fatalf("stats %+v", st)
+				}
+			})
+		})
+	}
+}
+
+// One request that is never answered loses no lock: it is bounded by a
+// third of the time its locks have left, and they are asked again in time.
+func TestOneUnansweredRequestLosesNoLock(t *testing.T) {
+	for _, lockFor := range []time.Duration{4 * time.Second, 30 * time.Second, 60 * time.Second} {
+		t.Run(lockFor.String(), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				start := time.Now()
+				svc := newService(lockFor)
+				h := &hanging{service: svc, hang: func(n int) bool { return n == 1 }}
+				r := newRig(t, svc, 20, lease.Config{Renewer: h})
+				time.Sleep(max(2*lockFor, 25*time.Second))
+				st := r.book.Stats()
+				r.stop()
+				h.mu.Lock()
+				hung := h.hung
+				h.mu.Unlock()
+				t.Logf("lock %v: the unanswered request ended at %v; book %+v", lockFor, hung, st)
+				if r.lostOnes() != "[]" || st.Lost != 0 || svc.expired != 0 {
+					t.Fatalf("lost %s after one unanswered request; stats %+v", r.lostOnes(), st)
+				}
+				// Sent at ½ the lock, ended with ⅔ of the other half left.
+				if len(hung) != 1 || hung[0].Sub(start) > lockFor/2+lockFor/6 {
+					t.Fatalf("the unanswered request ended at %v", hung)
+				}
+				// Every request carried all 20 locks, the retry included.
+				if st.Failures != 1 || st.Requests < 3 || st.RequestTokens != 20*st.Requests {
+					t.Fatalf("stats %+v", st)
+				}
+			})
+		})
+	}
+}
+
+// While one request hangs, locks that fall due go out in requests of their
+// own, on time, rather than waiting for it.
+func TestAHangingRequestHoldsUpNoOtherLock(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const lockFor = 60 * time.Second
+		svc := newService(lockFor)
+		h := &hanging{service: svc, hang: func(n int) bool { return n == 1 }}
+		r := newRig(t, svc, 1, lease.Config{Renewer: h}) // 0: due at 30 s; its request hangs until 40 s
+		for i := 1; i <= 4; i++ {
+			time.Sleep(2 * time.Second)
+			r.src.Push(svc.message(i)) // due at 32, 34, 36, 38 s
+		}
+		time.Sleep(lockFor)
+		st := r.book.Stats()
+		r.stop()
+		for i := 1; i <= 4; i++ {
+			if left, ok := svc.leastLeft(i); !ok || left < lockFor/2-time.Second {
+				t.Errorf("lock %d renewed with %v of %v left (renewed: %v)", i, left, lockFor, ok)
+			}
+		}
+		if left, ok := svc.leastLeft(0); !ok || left < lockFor/4 {
+			t.Errorf("lock 0 renewed with %v of %v left after its request hung (renewed: %v)", left, lockFor, ok)
+		}
+		if _, maxOut := h.counts(); st.Lost != 0 || st.Failures != 1 || maxOut != 2 {
+			t.Fatalf("stats %+v, %d requests out at most", st, maxOut)
+		}
+	})
+}
+
+// Requests out at once are bounded by MaxInFlight, and Run waits for every
+// one of them before it returns.
+func TestRequestsInFlightAreBoundedAndAwaited(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		svc := newService(2 * time.Second)
+		h := &hanging{service: svc, hang: func(int) bool { return true }, linger: 10 * time.Millisecond}
+		r := newRig(t, svc, 10, lease.Config{Renewer: h, MaxBatch: 1, MaxInFlight: 3})
+		time.Sleep(1100 * time.Millisecond) // all 10 due at 1 s; each request given ⅓ s
+		synctest.Wait()
+		if out, maxOut := h.counts(); out != 3 || maxOut != 3 {
+			t.Fatalf("%d requests out, at most %d; want 3", out, maxOut)
+		}
+		time.Sleep(5 * time.Second)
+		r.stop()
+		if out, maxOut := h.counts(); out != 0 || maxOut != 3 {
+			t.Fatalf("Run returned with %d requests out; at most %d were, want 3", out, maxOut)
+		}
+		if st := r.book.Stats(); st.Lost != 10 || st.Renewed != 0 || st.Failures == 0 || r.lostOnes() != "[0 1 2 3 4 5 6 7 8 9]" {
+			t.Fatalf("stats %+v, lost %s", st, r.lostOnes())
+		}
+	})
+}
+
+// A delivery whose settlement is on its way is not reported lost by the
+// book, whether its lock's time passes meanwhile or the service refuses its
+// renewal: the settlement's answer decides.
+func TestASettlingDeliveryIsNotReportedLost(t *testing.T) {
+	t.Run("its lock's time passes", func(t *testing.T) {
+		synctest.Test(t, func(t *testing.T) {
+			svc := newService(2 * time.Second)
+			// 1 stays in a handler: its renewals wake the book.
+			src := fake.New(true, svc.message(0), svc.message(1))
+			src.SettleDelay = 2 * time.Second
+			r := newRigWith(t, svc, src, lease.Config{}, pump.Config{Credit: 4, Settlers: 1, SettleTimeout: 30 * time.Second})
+			tk, other := <-r.pump.Out(), <-r.pump.Out()
+			tk.Begin()
+			other.Begin()
+			time.Sleep(1500 * time.Millisecond) // renewed at 1 s: locked until 3 s
+			r.pump.Settle(tk, pump.Outcome{Kind: pump.Accept})
+			time.Sleep(5 * time.Second) // answered at 3.5 s
+			ps, bs := r.pump.Stats(), r.book.Stats()
+			r.stop()
+			if ps.Accepted != 1 || src.Count(fake.Accepted) != 1 || bs.Lost != 0 || r.lostOnes() != "[]" || bs.Held != 1 {
+				t.Fatalf("pump %+v\nbook %+v, lost %s", ps, bs, r.lostOnes())
+			}
+		})
+	})
+	t.Run("its renewal is refused", func(t *testing.T) {
+		synctest.Test(t, func(t *testing.T) {
+			svc := newService(2 * time.Second)
+			src := fake.New(true, svc.message(0))
+			src.SettleDelay = 2 * time.Second
+			r := newRigWith(t, svc, src, lease.Config{}, pump.Config{Credit: 4, Settlers: 1, SettleTimeout: 30 * time.Second})
+			tk := <-r.pump.Out()
+			tk.Begin()
+			svc.mu.Lock()
+			svc.during = func([]amqp.UUID) error {
+				// Settled while the renewal is out; the service takes
+				// the settlement and refuses the renewal.
+				r.pump.Settle(tk, pump.Outcome{Kind: pump.Accept})
+				return fmt.Errorf("status 410: %w", lease.ErrLockLost)
+			}
+			svc.mu.Unlock()
+			time.Sleep(5 * time.Second)
+			ps, bs := r.pump.Stats(), r.book.Stats()
+			r.stop()
+			if ps.Accepted != 1 || bs.Requests != 1 || bs.Lost != 0 || r.lostOnes() != "[]" || bs.Held != 0 {
+				t.Fatalf("pump %+v\nbook %+v, lost %s", ps, bs, r.lostOnes())
+			}
+		})
 	})
 }
 

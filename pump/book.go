@@ -54,6 +54,7 @@ type Delivery struct {
 	// Set by the pump before the entry is handed out; read-only after.
 	src  Source
 	link uint64
+	size int64 // Size of msg
 	p    *Pump
 }
 
@@ -85,8 +86,9 @@ func (d *Delivery) cas(gen uint32, from, to State) bool {
 // It stays tied to that delivery: once the delivery is settled and its entry
 // holds another, the ticket's calls refuse to act on it.
 type Ticket struct {
-	d   *Delivery
-	gen uint32
+	d    *Delivery
+	gen  uint32
+	link uint64 // the generation of the link the delivery came on
 }
 
 // Message returns the AMQP message. Call it only before passing the ticket
@@ -107,7 +109,9 @@ func (t Ticket) Entry() *Delivery { return t.d }
 
 // Stale reports whether the link the delivery came on was lost. A stale
 // delivery cannot be settled; the broker redelivers it.
-func (t Ticket) Stale() bool { return t.d.link != t.d.p.link.Load() }
+// It reads nothing the pump rewrites for the entry's next delivery, so it
+// may be called at any time from any goroutine.
+func (t Ticket) Stale() bool { return t.link != t.d.p.link.Load() }
 
 // Begin marks the delivery as given to a handler and reports true, or
 // reports false when it must not be handled: it is stale, or was dropped.
@@ -135,11 +139,11 @@ func (p *Pump) take(msg *amqp.Message, src Source, link uint64) Ticket {
 		p.book = append(p.book, d)
 		p.bookMu.Unlock()
 	}
-	d.src, d.link = src, link
+	d.src, d.link, d.size = src, link, Size(msg)
 	d.msg.Store(msg)
 	gen := uint32(d.word.Load()>>32) + 1
 	d.word.Store(pack(gen, Buffered))
-	return Ticket{d, gen}
+	return Ticket{d, gen, link}
 }
 
 // release returns an entry to the free list.
@@ -159,21 +163,25 @@ func (p *Pump) release(d *Delivery) {
 // these deliveries.
 func (p *Pump) dropStale() {
 	cur := p.link.Load()
-	n := 0
+	n, bytes := 0, int64(0)
 	for _, d := range p.book { // the pump is the book's only writer
 		w := d.word.Load()
 		if gen, st := unpack(w); d.link != cur && st == Buffered && d.word.CompareAndSwap(w, pack(gen, Dropped)) {
 			n++
+			bytes += d.size
 		}
 	}
 	if n > 0 {
-		p.acct.Settled(n)
 		p.stats.settled[Drop].Add(uint64(n))
-		p.noteHeld()
+		p.freed(n, bytes)
 	}
 	if p.cfg.Leases != nil {
+		// No lock of a lost link can be renewed (the service ended them
+		// with the link): the lease book forgets them all, those still in
+		// handlers or settling too, rather than spend a refused request on
+		// each.
 		for _, d := range p.book {
-			if d.State() == Dropped {
+			if st := d.State(); st == Dropped || (d.link != cur && st != Free) {
 				p.cfg.Leases.Remove(d)
 			}
 		}
@@ -195,8 +203,9 @@ func (p *Pump) LoseLock(t Ticket) {
 		}
 		switch s {
 		case Buffered:
+			size := t.d.size // read before the entry can be reused
 			if t.d.word.CompareAndSwap(w, pack(gen, Dropped)) {
-				p.settle.push(settlement{d: t.d, o: Outcome{Kind: lostLock}})
+				p.settle.push(settlement{d: t.d, gen: t.gen, size: size, o: Outcome{Kind: lostLock}})
 				return
 			}
 		case Handling:

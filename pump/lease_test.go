@@ -2,7 +2,9 @@ package pump_test
 
 import (
 	"context"
+	"runtime"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -143,4 +145,91 @@ func TestLeasesAndLostLocks(t *testing.T) {
 		cancel()
 		<-errc
 	})
+}
+
+// liveRemoves counts Leases.Remove calls for an entry that holds a live
+// delivery (Buffered or Handling): the lease book would forget a delivery
+// it must renew.
+type liveRemoves struct{ n atomic.Int64 }
+
+func (w *liveRemoves) Add(pump.Ticket) {}
+func (w *liveRemoves) Remove(d *pump.Delivery) {
+	if s := d.State(); s == pump.Buffered || s == pump.Handling {
+		w.n.Add(1)
+	}
+}
+
+// LoseLock drops a buffered delivery and then queues its lost-lock note; a
+// consumer that sees it dropped in between reclaims the entry, which the
+// pump reuses for the next delivery before it applies the note. The note
+// must not then remove the next delivery's lease (found by review: 138
+// such removals in 3 s).
+func TestLoseLockRacingReclaimKeepsTheNextLease(t *testing.T) {
+	src := fake.New(false)
+	src.Recycle = true
+	src.Push(fake.Messages(30000)...) // a dropped delivery does not come back
+	leases := &liveRemoves{}
+	p := pump.New(pump.Config{Credit: 8, Leases: leases})
+	cancel, errc := start(t, p, attachTo(src))
+	var wg sync.WaitGroup
+	var handled atomic.Int64
+	for range 4 {
+		wg.Go(func() {
+			for handled.Add(1) <= 20000 {
+				tk := <-p.Out()
+				lost := make(chan struct{})
+				go func() { defer close(lost); p.LoseLock(tk) }() // the lease book's goroutine
+				for tk.State() == pump.Buffered {
+					runtime.Gosched()
+				}
+				if tk.Begin() {
+					p.Settle(tk, pump.Outcome{Kind: pump.Accept})
+				} else {
+					p.Settle(tk, pump.Outcome{Kind: pump.Drop})
+				}
+				<-lost
+			}
+		})
+	}
+	wg.Wait()
+	cancel()
+	<-errc
+	if n := leases.n.Load(); n > 0 {
+		t.Fatalf("Leases.Remove called %d times for an entry holding a live delivery; stats %+v", n, p.Stats())
+	}
+	if st := p.Stats(); st.LockLostDropped == 0 {
+		t.Fatalf("no lock lost while buffered: the race was not exercised; stats %+v", st)
+	}
+}
+
+// A ticket's Stale may be called after its delivery was settled and its
+// entry reused (a handler that kept its Delivery): it reads nothing the
+// pump rewrites for the next delivery (a data race under -race before).
+func TestStaleOfAnOldTicketDoesNotRace(t *testing.T) {
+	src := fake.New(false)
+	src.Recycle = true
+	src.Push(fake.Messages(16)...)
+	p := pump.New(pump.Config{Credit: 4})
+	cancel, errc := start(t, p, attachTo(src))
+	old := <-p.Out()
+	p.Settle(old, pump.Outcome{Kind: pump.Accept})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for range 20000 {
+			p.Settle(<-p.Out(), pump.Outcome{Kind: pump.Accept})
+		}
+	}()
+	for stale := false; !stale; {
+		select {
+		case <-done:
+			stale = true
+		default:
+			if old.Stale() {
+				t.Fatal("a ticket of the live link is stale")
+			}
+		}
+	}
+	cancel()
+	<-errc
 }

@@ -59,6 +59,9 @@ type Config struct {
 	// Leases, when set, hears of every delivery entering and leaving the
 	// book (Service Bus renews the lock of each). nil costs nothing.
 	Leases Leases
+	// MaxHeldBytes, when > 0, bounds the bytes of the deliveries held
+	// (their Size) besides their number: see credit's byte budget.
+	MaxHeldBytes int64
 }
 
 // Leases is told of every delivery the pump holds. Add is called on the
@@ -81,16 +84,19 @@ type Pump struct {
 	stop         chan struct{}
 	releasedOnce sync.Once
 	released     chan struct{} // closed once Stop has taken effect
+	quietOnce    sync.Once
+	quiet        chan struct{} // closed once only handlers hold deliveries after Stop
 	done         chan struct{}
 	running      atomic.Bool
 
 	link atomic.Uint64 // generation of the current link; 0 before the first
 
 	// Owned by the Run goroutine.
-	acct    *credit.Account
-	free    []*Delivery
-	backlog []Ticket     // received, waiting for room in out
-	jobs    []settlement // waiting for a settler (Settlers > 0)
+	acct     *credit.Account
+	free     []*Delivery
+	backlog  []Ticket     // received, waiting for room in out
+	jobs     []settlement // waiting for a settler (Settlers > 0)
+	inFlight int          // settlements with a settler
 
 	bookMu sync.RWMutex
 	book   []*Delivery // every entry ever made; written by the Run goroutine only
@@ -109,13 +115,17 @@ func New(cfg Config) *Pump {
 		cfg:      cfg,
 		log:      log,
 		out:      make(chan Ticket, cfg.Credit),
-		settle:   newBurst[settlement](2 * cfg.Credit),
+		settle:   newBurst[settlement](min(2*cfg.Credit, 1024)),
 		stop:     make(chan struct{}),
 		released: make(chan struct{}),
+		quiet:    make(chan struct{}),
 		done:     make(chan struct{}),
 		acct:     credit.New(cfg.Credit, cfg.Mode),
 	}
 	p.stats.windowed.Store(cfg.Mode == credit.Windowed)
+	if cfg.MaxHeldBytes > 0 {
+		p.acct.SetByteBudget(cfg.MaxHeldBytes)
+	}
 	p.book = make([]*Delivery, cfg.Credit)
 	p.free = make([]*Delivery, cfg.Credit)
 	for i := range p.book {
@@ -139,6 +149,40 @@ func (p *Pump) Stopping() <-chan struct{} { return p.stop }
 // delivery waiting in the pump and in Out is released, and so is every
 // delivery that still arrives. It is closed when Run returns, too.
 func (p *Pump) Released() <-chan struct{} { return p.released }
+
+// Quiet returns a channel closed once, after Stop, the only deliveries
+// still held are in handlers: every other one was released (by the pump,
+// or by the consumers that had taken it from Out and passed it to Settle)
+// and the release applied. It is closed when Run returns, too. A consumer
+// that cuts its handlers short at a stop waits for it first, so that what
+// no handler had goes back before any handler is cancelled.
+func (p *Pump) Quiet() <-chan struct{} { return p.quiet }
+
+func (p *Pump) markQuiet() { p.quietOnce.Do(func() { close(p.quiet) }) }
+
+// checkQuiet closes Quiet when no delivery is buffered, queued for
+// settlement or waiting for a settler. Called on the Run goroutine while
+// stopping; it scans the book until Quiet is closed.
+func (p *Pump) checkQuiet() {
+	if isClosed(p.quiet) || len(p.jobs) > 0 || len(p.backlog) > 0 || p.settle.pending() {
+		return
+	}
+	settling := 0
+	for _, d := range p.book {
+		switch d.State() {
+		case Buffered:
+			return
+		case Settling:
+			settling++
+		}
+	}
+	// What is settling is either with a settler (sent) or about to reach
+	// the queue (Settle has moved it, not yet pushed it).
+	if settling > p.inFlight {
+		return
+	}
+	p.markQuiet()
+}
 
 // Done returns a channel closed when Run has returned.
 func (p *Pump) Done() <-chan struct{} { return p.done }
@@ -179,6 +223,7 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 		return errors.New("pump: Run called twice")
 	}
 	defer close(p.done)
+	defer p.markQuiet()
 	defer p.markReleased()
 	defer close(p.out)
 	var toSettlers chan settlement
@@ -229,7 +274,7 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 func (p *Pump) serve(ctx context.Context, src Source, toSettlers chan<- settlement) error {
 	gen := p.link.Load()
 	rctx, cancelReceive := context.WithCancel(ctx)
-	in := newBurst[*amqp.Message](p.cfg.Credit)
+	in := newBurst[*amqp.Message](min(p.cfg.Credit, 1024))
 	var wg sync.WaitGroup
 	wg.Go(func() { receiveLoop(rctx, src, in) })
 	defer func() {
@@ -247,9 +292,13 @@ func (p *Pump) serve(ctx context.Context, src Source, toSettlers chan<- settleme
 	stopping := isClosed(stop)
 	if stopping {
 		stop = nil
+		wg.Go(func() { drainCredit(rctx, src) })
 		p.releaseBuffered(ctx)
 	}
 	for {
+		if stopping {
+			p.checkQuiet()
+		}
 		if !stopping {
 			if n := p.acct.Grant(); n > 0 {
 				if err := src.IssueCredit(n); err != nil {
@@ -272,6 +321,7 @@ func (p *Pump) serve(ctx context.Context, src Source, toSettlers chan<- settleme
 		}
 		select {
 		case jobs <- job:
+			p.inFlight++
 			p.jobs[0] = settlement{}
 			p.jobs = p.jobs[1:]
 			if len(p.jobs) == 0 {
@@ -299,10 +349,28 @@ func (p *Pump) serve(ctx context.Context, src Source, toSettlers chan<- settleme
 			p.applyQueued(ctx)
 		case <-stop:
 			stop, stopping = nil, true
+			wg.Go(func() { drainCredit(rctx, src) })
 			p.releaseBuffered(ctx)
 		case <-ctx.Done():
 			return ctx.Err()
 		}
+	}
+}
+
+// drainer is a source that can take its credit back (*amqp.Receiver).
+type drainer interface {
+	DrainCredit(ctx context.Context, opts *amqp.DrainCreditOptions) error
+}
+
+// drainCredit takes back, on Stop, the credit the broker still has, so
+// that it does not send the deliveries the stop releases straight back to
+// the same link, to be released again, until the credit is spent. go-amqp
+// sends the drain as a flow with no credit, so even a broker that ignores
+// drain stops sending. It returns when the broker answers, or when ctx
+// ends (serve returning); the answer matters to nobody.
+func drainCredit(ctx context.Context, src Source) {
+	if d, ok := src.(drainer); ok {
+		_ = d.DrainCredit(ctx, nil)
 	}
 }
 
@@ -336,6 +404,7 @@ func (p *Pump) received(t Ticket, stopping bool) {
 		p.stats.windowed.Store(true)
 		p.event(Event{Kind: Overshoot})
 	}
+	p.acct.ReceivedBytes(t.d.size)
 	p.stats.received.Add(1)
 	p.stats.overshoot.Store(p.acct.Overshoot())
 	p.noteHeld()
@@ -356,13 +425,43 @@ func (p *Pump) received(t Ticket, stopping bool) {
 	p.backlog = append(p.backlog, t)
 }
 
-// noteHeld publishes the held count for Stats.
+// noteHeld publishes the held count (and bytes) for Stats.
 func (p *Pump) noteHeld() {
 	held := int64(p.acct.Held())
 	p.stats.held.Store(held)
 	if held > p.stats.maxHeld.Load() {
 		p.stats.maxHeld.Store(held)
 	}
+	bytes, most := p.acct.BytesHeld()
+	p.stats.bytesHeld.Store(bytes)
+	p.stats.maxBytesHeld.Store(most)
+}
+
+// freed records that held deliveries of n bytes in all left the process.
+func (p *Pump) freed(count int, n int64) {
+	p.acct.Settled(count)
+	p.acct.SettledBytes(n)
+	p.noteHeld()
+}
+
+// Size is the size amqpsub counts for a message: the bytes of its body
+// (its data sections, or a binary or string value). The rest of a message
+// is small beside a body of any size.
+func Size(m *amqp.Message) int64 {
+	if m == nil {
+		return 0
+	}
+	var n int64
+	for _, d := range m.Data {
+		n += int64(len(d))
+	}
+	switch v := m.Value.(type) {
+	case []byte:
+		n += int64(len(v))
+	case string:
+		n += int64(len(v))
+	}
+	return n
 }
 
 func (p *Pump) event(e Event) {

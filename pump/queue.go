@@ -16,6 +16,7 @@ type burst[T any] struct {
 	wake  chan struct{}
 }
 
+// newBurst returns a burst with room for size items before it grows.
 func newBurst[T any](size int) *burst[T] {
 	return &burst[T]{
 		items: make([]T, 0, size),
@@ -63,4 +64,11 @@ func (q *burst[T]) take() ([]T, error) {
 func (q *burst[T]) recycle(items []T) {
 	clear(items)
 	q.spare = items[:0]
+}
+
+// pending reports whether anything is queued.
+func (q *burst[T]) pending() bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.items) > 0
 }

@@ -54,7 +54,11 @@ type Outcome struct {
 
 type settlement struct {
 	d *Delivery
-	o Outcome
+	// gen is the entry's generation when LoseLock queued a lostLock: the
+	// entry may be reclaimed and reused before the pump applies it.
+	gen  uint32
+	size int64 // the delivery's Size, for a lostLock
+	o    Outcome
 	// done: a settler has sent o and err is the broker's answer (Settlers).
 	done bool
 	err  error
@@ -112,15 +116,18 @@ func (p *Pump) apply(ctx context.Context, s settlement) {
 		p.release(d)
 		return
 	case s.o.Kind == lostLock:
-		// Dropped by LoseLock: no longer held; the consumer frees it.
+		// Dropped by LoseLock: no longer held; the consumer frees it. The
+		// consumer may have reclaimed the entry already, and the pump
+		// given it to the next delivery (release told the lease book
+		// then): the count still goes, but not that delivery's lease.
 		p.stats.lockLostDropped.Add(1)
-		if p.cfg.Leases != nil {
+		if gen, _ := unpack(d.word.Load()); p.cfg.Leases != nil && gen == s.gen {
 			p.cfg.Leases.Remove(d)
 		}
-		p.acct.Settled(1)
-		p.noteHeld()
+		p.freed(1, s.size)
 		return
 	case s.done:
+		p.inFlight--
 		p.settled(d, s.o.Kind, s.err)
 	case s.o.Kind == Drop:
 		p.stats.settled[Drop].Add(1)
@@ -140,9 +147,9 @@ func (p *Pump) apply(ctx context.Context, s settlement) {
 	default:
 		p.settled(d, s.o.Kind, settleOn(ctx, d.src, d.msg.Load(), s.o))
 	}
+	size := d.size
 	p.release(d)
-	p.acct.Settled(1)
-	p.noteHeld()
+	p.freed(1, size)
 }
 
 // settled counts the broker's answer to a settlement.
@@ -213,9 +220,15 @@ func settleOn(ctx context.Context, src Source, msg *amqp.Message, o Outcome) err
 
 // releaseUnheld gives back a message the pump never entered in its book.
 func (p *Pump) releaseUnheld(ctx context.Context, src Source, msg *amqp.Message) {
+	// Received, never held: counted as received and released all the same,
+	// so that the counters add up to what the broker saw.
+	p.stats.received.Add(1)
 	if err := src.ReleaseMessage(ctx, msg); err != nil {
 		p.log.Debug("release at link end failed; the broker redelivers the delivery", zap.Error(err))
+		p.stats.settleErrors.Add(1)
+		return
 	}
+	p.stats.settled[Release].Add(1)
 }
 
 // dropBacklog frees the entries of deliveries still waiting in the pump

@@ -21,6 +21,8 @@ type counters struct {
 	linksLost       atomic.Uint64
 	held            atomic.Int64
 	maxHeld         atomic.Int64
+	bytesHeld       atomic.Int64
+	maxBytesHeld    atomic.Int64
 	overshoot       atomic.Int64
 	windowed        atomic.Bool
 }
@@ -52,6 +54,9 @@ type Stats struct {
 	MaxHeld                                                           int    // the most deliveries held at once
 	Overshoot                                                         int64  // deliveries the broker sent past the credit
 	Windowed                                                          bool   // credit is granted in windows (after an overshoot)
+	// BytesHeld is the Size of the deliveries held now, MaxBytesHeld the
+	// most at once.
+	BytesHeld, MaxBytesHeld int64
 	// A census of the book, taken entry by entry while the pump goes on:
 	// Buffered + Handling + Settling is Held give or take the deliveries that
 	// moved meanwhile.
@@ -82,6 +87,8 @@ func (p *Pump) Stats() Stats {
 		MaxHeld:         int(p.stats.maxHeld.Load()),
 		Overshoot:       p.stats.overshoot.Load(),
 		Windowed:        p.stats.windowed.Load(),
+		BytesHeld:       p.stats.bytesHeld.Load(),
+		MaxBytesHeld:    p.stats.maxBytesHeld.Load(),
 	}
 	p.Each(func(d *Delivery) bool {
 		switch d.State() {

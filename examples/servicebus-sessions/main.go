@@ -44,7 +44,10 @@ func run(conn, queue string, sessions int) error {
 	h := amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
 		last, err := d.SessionState(ctx) // the checkpoint a consumer left
 		if err != nil {
-			return err // retried
+			// Retried in the lane (LocalRetry below), so the session's
+			// order holds: a Retry to the service would put this message
+			// behind the session's next ones, which are already here.
+			return err
 		}
 		body, _ := d.Body()
 		if err := d.SetSessionState(ctx, body); err != nil {
@@ -59,8 +62,9 @@ func run(conn, queue string, sessions int) error {
 		return nil
 	})
 	sub, err := amqpsub.New(c, queue, h,
-		amqpsub.Sessions(sessions),                 // each session on a link of its own
-		amqpsub.SessionIdleTimeout(10*time.Second)) // then the next session
+		amqpsub.Sessions(sessions),                // each session on a link of its own
+		amqpsub.SessionIdleTimeout(5*time.Second), // then the next session
+		amqpsub.LocalRetry(amqpsub.RetryPolicy{Budget: time.Minute}))
 	if err != nil {
 		return err
 	}

@@ -1,10 +1,12 @@
 // Command orders publishes orders for many customers to a queue and
-// consumes them with amqpsub: WorkersByKey(8), the customer as the AMQP
-// group-id, and a handler that works 0–2 ms per order. It prints the
-// throughput, how many orders each lane handled, and a per-customer order
-// check, which must show 0 violations.
+// consumes them with amqpsub: WorkersByKey(8) with BalanceKeys, the customer
+// as the AMQP group-id, and a handler that works 0–2 ms per order. It prints
+// the placement, the throughput beside the most the lanes could do (lanes /
+// the handler's measured mean time), how many orders each lane handled, and
+// a per-customer order check, which must show 0 violations.
 //
 //	go run ./examples/orders -url amqp://127.0.0.1:5672
+//	go run ./examples/orders -placement hash    # the hash placement, to compare
 package main
 
 import (
@@ -33,13 +35,17 @@ func main() {
 	customers := flag.Int("customers", 200, "customers (group-ids)")
 	lanes := flag.Int("lanes", 8, "WorkersByKey lanes")
 	maxWork := flag.Duration("work", 2*time.Millisecond, "each order takes a random 0..work")
+	placement := flag.String("placement", "balanced", "balanced (BalanceKeys) or hash (group-id hash mod lanes)")
 	flag.Parse()
-	if err := run(*url, *queue, *orders, *customers, *lanes, *maxWork); err != nil {
+	if *placement != "balanced" && *placement != "hash" {
+		log.Fatalf("-placement %q: balanced or hash", *placement)
+	}
+	if err := run(*url, *queue, *orders, *customers, *lanes, *maxWork, *placement == "balanced"); err != nil {
 		log.Fatal(err)
 	}
 }
 
-func run(url, queue string, orders, customers, lanes int, maxWork time.Duration) error {
+func run(url, queue string, orders, customers, lanes int, maxWork time.Duration, balanced bool) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
@@ -56,13 +62,17 @@ func run(url, queue string, orders, customers, lanes int, maxWork time.Duration)
 		perLane    = make([]int, lanes)
 		violations int
 		handled    int
+		worked     time.Duration // the handlers' time, summed
 		all        = make(chan struct{})
 	)
 	handler := amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		began := time.Now()
 		time.Sleep(rand.N(maxWork + 1)) // the work
+		took := time.Since(began)
 		seq, _ := d.ApplicationProperties()["seq"].(int64)
 		mu.Lock()
 		defer mu.Unlock()
+		worked += took
 		if seq != next[d.GroupID()] {
 			violations++
 		}
@@ -75,8 +85,14 @@ func run(url, queue string, orders, customers, lanes int, maxWork time.Duration)
 	})
 	logger, _ := zap.NewProduction()
 	defer logger.Sync()
-	sub, err := amqpsub.New(amqpsub.Dial(url, nil), queue, handler,
-		amqpsub.WorkersByKey(lanes), amqpsub.Logger(logger))
+	opts := []amqpsub.Option{amqpsub.WorkersByKey(lanes), amqpsub.Logger(logger)}
+	name := "hash of the group-id mod lanes"
+	if balanced {
+		opts = append(opts, amqpsub.BalanceKeys())
+		name = "balanced (BalanceKeys)"
+	}
+	fmt.Printf("placement: %s\n", name)
+	sub, err := amqpsub.New(amqpsub.Dial(url, nil), queue, handler, opts...)
 	if err != nil {
 		return err
 	}
@@ -102,8 +118,13 @@ func run(url, queue string, orders, customers, lanes int, maxWork time.Duration)
 	mu.Lock()
 	defer mu.Unlock()
 	st := sub.Stats()
+	rate := float64(handled) / elapsed.Seconds()
+	mean := worked / time.Duration(max(handled, 1))
+	ideal := float64(lanes) / mean.Seconds()
 	fmt.Printf("consumed %d orders in %v: %.0f orders/s with %d lanes (max held %d of credit 256)\n",
-		handled, elapsed.Round(time.Millisecond), float64(handled)/elapsed.Seconds(), lanes, st.MaxHeld)
+		handled, elapsed.Round(time.Millisecond), rate, lanes, st.MaxHeld)
+	fmt.Printf("the handler took %v on average: %d lanes could do %.0f orders/s; this run did %.0f%% of that\n",
+		mean.Round(time.Microsecond), lanes, ideal, 100*rate/ideal)
 	fmt.Println("orders per lane:")
 	for i, n := range perLane {
 		fmt.Printf("  lane %d: %d\n", i, n)

@@ -8,9 +8,11 @@ import (
 	"sync"
 
 	"github.com/Azure/go-amqp"
+	"github.com/cespare/xxhash/v2"
 )
 
-// DeadLetterCopy makes a Reject (and a MaxDeliveryCount rejection) keep its
+// DeadLetterCopy makes a Reject (and a MaxDeliveryCount or MaxMessageSize
+// rejection: the copy then carries the whole oversized body back) keep its
 // reason on brokers that drop it, such as Artemis: instead of settling the
 // delivery as rejected, the subscriber sends a copy of the message to
 // address, with application properties DeadLetterReason and
@@ -31,9 +33,13 @@ import (
 // dead letter (_AMQ_ORIG_ADDRESS, _AMQ_ORIG_QUEUE, and the annotations
 // x-opt-ORIG-ADDRESS and x-opt-ORIG-QUEUE), which the auto-created queue's
 // filter and the broker's retry-from-DLQ operations need, loses its
-// time-to-live, and carries a duplicate-detection id (_AMQ_DUPL_ID), so a
-// copy sent twice (the original redelivered after a crash between the two
-// steps) is stored once. The two steps are not one transaction: go-amqp has
+// time-to-live, and carries a duplicate-detection id (_AMQ_DUPL_ID) made of
+// the message-id and a hash of the body (and of an earlier copy's id, for a
+// message retried from the dead-letter queue), so a copy sent twice (the
+// original redelivered after a crash between the two steps) is stored once,
+// while messages that merely share a message-id each keep theirs. A message
+// without a message-id gets no such id: after such a crash its copy may be
+// stored twice. The two steps are not one transaction: go-amqp has
 // no AMQP transactions. Not for the RabbitMQ3 profile (RabbitMQ
 // dead-letters through the queue's dead-letter exchange), nor for Service
 // Bus, which keeps the reason itself. Default: off.
@@ -135,14 +141,36 @@ func deadLetterCopy(m *amqp.Message, address, queue string, oe *OutcomeError) *a
 		c.ApplicationProperties["DeadLetterErrorDescription"] = oe.description
 	}
 	if m.Properties != nil && m.Properties.MessageID != nil {
-		// A message retried from the dead-letter queue before carries the
-		// id of its earlier dead letter: without it, its second copy would
-		// be dropped as a duplicate of the first.
-		id := fmt.Sprintf("amqpsub-dlq:%s:%v", address, m.Properties.MessageID)
-		if orig, ok := annotation(m, "x-opt-ORIG-MESSAGE-ID"); ok {
-			id += fmt.Sprintf(":%v", orig)
-		}
-		c.ApplicationProperties["_AMQ_DUPL_ID"] = id
+		c.ApplicationProperties["_AMQ_DUPL_ID"] = deadLetterID(m, address)
 	}
 	return c
+}
+
+// deadLetterID is the duplicate-detection id of m's dead-letter copy: the
+// same for every delivery of m (so a copy sent again after a crash between
+// the copy and the accept is stored once), and different for any other
+// message. It names the message-id and hashes the body, so that two
+// messages that share a message-id (producers reuse them) both keep their
+// copy; and it hashes the id of an earlier copy of m and Artemis's
+// x-opt-ORIG-MESSAGE-ID, which a message retried from the dead-letter queue
+// carries, so that its second copy is not taken for its first.
+func deadLetterID(m *amqp.Message, address string) string {
+	h := xxhash.New()
+	for _, d := range m.Data {
+		h.Write(d)
+		h.Write([]byte{0})
+	}
+	if m.Value != nil {
+		fmt.Fprintf(h, "v%#v", m.Value)
+	}
+	for _, seq := range m.Sequence {
+		fmt.Fprintf(h, "s%#v", seq)
+	}
+	if prev, ok := m.ApplicationProperties["_AMQ_DUPL_ID"]; ok {
+		fmt.Fprintf(h, "p%v", prev)
+	}
+	if orig, ok := annotation(m, "x-opt-ORIG-MESSAGE-ID"); ok {
+		fmt.Fprintf(h, "o%v", orig)
+	}
+	return fmt.Sprintf("amqpsub-dlq:%s:%v:%016x", address, m.Properties.MessageID, h.Sum64())
 }

@@ -490,12 +490,20 @@ func WaitForQueue() Option {
 // Credit bounds their number: credit is granted only while the bodies held
 // (see MaxMessageSize for what is counted) stay under n. The broker does not
 // say how large a message is before sending it, so the subscriber grants by
-// the sizes it has seen: as many as n holds of the largest lately, one at a
-// time until it has seen one. What is held may pass n only by deliveries
-// larger than any lately (those already granted when such a run began), and
-// one delivery always flows when nothing is held, however large, so nothing
-// stalls. Stats.BytesHeld and MaxBytesHeld show it. With Sessions, each
-// session held gets its share of n. Must be ≥ 0; 0 means no bound.
+// the sizes it has seen: as many as n holds of the largest lately (a
+// larger size counts at once; the estimate then decays by 1/16 a
+// delivery), one at a time until it has seen one. One delivery always
+// flows when nothing is held, however large, so nothing stalls. What is
+// held passes n only by deliveries larger than any lately: those granted
+// while smaller ones came, up to the credit. With traffic of mixed sizes
+// (mostly small, now and then very large), lower Credit too: the bound on
+// bodies held is about n + Credit × the largest message. Stats.BytesHeld
+// and MaxBytesHeld show it. It counts bodies held, not the process's
+// memory: go-amqp assembles each message in a growing buffer before
+// decoding it, and Go's collector lets the heap grow to twice what is live
+// unless GOMEMLIMIT says otherwise, so expect the RSS to reach two to four
+// times the bytes held, and set GOMEMLIMIT in a container. With Sessions,
+// each session held gets its share of n. Must be ≥ 0; 0 means no bound.
 // Default: off (the credit alone bounds what is held: 256 deliveries of
 // 1 MiB hold 256 MiB).
 func MaxHeldBytes(n int64) Option {
@@ -513,11 +521,14 @@ func MaxHeldBytes(n int64) Option {
 // sections, or a binary or string value; the rest of a message is not
 // counted) before a handler sees it: the broker dead-letters it.
 // Stats.Results.Oversize counts them and OnEvent hears of each
-// (EventOversize). The limit is checked once the message has arrived: go-amqp
-// v1.7 cannot refuse it on the wire against Artemis (which declares no
-// limit of its own, and go-amqp then applies none), so an oversized message
-// is read whole, once, before it is refused; MaxHeldBytes bounds the rest.
-// Must be ≥ 0; 0 means no limit. Default: off.
+// (EventOversize). The limit is checked once the message has arrived, not
+// on the wire: go-amqp v1.7 drops its own limit when the broker's attach
+// declares none, as Artemis's does. So an oversized message is read whole
+// before it is refused, and costs the process two to four times its size
+// in memory for a moment (see MaxHeldBytes), though not in BytesHeld. To
+// keep such messages away from consumers altogether, limit them where they
+// are produced (Artemis: an address setting or a broker plugin). Must be
+// ≥ 0; 0 means no limit. Default: off.
 func MaxMessageSize(n int64) Option {
 	return optionFunc(func(c *config) {
 		if n < 0 {

@@ -114,7 +114,9 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 				s.log.Info("reconnected", zap.Int("attempts", n), zap.NamedError("cause", lost))
 				s.events.send(Event{Kind: EventReconnected, Err: lost, Queue: s.queue, Lane: -1, Attempt: n})
 				if s.cfg.onReconnect != nil {
+					s.inOnReconnect.Add(1)
 					s.cfg.onReconnect(n, lost)
+					s.inOnReconnect.Add(-1)
 				}
 			}
 			a.before = true

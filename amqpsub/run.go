@@ -154,12 +154,16 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	var closings sync.WaitGroup
 	for _, r := range runs {
 		if !waitClosed(r.done, closeBy) {
-			// Its attach goroutine is still in OnReconnect (the only user
-			// code it runs): the link it attached is closed once that
-			// returns.
-			s.log.Error("the pump did not end within CloseTimeout (an OnReconnect function that does not return?); leaving it")
-			errs = append(errs, fmt.Errorf("%w: the receiver had not ended %v after the stop began (OnReconnect had not returned)",
-				ErrAbandoned, time.Since(stopAt).Round(time.Millisecond)))
+			if s.inOnReconnect.Load() > 0 {
+				// Its attach goroutine is in OnReconnect, user code that
+				// has not returned: the link it attached is closed once
+				// that returns.
+				s.log.Error("the receiver did not end within CloseTimeout: OnReconnect has not returned; leaving it")
+				errs = append(errs, fmt.Errorf("%w: OnReconnect had not returned %v after the stop began",
+					ErrAbandoned, time.Since(stopAt).Round(time.Millisecond)))
+			} else {
+				s.log.Error("the pump did not end within CloseTimeout; leaving the link to the broker")
+			}
 			continue
 		}
 		r.p.current.Store(nil)

@@ -40,6 +40,7 @@ type Subscriber struct {
 	running                atomic.Int64         // handler calls in progress
 	cut                    atomic.Bool          // Run gave up on the running handlers: ignore their results
 	reconnects             atomic.Uint64
+	inOnReconnect          atomic.Int32 // OnReconnect calls in progress
 	abandoned              atomic.Uint64
 	deadLetterCopies       atomic.Uint64
 	deadLetterCopyFailures atomic.Uint64

@@ -12,6 +12,13 @@
 #                      TLS test writes a keystore), rabbitmq-server (the
 #                      second broker), python3-qpid-proton (the Python
 #                      producer)
+#   prereqs.sh bench   test's, plus what the bench's reference consumers
+#                      need besides: Proton C's receive example
+#                      (libqpid-proton11-dev-examples, as source) and its
+#                      headers and library (libqpid-proton11-dev), patch and
+#                      pkg-config to build it (the JMS consumer is built with
+#                      test's JDK and Maven, the Python receiver runs on
+#                      test's python3-qpid-proton)
 #
 # Missing Debian packages are installed with apt-get as root, with a
 # temporary /usr/sbin/policy-rc.d so that no system service starts (a
@@ -39,7 +46,7 @@ apt_install() {
 }
 
 set_=${1:-test}
-case "$set_" in demo|test|rabbitmq) ;; *) die "usage: prereqs.sh demo|test|rabbitmq" ;; esac
+case "$set_" in demo|test|rabbitmq|bench) ;; *) die "usage: prereqs.sh demo|test|rabbitmq|bench" ;; esac
 
 need=()
 rabbit_ok() { [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] && command -v epmd >/dev/null; }
@@ -57,6 +64,15 @@ if [ "$set_" != demo ]; then
   rabbit_ok || need+=(rabbitmq-server)
   # The tests run Debian's python, not one earlier on PATH (pyenv's, say).
   /usr/bin/python3 -c 'import proton' 2>/dev/null || need+=(python3-qpid-proton)
+fi
+# The examples package holds receive.c as source; the bench patches it and
+# compiles it against the -dev package (integration/bench/protonc/build.sh).
+pkg_ok() { [ "$(dpkg-query -W -f='${Status}' "$1" 2>/dev/null)" = "install ok installed" ]; }
+if [ "$set_" = bench ]; then
+  pkg_ok libqpid-proton11-dev || need+=(libqpid-proton11-dev)
+  pkg_ok libqpid-proton11-dev-examples || need+=(libqpid-proton11-dev-examples)
+  command -v patch >/dev/null || need+=(patch)
+  command -v pkg-config >/dev/null || need+=(pkgconf)
 fi
 if [ "${#need[@]}" -gt 0 ]; then
   apt_install "${need[@]}"

@@ -19,9 +19,12 @@ import (
 type scenario struct {
 	name  string // flag value
 	title string
-	group string // "a", "b" or "c" in the issue
-	// loop: the hand-written go-amqp loop; otherwise amqpsub with opts.
+	group string // "a", "b" or "c" in issue 5; "r", a reference consumer
+	// loop: the hand-written go-amqp loop; ref: a reference consumer (a key
+	// of refConsumers), run as cmd; otherwise amqpsub with opts.
 	loop  bool
+	ref   string
+	cmd   []string // set by prepareRefs
 	batch bool
 	opts  func() []amqpsub.Option
 	// slow: the handler sleeps 1 ms; lanes is n in WorkersByKey(n).
@@ -54,7 +57,11 @@ func scenarios(groups int) []scenario {
 			opts: func() []amqpsub.Option { return []amqpsub.Option{amqpsub.WorkersByKey(n)} },
 		})
 	}
-	return list
+	return append(list,
+		scenario{name: "jms", title: "Qpid JMS 2.7.0: receive, AUTO_ACKNOWLEDGE, prefetch = credit", group: "r", ref: "jms"},
+		scenario{name: "protonc", title: "Proton C receive example: accept + settle each, window = credit", group: "r", ref: "protonc"},
+		scenario{name: "pyproton", title: "Proton Python MessagingHandler: accept each, prefetch = credit", group: "r", ref: "pyproton"},
+	)
 }
 
 // messages returns how many messages the scenario drains (before the
@@ -143,6 +150,9 @@ type runConfig struct {
 
 // drain runs one scenario on queue, which holds want messages.
 func drain(ctx context.Context, b *broker, queue string, want int, sc scenario, rc runConfig) (result, error) {
+	if sc.ref != "" {
+		return drainRef(ctx, b, queue, want, sc, rc)
+	}
 	conn, err := b.dial(ctx)
 	if err != nil {
 		return result{}, err

@@ -5,17 +5,31 @@
 // scenario in turn: (a) the best plain go-amqp loop, the reference; (b)
 // amqpsub with a no-op handler under Workers(1), Workers(8),
 // WorkersByKey(8) and NewBatch; (c) amqpsub with a 1 ms handler under
-// WorkersByKey(n) for n = 1, 4, 16, 64. Runs are interleaved (every scenario
-// once, then again), so the ratio to (a) compares runs taken close together.
-// It prints a Markdown table per broker and payload: msgs/s (median, min–max),
-// the ratio to (a) in the same run, the CPU of this process and of the broker
-// over each drain, and the most deliveries amqpsub held.
+// WorkersByKey(n) for n = 1, 4, 16, 64; (r) reference consumers from other
+// ecosystems, what a user would pick instead (issue 10): a Qpid JMS
+// consumer, Proton C's receive example and a Proton Python receiver, each a
+// child process with the same credit, accepting each message (see
+// reference.go). Runs are interleaved (every scenario once, then again), so
+// the ratio to (a) compares runs taken close together. It prints a Markdown
+// table per broker and payload: msgs/s (median, min–max), the ratio to (a)
+// in the same run, the CPU of the client (this process, or the child) and of
+// the broker over each drain, and the most deliveries amqpsub held.
 //
 // Every drain is bounded: no progress for -stall, or longer than -timeout,
-// fails the run; after each drain a probe checks that the queue is empty.
+// fails the run (a reference consumer's process group is killed); after each
+// drain a probe checks that the queue is empty.
+//
+// "all" includes the reference consumers, which need Java, Maven, gcc and
+// Debian's Proton packages (`bash integration/prereqs.sh bench`, which `make
+// bench` runs); they are built before any queue is touched, and a missing
+// prerequisite stops the bench there with what to install. Proton C's
+// example cannot log in with a user and password, so protonc fails on a
+// broker URL that has them (RabbitMQ's, as make sets it): run the reference
+// consumers with -brokers artemis, or leave protonc out.
 //
 //	go run ./integration/bench -n 10000 -runs 1            # quick
 //	go run ./integration/bench -brokers artemis -scenarios loop,w1,key8
+//	go run ./integration/bench -brokers artemis -scenarios loop,jms,protonc,pyproton
 //	make bench                                             # the full set on both brokers
 package main
 
@@ -83,11 +97,11 @@ func parseFlags() (*options, error) {
 	flag.StringVar(&o.artemisURL, "artemis", envOr("AMQPSUB_ARTEMIS_URL", "amqp://127.0.0.1:5672"), "Artemis URL (default $AMQPSUB_ARTEMIS_URL)")
 	flag.StringVar(&o.rabbitURL, "rabbitmq", envOr("AMQPSUB_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5682"), "RabbitMQ 3.10 URL (default $AMQPSUB_RABBITMQ_URL)")
 	flag.StringVar(&brokers, "brokers", "artemis,rabbitmq", "brokers to run, in order: artemis, rabbitmq")
-	flag.StringVar(&scens, "scenarios", "all", "scenarios to run: all, or a list of loop, w1, w8, key8, batch, slow1, slow4, slow16, slow64")
+	flag.StringVar(&scens, "scenarios", "all", "scenarios to run: all, or a list of loop, w1, w8, key8, batch, slow1, slow4, slow16, slow64, jms, protonc, pyproton")
 	flag.StringVar(&pays, "payloads", "p100,t1k", "payloads: p100 (100 B persistent), t1k (1 KiB non-persistent)")
 	flag.IntVar(&o.n, "n", 100000, "messages preloaded per drain (plus one barrier)")
 	flag.IntVar(&o.runs, "runs", 3, "runs of every scenario; the table shows the median")
-	flag.IntVar(&o.credit, "credit", 256, "credit of the loop and of amqpsub")
+	flag.IntVar(&o.credit, "credit", 256, "credit of the loop and of amqpsub, prefetch or window of the reference consumers")
 	flag.IntVar(&o.groups, "groups", 100, "group-ids the messages spread over, round robin; 0 sends none")
 	flag.IntVar(&o.preloadLinks, "preload-links", 4, "senders that preload in parallel, each ending with an unsettled barrier")
 	flag.IntVar(&o.perLane, "slow-per-lane", 5000, "1 ms scenarios drain at most this many messages per lane (0: -n)")
@@ -254,6 +268,13 @@ func bench(ctx context.Context, o *options, log *zap.Logger, rep *report) error 
 		if slices.Contains(o.scenarios, s.name) {
 			chosen = append(chosen, s)
 		}
+	}
+	about, err := prepareRefs(ctx, chosen, o.timeout)
+	if err != nil {
+		return err
+	}
+	for _, line := range about {
+		rep.add(fmt.Sprintf("- reference consumer %s\n", line))
 	}
 	if notes := keyNotes(chosen, o.groups, sleep); notes != "" {
 		rep.add("\nHow far the key spread lets the 1 ms scenarios go, one sleep per message per lane:\n\n" + notes)

@@ -75,10 +75,12 @@ func table(all []*series, loop *series, credit int) string {
 	if loop != nil && len(loop.runs) > 0 {
 		loopRate = median(loop.rates())
 	}
+	refs := false
 	for _, s := range all {
 		if len(s.runs) == 0 {
 			continue
 		}
+		refs = refs || s.sc.ref != ""
 		rates := s.rates()
 		lo, hi := slices.Min(rates), slices.Max(rates)
 		ratio := "–"
@@ -95,7 +97,7 @@ func table(all []*series, loop *series, credit int) string {
 				s.med(func(r result) float64 { return float64(r.broker.Microseconds()) / float64(r.msgs) }))
 		}
 		held := "–"
-		if !s.sc.loop {
+		if !s.sc.loop && s.sc.ref == "" {
 			m := 0
 			for _, r := range s.runs {
 				m = max(m, r.maxHeld)
@@ -106,6 +108,11 @@ func table(all []*series, loop *series, credit int) string {
 			s.sc.group, s.sc.title, num(float64(s.runs[0].msgs)), num(median(rates)), num(lo), num(hi),
 			ratio, client, broker, held, target(s, median(rates), loopRate))
 	}
+	if refs {
+		b.WriteString("\n(r): another client, run as a child process. Its clock runs from when its connection is open " +
+			"(before its session and link, as (a)'s) to its last acceptance, by its own monotonic clock: " +
+			"JVM or interpreter start-up is left out; client CPU is the child's (/proc/<pid>/stat) over that span.\n")
+	}
 	return b.String()
 }
 
@@ -114,6 +121,8 @@ func target(s *series, rate, loopRate float64) string {
 	switch {
 	case s.sc.loop:
 		return "reference"
+	case s.sc.ref != "":
+		return "other client"
 	case s.sc.slow:
 		bound := float64(s.sc.lanes) * 1000
 		what := fmt.Sprintf("%d·1000", s.sc.lanes)

@@ -58,6 +58,7 @@ demo: artemis
 
 ## bench: the benchmark program against both brokers
 bench: brokers
+	bash integration/prereqs.sh bench
 	$(INTEGRATION_ENV) $(GO) run ./integration/bench
 
 ## fuzz: every fuzz target for FUZZTIME each (default 1m); CI runs them for 8s

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what `make demo` and `make test` need on Debian 12,
+# Installs what `make demo`, `make test` and `make bench` need on Debian 12,
 # idempotently: a second run that finds everything present changes nothing
 # and takes well under a second. Run by the Makefile before those targets and
 # by .ci/run; run it by hand as `bash integration/prereqs.sh test`.

@@ -48,6 +48,13 @@ var refConsumers = map[string]refConsumer{
 	"pyproton": {prepare: preparePyProton, args: argsPyProton},
 }
 
+// refOnRabbit is why "all" runs the reference consumers on Artemis only.
+const refOnRabbit = "issue 10 asks for them on Artemis, and on RabbitMQ 3.10 Proton C's receive example " +
+	"loses its last acceptances (it closes its link, session and connection in the write that carries " +
+	"its last ranged disposition; RabbitMQ drops that disposition and requeues those messages, which " +
+	"the probe then finds). Name them in -scenarios to run them there (jms and pyproton drained RabbitMQ " +
+	"correctly when tried)."
+
 const prereqHint = "`bash integration/prereqs.sh bench` installs what the reference consumers need; " +
 	"or leave jms, protonc and pyproton out of -scenarios"
 
@@ -145,8 +152,10 @@ func prepareProtonC(ctx context.Context) ([]string, string, error) {
 }
 
 // argsProtonC: the example takes host, port, address, count and (patched)
-// the window; it connects without SASL and has no way to take a user and
-// password.
+// the window. It connects without SASL, so a user and password in the URL
+// are not used: Artemis with anonymous login allowed takes it, as does
+// RabbitMQ's AMQP 1.0 plugin, as its amqp1_0.default_user (guest, as
+// integration/rabbitmq.sh configures it).
 func argsProtonC(b *broker, address string, want, credit int, _ time.Duration) ([]string, error) {
 	u, err := url.Parse(b.url)
 	if err != nil {
@@ -154,10 +163,6 @@ func argsProtonC(b *broker, address string, want, credit int, _ time.Duration) (
 	}
 	if u.Scheme != "amqp" {
 		return nil, fmt.Errorf("protonc: the receive example speaks plain amqp only, not %s", u.Scheme)
-	}
-	if u.User != nil {
-		return nil, fmt.Errorf("protonc: the receive example connects without SASL and cannot log in as %q on %s",
-			u.User.Username(), b.name)
 	}
 	port := u.Port()
 	if port == "" {
@@ -278,21 +283,22 @@ func drainRef(ctx context.Context, b *broker, queue string, want int, sc scenari
 		return result{}, fmt.Errorf("%s: start: %w", sc.name, err)
 	}
 	pid := cmd.Process.Pid
-	// Every exit path waits for the child; an early one kills it first.
-	done := false
-	defer func() {
-		if !done {
-			_ = cmd.Cancel()
-			_ = cmd.Wait()
+	// Every exit path waits for the child; one that has not, kills it
+	// first.
+	waited := false
+	kill := func() error {
+		if waited {
+			return nil
 		}
-	}()
-	fail := func(err error) (result, error) {
 		_ = cmd.Cancel()
-		werr := cmd.Wait()
-		done = true
+		waited = true
+		return cmd.Wait()
+	}
+	defer func() { _ = kill() }()
+	fail := func(err error) (result, error) {
 		msg := fmt.Sprintf("%s (pid %d): %v", sc.name, pid, cause(dctx, err))
-		if werr != nil {
-			msg += fmt.Sprintf("; exit: %v", werr)
+		if werr := kill(); werr != nil {
+			msg += fmt.Sprintf("; killed: %v", werr)
 		}
 		if s := stderr.String(); s != "" {
 			msg += "; stderr: " + s
@@ -333,10 +339,10 @@ func drainRef(ctx context.Context, b *broker, queue string, want int, sc scenari
 		return fail(fmt.Errorf("stdout: %w", err))
 	}
 	werr := cmd.Wait()
-	done = true
+	waited = true
 	switch {
 	case dctx.Err() != nil:
-		return fail(fmt.Errorf("killed after %d of %d messages", progress.Load(), want))
+		return fail(errors.New("killed"))
 	case werr != nil:
 		return fail(fmt.Errorf("after %d of %d messages: %w", progress.Load(), want, werr))
 	case start.name == "" || last.name == "":

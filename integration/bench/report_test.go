@@ -48,4 +48,33 @@ func TestTableRatiosAndTargets(t *testing.T) {
 			t.Errorf("table lacks %q:\n%s", want, out)
 		}
 	}
+	if strings.Contains(out, "(r):") {
+		t.Errorf("table without reference consumers has their note:\n%s", out)
+	}
+}
+
+func TestTableReferenceConsumers(t *testing.T) {
+	list := scenarios(100)
+	var loop, jms *series
+	for _, sc := range list {
+		switch sc.name {
+		case "loop":
+			loop = &series{sc: sc, runs: []result{{msgs: 10000, elapsed: time.Second}}}
+		case "jms":
+			r := result{msgs: 10000, elapsed: 2 * time.Second, client: time.Second, maxHeld: 99}
+			jms = &series{sc: sc, runs: []result{r}, ratios: []float64{0.5}}
+		}
+	}
+	if loop == nil || jms == nil {
+		t.Fatal("scenarios lacks loop or jms")
+	}
+	out := table([]*series{loop, jms}, loop, 256)
+	for _, want := range []string{
+		"| (r) | Qpid JMS 2.7.0", "| 5,000 (5,000–5,000) | 0.50 | 0.50 · 100.0 |", "| – | other client |",
+		"(r): another client, run as a child process",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("table lacks %q:\n%s", want, out)
+		}
+	}
 }

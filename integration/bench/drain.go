@@ -27,9 +27,16 @@ type scenario struct {
 	cmd   []string // set by prepareRefs
 	batch bool
 	opts  func() []amqpsub.Option
-	// slow: the handler sleeps 1 ms; lanes is n in WorkersByKey(n).
-	slow  bool
-	lanes int
+	// slow: the handler sleeps 1 ms; lanes is n in WorkersByKey(n), with
+	// BalanceKeys if balanced.
+	slow     bool
+	lanes    int
+	balanced bool
+	// bound is what one sleep per message lets a 1 ms scenario reach, in
+	// msgs/s, given the lanes and the key spread (set by keyNotes), and
+	// boundWhy says what sets it.
+	bound    float64
+	boundWhy string
 }
 
 func scenarios(groups int) []scenario {
@@ -50,11 +57,20 @@ func scenarios(groups int) []scenario {
 				return []amqpsub.Option{amqpsub.Batch(100, 10*time.Millisecond)}
 			}},
 	}
-	for _, n := range []int{1, 4, 16, 64} {
+	for _, n := range []int{1, 4, 8, 16, 64} {
 		list = append(list, scenario{
 			name: fmt.Sprintf("slow%d", n), title: fmt.Sprintf("1 ms, WorkersByKey(%d)", n), group: "c",
 			slow: true, lanes: n,
 			opts: func() []amqpsub.Option { return []amqpsub.Option{amqpsub.WorkersByKey(n)} },
+		})
+	}
+	for _, n := range []int{8, 16, 64} {
+		list = append(list, scenario{
+			name: fmt.Sprintf("bal%d", n), title: fmt.Sprintf("1 ms, WorkersByKey(%d), BalanceKeys", n), group: "c",
+			slow: true, lanes: n, balanced: true,
+			opts: func() []amqpsub.Option {
+				return []amqpsub.Option{amqpsub.WorkersByKey(n), amqpsub.BalanceKeys()}
+			},
 		})
 	}
 	return append(list,

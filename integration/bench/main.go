@@ -36,6 +36,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"math/rand"
 	"net/url"
 	"os"
 	"os/exec"
@@ -60,6 +61,7 @@ type options struct {
 	payloads              []string
 	n, runs, credit       int
 	groups, perLane       int
+	zipf                  float64
 	preloadLinks          int
 	stall, timeout, probe time.Duration
 	out, profileDir       string
@@ -103,6 +105,7 @@ func parseFlags() (*options, error) {
 	flag.IntVar(&o.runs, "runs", 3, "runs of every scenario; the table shows the median")
 	flag.IntVar(&o.credit, "credit", 256, "credit of the loop and of amqpsub, prefetch or window of the reference consumers")
 	flag.IntVar(&o.groups, "groups", 100, "group-ids the messages spread over, round robin; 0 sends none")
+	flag.Float64Var(&o.zipf, "zipf", 0, "0: groups round robin; s > 1: each message's group drawn from a Zipf distribution with exponent s over -groups (the same sequence every run)")
 	flag.IntVar(&o.preloadLinks, "preload-links", 4, "senders that preload in parallel, each ending with an unsettled barrier")
 	flag.IntVar(&o.perLane, "slow-per-lane", 5000, "1 ms scenarios drain at most this many messages per lane (0: -n)")
 	flag.DurationVar(&o.stall, "stall", 20*time.Second, "a drain with no progress for this long fails")
@@ -146,6 +149,8 @@ func parseFlags() (*options, error) {
 	switch {
 	case o.n < 1, o.runs < 1, o.credit < 1, o.preloadLinks < 1, o.groups < 0, o.perLane < 0:
 		return nil, fmt.Errorf("-n, -runs, -credit and -preload-links must be ≥ 1, -groups and -slow-per-lane ≥ 0")
+	case o.zipf != 0 && (o.zipf <= 1 || o.groups < 2):
+		return nil, fmt.Errorf("-zipf must be 0 or > 1, with -groups ≥ 2")
 	case o.stall <= 0, o.timeout <= 0, o.probe <= 0:
 		return nil, fmt.Errorf("-stall, -timeout and -probe must be > 0")
 	}
@@ -197,6 +202,25 @@ func gitRevision() string {
 		return "unknown"
 	}
 	return strings.TrimSpace(string(out))
+}
+
+// groupSequence returns the group-ids of the messages, message i taking
+// element i%len: the groups in turn, or, with s > 1, 20,000 draws from a
+// Zipf distribution (P(rank k) ∝ k^-s) with a fixed seed.
+func groupSequence(groups int, s float64) []string {
+	if s == 0 || groups == 0 {
+		seq := make([]string, groups)
+		for i := range seq {
+			seq[i] = groupName(i)
+		}
+		return seq
+	}
+	z := rand.NewZipf(rand.New(rand.NewSource(1)), s, 1, uint64(groups-1))
+	seq := make([]string, 20000)
+	for i := range seq {
+		seq[i] = groupName(int(z.Uint64()))
+	}
+	return seq
 }
 
 // sleepCost measures what time.Sleep(time.Millisecond) really takes here,
@@ -259,8 +283,8 @@ func bench(ctx context.Context, o *options, log *zap.Logger, rep *report) error 
 	rep.add(fmt.Sprintf("## Broker benchmark, %s\n\n", time.Now().UTC().Format("2006-01-02 15:04 MST")))
 	rep.add(fmt.Sprintf("- machine: %d CPUs (%s), %s %s/%s; load average at start %s\n",
 		runtime.NumCPU(), cpuModel(), runtime.Version(), runtime.GOOS, runtime.GOARCH, load))
-	rep.add(fmt.Sprintf("- amqpsub %s, go-amqp %s; `-n %d -runs %d -credit %d -groups %d -slow-per-lane %d`\n",
-		gitRevision(), goAMQPVersion(), o.n, o.runs, o.credit, o.groups, o.perLane))
+	rep.add(fmt.Sprintf("- amqpsub %s, go-amqp %s; `-n %d -runs %d -credit %d -groups %d -zipf %g -slow-per-lane %d`\n",
+		gitRevision(), goAMQPVersion(), o.n, o.runs, o.credit, o.groups, o.zipf, o.perLane))
 	rep.add(fmt.Sprintf("- time.Sleep(time.Millisecond) takes %v here (mean of 200)\n", sleep.Round(time.Microsecond)))
 
 	all := scenarios(o.groups)
@@ -280,14 +304,11 @@ func bench(ctx context.Context, o *options, log *zap.Logger, rep *report) error 
 	for _, line := range about {
 		rep.add(fmt.Sprintf("- reference consumer %s\n", line))
 	}
-	if notes := keyNotes(chosen, o.groups, sleep); notes != "" {
-		rep.add("\nHow far the key spread lets the 1 ms scenarios go, one sleep per message per lane:\n\n" + notes)
+	groups := groupSequence(o.groups, o.zipf)
+	if notes := keyNotes(chosen, groups, sleep); notes != "" {
+		rep.add("\nHow far the lanes and the key spread let the 1 ms scenarios go, one sleep (c) per message:\n\n" + notes)
 	}
 	rep.add("\n")
-	groups := make([]string, o.groups)
-	for i := range groups {
-		groups[i] = groupName(i)
-	}
 	for _, name := range o.brokers {
 		addr := o.artemisURL
 		pid := o.artemisPID

@@ -1,6 +1,7 @@
 package amqpsub
 
 import (
+	"os"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -50,6 +51,7 @@ type connection struct {
 type dialer struct {
 	url  string
 	opts *amqp.ConnOptions
+	wire wire.Options // the zero value, but for the benchmark's comparisons (testhook.DialWire)
 }
 
 // Dial returns a Connector that dials url (amqp://host:port or
@@ -100,7 +102,7 @@ func (d *dialer) dial(ctx context.Context, idle time.Duration) (*connection, err
 		pw, _ := u.User.Password()
 		opts.SASLType = amqp.SASLTypePlain(u.User.Username(), pw)
 	}
-	return dialAMQP(ctx, host, port, secure, &opts)
+	return dialAMQP(ctx, host, port, secure, &opts, d.wire)
 }
 
 // dialAMQP opens the socket itself, rather than through amqp.Dial, so that
@@ -109,7 +111,7 @@ func (d *dialer) dial(ctx context.Context, idle time.Duration) (*connection, err
 // go out through a wire.Conn: what go-amqp writes while a write is in
 // progress goes out together in the next one, one syscall for several
 // frames; and a refused SASL outcome is read off the wire. opts is changed.
-func dialAMQP(ctx context.Context, host, port string, secure bool, opts *amqp.ConnOptions) (*connection, error) {
+func dialAMQP(ctx context.Context, host, port string, secure bool, opts *amqp.ConnOptions, wo wire.Options) (*connection, error) {
 	if opts.HostName == "" {
 		opts.HostName = host
 	}
@@ -135,8 +137,21 @@ func dialAMQP(ctx context.Context, host, port string, secure bool, opts *amqp.Co
 		nc = tc
 	}
 	opts.TLSConfig = nil // the socket is already secured, or plain as asked
-	wc := wire.New(nc, raw, wire.Options{})
+	wc := wire.New(nc, raw, wire.Options{NoMerge: os.Getenv("XX_NOMERGE") != ""})
 	abort := func() { _ = wc.Abort() }
+	if os.Getenv("XX_DEBUG") != "" {
+		go func() {
+			t := time.NewTicker(time.Second)
+			var last wire.Stats
+			for range t.C {
+				st := wc.Stats()
+				if st != last {
+					fmt.Fprintf(os.Stderr, "wire: %+v\n", st)
+				}
+				last = st
+			}
+		}()
+	}
 	c, err := amqp.NewConn(ctx, wc, opts)
 	if err != nil {
 		abort()

@@ -16,6 +16,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/internal/backoff"
+	"github.com/amqpsub/amqpsub/internal/wire"
 	"github.com/amqpsub/amqpsub/lease"
 )
 
@@ -144,7 +145,7 @@ func (c *sbConnector) connect(ctx context.Context, req connectRequest) (*connect
 		opts.HostName = c.dialHost
 	}
 	// Errors name the connector, whose String says the host and port.
-	conn, err := dialAMQP(ctx, c.dialHost, c.port, !c.emulator, opts)
+	conn, err := dialAMQP(ctx, c.dialHost, c.port, !c.emulator, opts, wire.Options{})
 	if err != nil {
 		return nil, err
 	}

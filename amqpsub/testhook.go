@@ -5,10 +5,12 @@ import (
 	"errors"
 
 	"github.com/amqpsub/amqpsub/internal/testhook"
+	"github.com/amqpsub/amqpsub/internal/wire"
 )
 
 func init() {
 	testhook.Connector = func(name string, next testhook.Attach) any { return sourceConnector{name, next} }
+	testhook.DialWire = func(url string, o wire.Options) any { return &dialer{url: url, wire: o} }
 }
 
 // sourceConnector stands in for a broker: package amqpsubtest gives the

@@ -259,3 +259,45 @@ func TestBalancedReadsTheKeyBeforeTheItemChanges(t *testing.T) {
 		})
 	}
 }
+
+// A batch lane that holds a key and waits for its batch to fill is woken by
+// the next item of that key, which no other lane may take: the batch closes
+// at its size at once, not when BatchWait runs out. (With one wake-up
+// channel shared by the lanes, an idle lane could take the token and the
+// holder slept until BatchWait.)
+func TestBalancedBatchLaneIsWokenForItsKey(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		start := time.Now()
+		in := make(chan item)
+		type batch struct {
+			at    time.Duration
+			items []item
+		}
+		var mu sync.Mutex
+		var got []batch
+		cfg := lanes.Config[item]{Lanes: 4, Key: keyOf, Balanced: true,
+			BatchSize: 3, BatchWait: time.Hour,
+			HandleBatch: func(_ int, items []item) {
+				mu.Lock()
+				got = append(got, batch{time.Since(start), append([]item(nil), items...)})
+				mu.Unlock()
+			},
+			Drop: func(item) { t.Error("dropped without a stop") }}
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			lanes.Run(in, cfg)
+		}()
+		for i := range 3 {
+			in <- item{"a", i}
+			synctest.Wait() // every lane idle again: one holds "a", its batch open
+		}
+		mu.Lock()
+		if len(got) != 1 || got[0].at != 0 || len(got[0].items) != 3 {
+			t.Errorf("batches %+v, want one of 3 items at once (0s)", got)
+		}
+		mu.Unlock()
+		close(in)
+		<-done
+	})
+}

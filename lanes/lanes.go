@@ -144,7 +144,7 @@ func (r *runner[T]) runPool(in <-chan T) {
 	r.pool = newPool(cfg.Key, cfg.Lanes, r.gauge)
 	var wg sync.WaitGroup
 	for i := range cfg.Lanes {
-		f := &poolFeed[T]{p: r.pool}
+		f := newPoolFeed(r.pool)
 		wg.Go(func() {
 			if cfg.HandleBatch != nil {
 				r.batchLoop(i, f)

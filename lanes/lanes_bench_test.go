@@ -30,27 +30,32 @@ func benchItems(n, groups int) []*benchItem {
 func BenchmarkDispatch(b *testing.B) {
 	key := func(it *benchItem) string { return it.key }
 	for _, tc := range []struct {
-		name   string
-		lanes  int
-		key    func(*benchItem) string
-		groups int
-		batch  int
+		name     string
+		lanes    int
+		key      func(*benchItem) string
+		groups   int
+		batch    int
+		balanced bool
 	}{
 		{name: "Workers(1)", lanes: 1},
 		{name: "Workers(8)", lanes: 8},
 		{name: "WorkersByKey(8)/100-groups", lanes: 8, key: key, groups: 100},
 		{name: "WorkersByKey(8)/no-key", lanes: 8, key: key},
+		{name: "WorkersByKey(8)+Balanced/100-groups", lanes: 8, key: key, groups: 100, balanced: true},
+		{name: "WorkersByKey(8)+Balanced/no-key", lanes: 8, key: key, balanced: true},
 		{name: "Workers(1)/batch-100", lanes: 1, batch: 100},
 		{name: "WorkersByKey(8)/100-groups/batch-100", lanes: 8, key: key, groups: 100, batch: 100},
+		{name: "WorkersByKey(8)+Balanced/100-groups/batch-100", lanes: 8, key: key, groups: 100, batch: 100, balanced: true},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
 			items := benchItems(1024, tc.groups)
 			in := make(chan *benchItem, 256)
 			cfg := lanes.Config[*benchItem]{
-				Lanes:  tc.lanes,
-				Key:    tc.key,
-				Handle: func(int, *benchItem) {},
-				Drop:   func(*benchItem) { b.Error("dropped") },
+				Lanes:    tc.lanes,
+				Key:      tc.key,
+				Balanced: tc.balanced,
+				Handle:   func(int, *benchItem) {},
+				Drop:     func(*benchItem) { b.Error("dropped") },
 			}
 			if tc.batch > 0 {
 				cfg.Handle = nil

@@ -29,7 +29,7 @@ type pool[T any] struct {
 	waiting int             // items in the pool, not taken
 	done    bool            // no more pushes: lanes end once nothing is left for them
 	stopped bool            // Stop: pushes are refused
-	wake    chan struct{}   // a token per push or release a lane may wait for
+	idle    []*poolFeed[T]  // lanes that found nothing and wait on their wake
 	closed  chan struct{}   // closed when done is set
 	gauge   *Gauge
 }
@@ -49,13 +49,58 @@ type pentry[T any] struct {
 }
 
 func newPool[T any](key func(T) string, lanes int, g *Gauge) *pool[T] {
-	return &pool[T]{key: key, keys: make(map[string]*pkey[T], 64), wake: make(chan struct{}, lanes),
+	return &pool[T]{key: key, keys: make(map[string]*pkey[T], 64), idle: make([]*poolFeed[T], 0, lanes),
 		closed: make(chan struct{}), gauge: g}
 }
 
-func (p *pool[T]) signal() {
+// wakeIdle picks a lane to wake for an entry just put in the ready line:
+// the lane that went idle last (its caches are the warmest), or nil when
+// none is idle: every lane will look at the line before it waits. Under
+// mu; the caller signals the lane after unlocking.
+func (p *pool[T]) wakeIdle() *poolFeed[T] {
+	n := len(p.idle)
+	if n == 0 {
+		return nil
+	}
+	f := p.idle[n-1]
+	p.idle[n-1] = nil
+	p.idle = p.idle[:n-1]
+	f.isIdle = false
+	return f
+}
+
+// wakeOwner picks the lane holding a key that just got an item, if it is
+// idle (a batch lane waiting for its batch to fill): no other lane may take
+// that item. Under mu.
+func (p *pool[T]) wakeOwner(f *poolFeed[T]) *poolFeed[T] {
+	if f == nil || !f.isIdle {
+		return nil
+	}
+	p.unidle(f)
+	return f
+}
+
+// unidle takes f off the idle list. Under mu.
+func (p *pool[T]) unidle(f *poolFeed[T]) {
+	for i, g := range p.idle {
+		if g == f {
+			last := len(p.idle) - 1
+			p.idle[i] = p.idle[last]
+			p.idle[last] = nil
+			p.idle = p.idle[:last]
+			break
+		}
+	}
+	f.isIdle = false
+}
+
+// signal wakes f, if not nil.
+func signal[T any](f *poolFeed[T]) {
+	if f == nil {
+		return
+	}
 	select {
-	case p.wake <- struct{}{}:
+	case f.wake <- struct{}{}:
 	default:
 	}
 }
@@ -70,8 +115,10 @@ func (p *pool[T]) push(item T) bool {
 		return false
 	}
 	p.waiting++
+	var wake *poolFeed[T]
 	if k == "" {
 		p.ready.push(pentry[T]{item: item})
+		wake = p.wakeIdle()
 	} else {
 		pk := p.keys[k]
 		if pk == nil {
@@ -86,13 +133,17 @@ func (p *pool[T]) push(item T) bool {
 			p.gauge.keys.Store(int64(len(p.keys)))
 		}
 		pk.items.push(item)
-		if pk.taken == 0 && !pk.queued {
+		switch {
+		case pk.taken > 0:
+			wake = p.wakeOwner(pk.owner)
+		case !pk.queued:
 			pk.queued = true
 			p.ready.push(pentry[T]{k: pk})
+			wake = p.wakeIdle()
 		}
 	}
 	p.mu.Unlock()
-	p.signal()
+	signal(wake)
 	return true
 }
 
@@ -164,22 +215,45 @@ func (p *pool[T]) finish(k string) {
 	}
 	pk.queued = true
 	p.ready.push(pentry[T]{k: pk})
+	wake := p.wakeIdle()
 	p.mu.Unlock()
-	p.signal()
+	signal(wake)
 }
 
 // poolFeed is one lane's feed from the pool (see feed): the next item of a
 // key the lane holds, else the next ready entry.
 type poolFeed[T any] struct {
-	p    *pool[T]
-	mine []*pkey[T] // keys this lane holds (taken > 0)
+	p      *pool[T]
+	mine   []*pkey[T]    // keys this lane holds (taken > 0)
+	wake   chan struct{} // a token when the lane should look again
+	isIdle bool          // on p.idle; under p.mu
 }
 
+func newPoolFeed[T any](p *pool[T]) *poolFeed[T] {
+	return &poolFeed[T]{p: p, wake: make(chan struct{}, 1)}
+}
+
+// poll takes the next item for this lane. When there is none it puts the
+// lane on the idle list, so that the next push or release wakes it; a lane
+// that polls without waiting afterwards only costs a spurious wake.
 func (f *poolFeed[T]) poll() (T, status) {
+	v, st := f.take()
+	if st == got && f.isIdle {
+		f.p.unidle(f)
+	}
+	if st == empty && !f.isIdle {
+		f.isIdle = true
+		f.p.idle = append(f.p.idle, f)
+	}
+	f.p.mu.Unlock()
+	return v, st
+}
+
+// take is poll's work; it returns with p.mu held.
+func (f *poolFeed[T]) take() (T, status) {
 	p := f.p
 	var zero T
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	// Keep to the keys this lane holds, so that a batch takes a key's
 	// items together and in order; forget those it no longer holds.
 	n := 0
@@ -229,7 +303,7 @@ func (f *poolFeed[T]) wait(fire <-chan time.Time, stop <-chan struct{}) (T, stat
 			return v, st
 		}
 		select {
-		case <-f.p.wake:
+		case <-f.wake:
 		case <-closed:
 			closed = nil // poll says closed once nothing is left for this lane
 		case <-fire:

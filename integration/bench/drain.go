@@ -13,6 +13,8 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/internal/testhook"
+	"github.com/amqpsub/amqpsub/internal/wire"
 )
 
 // scenario is one way of draining the queue.
@@ -22,11 +24,18 @@ type scenario struct {
 	group string // "a", "b" or "c" in issue 5; "r", a reference consumer
 	// loop: the hand-written go-amqp loop; ref: a reference consumer (a key
 	// of refConsumers), run as cmd; otherwise amqpsub with opts.
-	loop  bool
-	ref   string
-	cmd   []string // set by prepareRefs
-	batch bool
-	opts  func() []amqpsub.Option
+	loop bool
+	ref  string
+	// plain: amqpsub over the go-amqp connection the loop uses (the Conn
+	// connector), instead of one it dials itself (Dial, with its wire
+	// layer), to show what the wire layer is worth.
+	plain bool
+	// noMerge: amqpsub's Dial with wire.Options.NoMerge, every acceptance
+	// a frame of its own, to show what merging them is worth.
+	noMerge bool
+	cmd     []string // set by prepareRefs
+	batch   bool
+	opts    func() []amqpsub.Option
 	// slow: the handler sleeps 1 ms; lanes is n in WorkersByKey(n), with
 	// BalanceKeys if balanced.
 	slow     bool
@@ -48,6 +57,8 @@ func scenarios(groups int) []scenario {
 		{name: "loop", title: "go-amqp loop: Receive + AcceptMessage", group: "a", loop: true},
 		{name: "w1", title: "no-op, Workers(1)", group: "b",
 			opts: func() []amqpsub.Option { return []amqpsub.Option{amqpsub.Workers(1)} }},
+		{name: "w1plain", title: "no-op, Workers(1), Conn over a plain go-amqp connection", group: "b", plain: true,
+			opts: func() []amqpsub.Option { return []amqpsub.Option{amqpsub.Workers(1)} }},
 		{name: "w8", title: "no-op, Workers(8)", group: "b",
 			opts: func() []amqpsub.Option { return []amqpsub.Option{amqpsub.Workers(8)} }},
 		{name: "key8", title: "no-op, " + keyed, group: "b",
@@ -57,6 +68,18 @@ func scenarios(groups int) []scenario {
 				return []amqpsub.Option{amqpsub.Batch(100, 10*time.Millisecond)}
 			}},
 	}
+	// Each no-merge variant runs right after its counterpart.
+	var paired []scenario
+	for _, sc := range list {
+		paired = append(paired, sc)
+		if sc.name == "w1" || sc.name == "key8" || sc.name == "batch" {
+			sc.name += "nomerge"
+			sc.title += ", acceptances not merged (wire NoMerge)"
+			sc.noMerge = true
+			paired = append(paired, sc)
+		}
+	}
+	list = paired
 	for _, n := range []int{1, 4, 8, 16, 64} {
 		list = append(list, scenario{
 			name: fmt.Sprintf("slow%d", n), title: fmt.Sprintf("1 ms, WorkersByKey(%d)", n), group: "c",
@@ -99,9 +122,18 @@ type result struct {
 	brokerOK  bool
 	maxHeld   int   // amqpsub only
 	overshoot int64 // amqpsub only: deliveries the broker sent past the credit
+	// busy is the time the 1 ms handlers spent in time.Sleep, summed over
+	// the lanes (1 ms scenarios only).
+	busy time.Duration
 }
 
 func (r result) rate() float64 { return float64(r.msgs) / r.elapsed.Seconds() }
+
+// laneUse is the share of the drain that n lanes spent in the 1 ms
+// handler: 1 when no lane ever waited for work.
+func (r result) laneUse(n int) float64 {
+	return r.busy.Seconds() / (float64(n) * r.elapsed.Seconds())
+}
 
 // errStall is the cause of a drain that made no progress for too long.
 type errStall struct {
@@ -186,7 +218,14 @@ func drain(ctx context.Context, b *broker, queue string, want int, sc scenario, 
 	if sc.loop {
 		return drainLoop(ctx, b, conn, queue, want, rc)
 	}
-	return drainSub(ctx, b, conn, queue, want, sc, rc)
+	connector := amqpsub.Dial(b.url, nil)
+	switch {
+	case sc.plain:
+		connector = amqpsub.Conn(conn)
+	case sc.noMerge:
+		connector = testhook.DialWire(b.url, wire.Options{NoMerge: true}).(amqpsub.Connector)
+	}
+	return drainSub(ctx, b, connector, queue, want, sc, rc)
 }
 
 // drainLoop is the reference: the best plain go-amqp loop, one goroutine
@@ -256,11 +295,12 @@ func measured(n int, elapsed time.Duration, before, after cpuSample) result {
 	}
 }
 
-// drainSub drains with amqpsub: the clock runs from Run (session and attach
-// included, as in the loop) until every message was handled and its
-// acceptance sent.
-func drainSub(ctx context.Context, b *broker, conn *amqp.Conn, queue string, want int, sc scenario, rc runConfig) (result, error) {
-	var handled atomic.Int64
+// drainSub drains with amqpsub through connector: the clock runs from Run
+// (session and attach included, as in the loop; with Dial, the connection's
+// open too, which the loop's clock leaves out) until every message was
+// handled and its acceptance sent.
+func drainSub(ctx context.Context, b *broker, connector amqpsub.Connector, queue string, want int, sc scenario, rc runConfig) (result, error) {
+	var handled, slept atomic.Int64
 	all := make(chan struct{})
 	var once sync.Once
 	note := func(k int) {
@@ -278,20 +318,22 @@ func drainSub(ctx context.Context, b *broker, conn *amqp.Conn, queue string, wan
 	var err error
 	switch {
 	case sc.batch:
-		s, err = amqpsub.NewBatch(amqpsub.Conn(conn), queue, amqpsub.BatchHandlerFunc(
+		s, err = amqpsub.NewBatch(connector, queue, amqpsub.BatchHandlerFunc(
 			func(ctx context.Context, batch []*amqpsub.Delivery) []error {
 				note(len(batch))
 				return nil
 			}), opts...)
 	case sc.slow:
-		s, err = amqpsub.New(amqpsub.Conn(conn), queue, amqpsub.HandlerFunc(
+		s, err = amqpsub.New(connector, queue, amqpsub.HandlerFunc(
 			func(ctx context.Context, d *amqpsub.Delivery) error {
+				t0 := time.Now()
 				time.Sleep(time.Millisecond)
+				slept.Add(int64(time.Since(t0)))
 				note(1)
 				return nil
 			}), opts...)
 	default:
-		s, err = amqpsub.New(amqpsub.Conn(conn), queue, amqpsub.HandlerFunc(
+		s, err = amqpsub.New(connector, queue, amqpsub.HandlerFunc(
 			func(ctx context.Context, d *amqpsub.Delivery) error {
 				note(1)
 				return nil
@@ -349,6 +391,7 @@ func drainSub(ctx context.Context, b *broker, conn *amqp.Conn, queue string, wan
 	}
 	r := measured(want, elapsed, before, after)
 	r.maxHeld, r.overshoot = st.MaxHeld, st.Overshoot
+	r.busy = time.Duration(slept.Load())
 	return r, nil
 }
 

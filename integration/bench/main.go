@@ -99,7 +99,7 @@ func parseFlags() (*options, error) {
 	flag.StringVar(&o.artemisURL, "artemis", envOr("AMQPSUB_ARTEMIS_URL", "amqp://127.0.0.1:5672"), "Artemis URL (default $AMQPSUB_ARTEMIS_URL)")
 	flag.StringVar(&o.rabbitURL, "rabbitmq", envOr("AMQPSUB_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5682"), "RabbitMQ 3.10 URL (default $AMQPSUB_RABBITMQ_URL)")
 	flag.StringVar(&brokers, "brokers", "artemis,rabbitmq", "brokers to run, in order: artemis, rabbitmq")
-	flag.StringVar(&scens, "scenarios", "all", "scenarios to run: all, or a list of loop, w1, w8, key8, batch, slow1, slow4, slow16, slow64, jms, protonc, pyproton")
+	flag.StringVar(&scens, "scenarios", "all", "scenarios to run: all, or a list of loop, w1, w1plain, w8, key8, batch, slow1, slow4, slow8, slow16, slow64, bal8, bal16, bal64, w1nomerge, key8nomerge, batchnomerge, jms, protonc, pyproton")
 	flag.StringVar(&pays, "payloads", "p100,t1k", "payloads: p100 (100 B persistent), t1k (1 KiB non-persistent)")
 	flag.IntVar(&o.n, "n", 100000, "messages preloaded per drain (plus one barrier)")
 	flag.IntVar(&o.runs, "runs", 3, "runs of every scenario; the table shows the median")
@@ -400,6 +400,10 @@ func benchPayload(ctx context.Context, o *options, log *zap.Logger, rep *report,
 				tag, res.msgs, res.elapsed.Round(time.Millisecond), num(res.rate()),
 				res.client.Seconds()/res.elapsed.Seconds(), res.broker.Seconds()/res.elapsed.Seconds(),
 				res.maxHeld, res.overshoot)
+			if s.sc.slow {
+				logf("%s: handler mean %v, lanes busy %.0f%%", tag,
+					(res.busy / time.Duration(res.msgs)).Round(time.Microsecond), 100*res.laneUse(s.sc.lanes))
+			}
 		}
 		if loop != nil && len(loop.runs) == r {
 			ref := loop.runs[r-1].rate()

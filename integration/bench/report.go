@@ -136,7 +136,10 @@ func target(s *series, rate, loopRate float64) string {
 			bound, what = loopRate, "(a)"
 		}
 		pct := 100 * rate / bound
-		return fmt.Sprintf("%.0f%% of %s = %s (≥ 90%%): %s", pct, what, num(bound), yesNo(pct >= 90))
+		return fmt.Sprintf("%.0f%% of %s = %s (≥ 90%%): %s; lanes busy %.0f%%, c in the run %.2f ms",
+			pct, what, num(bound), yesNo(pct >= 90),
+			100*s.med(func(r result) float64 { return r.laneUse(s.sc.lanes) }),
+			s.med(func(r result) float64 { return r.busy.Seconds() * 1000 / float64(max(1, r.msgs)) }))
 	case len(s.ratios) > 0:
 		return fmt.Sprintf("≥ 1.25× (a): %s", yesNo(median(s.ratios) >= 1.25))
 	}

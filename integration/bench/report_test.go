@@ -34,10 +34,13 @@ func TestTableRatiosAndTargets(t *testing.T) {
 	run := func(msgs int, secs float64) result {
 		return result{msgs: msgs, elapsed: time.Duration(secs * float64(time.Second)), maxHeld: 200}
 	}
-	list := scenarios(100)
-	loop := &series{sc: list[0], runs: []result{run(10000, 1)}}
-	w1 := &series{sc: list[1], runs: []result{run(10000, 0.5)}, ratios: []float64{2}}
-	slow4 := &series{sc: list[6], runs: []result{run(10000, 2.6)}, ratios: []float64{0.38}}
+	byName := map[string]scenario{}
+	for _, sc := range scenarios(100) {
+		byName[sc.name] = sc
+	}
+	loop := &series{sc: byName["loop"], runs: []result{run(10000, 1)}}
+	w1 := &series{sc: byName["w1"], runs: []result{run(10000, 0.5)}, ratios: []float64{2}}
+	slow4 := &series{sc: byName["slow4"], runs: []result{run(10000, 2.6)}, ratios: []float64{0.38}}
 	out := table([]*series{loop, w1, slow4}, loop, 256)
 	for _, want := range []string{
 		"| (a) | go-amqp loop", "10,000 (10,000–10,000)", "reference",

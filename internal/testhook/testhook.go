@@ -6,6 +6,7 @@ package testhook
 import (
 	"context"
 
+	"github.com/amqpsub/amqpsub/internal/wire"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -17,3 +18,8 @@ type Attach func(ctx context.Context) (pump.Source, error)
 // import amqpsub) that attaches to the sources next gives instead of a
 // broker; name is what String says. Set by package amqpsub.
 var Connector func(name string, next Attach) any
+
+// DialWire returns an amqpsub.Connector (as any) that dials url as
+// amqpsub.Dial(url, nil) does, with wire options o instead of the zero
+// value: for the benchmark's side-by-side runs. Set by package amqpsub.
+var DialWire func(url string, o wire.Options) any

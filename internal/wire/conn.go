@@ -30,6 +30,11 @@ type Options struct {
 	// Write larger than MaxQueued is accepted once nothing is unwritten.
 	// 0 picks DefaultMaxQueued; negative is invalid. Default: 1 MiB.
 	MaxQueued int
+	// NoMerge writes every disposition as go-amqp wrote it. By default
+	// (false) a settled accepted disposition is merged into one still
+	// queued whose delivery-ids it continues: one frame for a range of
+	// deliveries (see the package doc, Merging).
+	NoMerge bool
 }
 
 // Validate reports an invalid Options with an error wrapping
@@ -47,6 +52,7 @@ type Stats struct {
 	Writes  uint64 // Write calls that queued bytes
 	Flushes uint64 // Write calls the flusher made on the connection under it
 	Bytes   uint64 // bytes written to the connection under it
+	Merged  uint64 // accepted dispositions written as part of another's frame, not as their own
 }
 
 // Conn is a net.Conn whose Write queues bytes for one flusher goroutine,
@@ -54,10 +60,11 @@ type Stats struct {
 // under it. Read passes through, recording the peer's sasl-outcome on the
 // way. All methods are safe for concurrent use. Make one with New.
 type Conn struct {
-	c    net.Conn      // what go-amqp reads and writes through us
-	raw  net.Conn      // the socket Abort closes; c itself when c is not layered
-	max  int           // Options.MaxQueued, resolved
-	done chan struct{} // closed when the flusher returns
+	c     net.Conn      // what go-amqp reads and writes through us
+	raw   net.Conn      // the socket Abort closes; c itself when c is not layered
+	max   int           // Options.MaxQueued, resolved
+	merge bool          // !Options.NoMerge
+	done  chan struct{} // closed when the flusher returns
 
 	mu        sync.Mutex
 	wake      sync.Cond     // the flusher waits on it for bytes, Close or Abort
@@ -72,6 +79,12 @@ type Conn struct {
 	closing   bool          // Close was called: Write refuses, the flusher drains and ends
 	err       error         // first write error, or ErrAborted; Write returns it from then on
 	stats     Stats
+	// accs are the accepted dispositions in queued, written as
+	// appendAccepted writes them, that later ones may extend: those queued
+	// since the last flush and since the last frame that is neither a flow
+	// nor a disposition, at most len(accs) of them, the newest last.
+	accs  [16]accRange
+	naccs int
 
 	closeOnce sync.Once
 	closeErr  error
@@ -105,6 +118,7 @@ func New(c net.Conn, raw net.Conn, opts Options) *Conn {
 		c:     c,
 		raw:   raw,
 		max:   opts.MaxQueued,
+		merge: !opts.NoMerge,
 		done:  make(chan struct{}),
 		sniff: new(sniffer),
 	}
@@ -159,14 +173,91 @@ func (c *Conn) Write(p []byte) (int, error) {
 		waitRoom(room, dl)
 		c.mu.Lock()
 	}
+	c.stats.Writes++
+	if c.merge {
+		if a, ok := parseAccepted(p); ok {
+			c.queueAccepted(a)
+			c.mu.Unlock()
+			return len(p), nil
+		}
+		if !crossable(p) {
+			c.naccs = 0
+		}
+	}
 	c.queued = append(c.queued, p...)
 	c.unwritten += len(p)
-	c.stats.Writes++
 	if c.idle {
 		c.wake.Signal()
 	}
 	c.mu.Unlock()
 	return len(p), nil
+}
+
+// queueAccepted queues a settled accepted disposition: merged into one
+// queued since the last flush whose range it continues on the same
+// channel, with no frame between them but flows and dispositions, else
+// queued as its own frame that later ones may extend. Under mu.
+//
+// Merging moves an acceptance ahead of the flows and dispositions of other
+// deliveries queued since the one it joins. Settling sooner is harmless:
+// a flow's credit counts transfers, not settlements, and no delivery is
+// settled twice. Any other frame (a detach, an end, a transfer) is never
+// crossed.
+func (c *Conn) queueAccepted(a accepted) {
+	for i := range c.naccs {
+		r := &c.accs[i]
+		if m, ok := r.a.extend(a); ok {
+			r.a = m
+			appendAccepted(c.queued[r.off:r.off], m) // in place: same size
+			c.stats.Merged++
+			c.joinRanges(i)
+			return
+		}
+	}
+	if c.naccs == len(c.accs) {
+		copy(c.accs[:], c.accs[1:])
+		c.naccs--
+	}
+	c.accs[c.naccs] = accRange{off: len(c.queued), a: a}
+	c.naccs++
+	c.queued = appendAccepted(c.queued, a)
+	c.unwritten += mergedSize
+	if c.idle {
+		c.wake.Signal()
+	}
+}
+
+// joinRanges merges accs[i], just extended, with the tracked range it now
+// touches, if any: the one queued first takes both ranges and the other's
+// frame is cut out of the queue. Under mu.
+func (c *Conn) joinRanges(i int) {
+	for j := range c.naccs {
+		if j == i {
+			continue
+		}
+		m, ok := c.accs[i].a.extend(c.accs[j].a)
+		if !ok {
+			continue
+		}
+		keep, cut := i, j
+		if c.accs[j].off < c.accs[i].off {
+			keep, cut = j, i
+		}
+		c.accs[keep].a = m
+		appendAccepted(c.queued[c.accs[keep].off:c.accs[keep].off], m)
+		off := c.accs[cut].off
+		c.queued = append(c.queued[:off], c.queued[off+mergedSize:]...)
+		c.unwritten -= mergedSize
+		for k := range c.naccs {
+			if c.accs[k].off > off {
+				c.accs[k].off -= mergedSize
+			}
+		}
+		copy(c.accs[cut:c.naccs], c.accs[cut+1:c.naccs])
+		c.naccs--
+		c.stats.Merged++
+		return
+	}
 }
 
 // waitRoom waits until room is closed or the deadline dl (none if zero)
@@ -219,6 +310,7 @@ func (c *Conn) flusher() {
 		}
 		buf := c.queued
 		c.queued, c.spare = c.spare, nil
+		c.naccs = 0
 		if !c.wdl.Equal(c.applied) {
 			c.applied = c.wdl
 			c.c.SetWriteDeadline(c.wdl) // an error here shows in the Write
@@ -253,6 +345,7 @@ func (c *Conn) flusher() {
 				c.err = err
 			}
 			c.queued = c.queued[:0]
+			c.naccs = 0
 			c.unwritten = 0
 			c.mu.Unlock()
 			return

@@ -23,6 +23,24 @@
 // records the sasl-outcome code the peer sent; HandshakeError turns a failed
 // handshake into a typed *SASLError.
 //
+// # Merging
+//
+// Under receiver-settle-mode first (Artemis, RabbitMQ) go-amqp writes one
+// disposition frame per AcceptMessage, and the broker reads and handles
+// each as a frame of its own. AMQP lets one disposition settle a range of
+// deliveries (first..last), which is what Qpid Proton sends. Write merges a
+// settled accepted disposition of the receiver role into one still queued
+// (not yet taken by a flush) on the same channel whose range it continues
+// at either end; otherwise it queues it as a frame later ones may extend.
+// Only flows, dispositions and heartbeats may lie between the two: a
+// merged acceptance then reaches the broker ahead of them, which changes
+// nothing (credit counts transfers, not settlements, and a delivery is
+// settled once). Any other frame is a barrier, and nothing is merged into
+// bytes a flush has taken. Unsettled dispositions (receiver-settle-mode
+// second, as on Service Bus, where the peer answers each), other outcomes
+// and anything the parser does not recognise pass through as written.
+// Options.NoMerge turns merging off.
+//
 // # Layering
 //
 // The library stacks raw TCP → *tls.Conn → wire.Conn → go-amqp, so frames

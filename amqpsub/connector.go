@@ -1,13 +1,13 @@
 package amqpsub
 
 import (
-	"os"
 	"context"
 	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
 	"net/url"
+	"os"
 	"strconv"
 	"strings"
 	"time"

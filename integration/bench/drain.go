@@ -46,6 +46,7 @@ type scenario struct {
 	// boundWhy says what sets it.
 	bound    float64
 	boundWhy string
+	sleep    time.Duration // c, as measured before the runs (set by keyNotes)
 }
 
 func scenarios(groups int) []scenario {

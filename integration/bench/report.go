@@ -136,10 +136,16 @@ func target(s *series, rate, loopRate float64) string {
 			bound, what = loopRate, "(a)"
 		}
 		pct := 100 * rate / bound
-		return fmt.Sprintf("%.0f%% of %s = %s (≥ 90%%): %s; lanes busy %.0f%%, c in the run %.2f ms",
+		cRun := s.med(func(r result) float64 { return r.busy.Seconds() / float64(max(1, r.msgs)) })
+		out := fmt.Sprintf("%.0f%% of %s = %s (≥ 90%%): %s; lanes busy %.0f%%, c in the run %.2f ms",
 			pct, what, num(bound), yesNo(pct >= 90),
-			100*s.med(func(r result) float64 { return r.laneUse(s.sc.lanes) }),
-			s.med(func(r result) float64 { return r.busy.Seconds() * 1000 / float64(max(1, r.msgs)) }))
+			100*s.med(func(r result) float64 { return r.laneUse(s.sc.lanes) }), cRun*1000)
+		if sleep := s.sc.sleep.Seconds(); cRun > 0 && sleep > 0 && what != "(a)" {
+			// The same bound with the sleep as long as it was in the run.
+			runBound := bound * sleep / cRun
+			out += fmt.Sprintf(" (%.0f%% of %s with it)", 100*rate/runBound, num(runBound))
+		}
+		return out
 	case len(s.ratios) > 0:
 		return fmt.Sprintf("≥ 1.25× (a): %s", yesNo(median(s.ratios) >= 1.25))
 	}
@@ -177,6 +183,7 @@ func keyNotes(chosen []scenario, seq []string, sleep time.Duration) string {
 			continue
 		}
 		n := sc.lanes
+		sc.sleep = sleep
 		sc.bound, sc.boundWhy = per(float64(n)), fmt.Sprintf("%d/c", n)
 		if len(seq) == 0 {
 			fmt.Fprintf(&b, "- %s, no group-id: deliveries go to any lane: at most %s msgs/s\n", sc.title, num(sc.bound))

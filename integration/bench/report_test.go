@@ -121,3 +121,24 @@ func TestKeyNotesBounds(t *testing.T) {
 		t.Error("groupSequence with a Zipf exponent is not the same from run to run")
 	}
 }
+
+// A 1 ms scenario whose lanes were always busy but whose sleeps took 25 %
+// longer in the run than before it: 80 % of n/c, 100 % of the bound with
+// the sleep the run saw.
+func TestTargetCountsTheSleepOfTheRun(t *testing.T) {
+	var chosen []scenario
+	for _, sc := range scenarios(100) {
+		if sc.name == "bal8" {
+			chosen = append(chosen, sc)
+		}
+	}
+	keyNotes(chosen, groupSequence(100, 0), time.Millisecond)
+	r := result{msgs: 8000, elapsed: 1250 * time.Millisecond, busy: 8000 * 1250 * time.Microsecond}
+	s := &series{sc: chosen[0], runs: []result{r}}
+	got := target(s, r.rate(), 0)
+	for _, want := range []string{"80% of 8/c = 8,000 (≥ 90%): not met", "lanes busy 100%", "c in the run 1.25 ms", "(100% of 6,400 with it)"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("target %q lacks %q", got, want)
+		}
+	}
+}

@@ -14,7 +14,7 @@ INTEGRATION_ENV := AMQPSUB_ARTEMIS_URL=$(AMQPSUB_ARTEMIS_URL) \
 	AMQPSUB_ARTEMIS_CTL=$(ARTEMIS_CTL) \
 	AMQPSUB_RABBITMQ_CTL=$(RABBITMQ_CTL)
 
-.PHONY: all prereqs prereqs-demo brokers brokers-stop artemis rabbitmq unit integration test demo bench fuzz fmt vet lint check
+.PHONY: golangci all prereqs prereqs-demo brokers brokers-stop artemis rabbitmq unit integration test demo bench fuzz fmt vet lint check
 
 all: lint unit
 
@@ -72,6 +72,16 @@ fmt:
 vet:
 	$(GO) vet ./...
 
-lint: fmt vet
+## lint: gofmt, go vet and golangci-lint (pinned, installed with go install if missing; config in .golangci.yml)
+GOLANGCI_VERSION := 2.15.0
+GOLANGCI := $(shell $(GO) env GOPATH)/bin/golangci-lint
+golangci:
+	@if ! "$(GOLANGCI)" version 2>/dev/null | grep -q 'has version $(GOLANGCI_VERSION) '; then \
+		echo "installing golangci-lint v$(GOLANGCI_VERSION) into $(GOLANGCI)"; \
+		$(GO) install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v$(GOLANGCI_VERSION); \
+	fi
+	"$(GOLANGCI)" run ./...
+
+lint: fmt vet golangci
 
 check: lint test

@@ -120,7 +120,7 @@ func dialAMQP(ctx context.Context, host, port string, secure bool, opts *amqp.Co
 	if err != nil {
 		return nil, err
 	}
-	var nc net.Conn = raw
+	nc := raw
 	if secure {
 		cfg := &tls.Config{}
 		if opts.TLSConfig != nil {

@@ -157,20 +157,20 @@ func deadLetterCopy(m *amqp.Message, address, queue string, oe *OutcomeError) *a
 func deadLetterID(m *amqp.Message, address string) string {
 	h := xxhash.New()
 	for _, d := range m.Data {
-		h.Write(d)
-		h.Write([]byte{0})
+		_, _ = h.Write(d) // an xxhash Digest never fails to write
+		_, _ = h.Write([]byte{0})
 	}
 	if m.Value != nil {
-		fmt.Fprintf(h, "v%#v", m.Value)
+		_, _ = fmt.Fprintf(h, "v%#v", m.Value)
 	}
 	for _, seq := range m.Sequence {
-		fmt.Fprintf(h, "s%#v", seq)
+		_, _ = fmt.Fprintf(h, "s%#v", seq)
 	}
 	if prev, ok := m.ApplicationProperties["_AMQ_DUPL_ID"]; ok {
-		fmt.Fprintf(h, "p%v", prev)
+		_, _ = fmt.Fprintf(h, "p%v", prev)
 	}
 	if orig, ok := annotation(m, "x-opt-ORIG-MESSAGE-ID"); ok {
-		fmt.Fprintf(h, "o%v", orig)
+		_, _ = fmt.Fprintf(h, "o%v", orig)
 	}
 	return fmt.Sprintf("amqpsub-dlq:%s:%v:%016x", address, m.Properties.MessageID, h.Sum64())
 }

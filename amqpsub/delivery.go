@@ -13,14 +13,14 @@ import (
 type BodyKind uint8
 
 const (
-	// BodyEmpty: no body section.
+	// BodyEmpty means no body section.
 	BodyEmpty BodyKind = iota
-	// BodyData: one or more data sections (opaque bytes); Body returns them.
+	// BodyData means one or more data sections (opaque bytes); Body returns them.
 	BodyData
-	// BodyValue: an amqp-value section, such as a JMS TextMessage's string
+	// BodyValue means an amqp-value section, such as a JMS TextMessage's string
 	// or MapMessage's map; Value returns it.
 	BodyValue
-	// BodySequence: amqp-sequence sections, such as a JMS StreamMessage;
+	// BodySequence means amqp-sequence sections, such as a JMS StreamMessage;
 	// Sequence returns them.
 	BodySequence
 )

@@ -11,45 +11,45 @@ import (
 type EventKind uint8
 
 const (
-	// EventHandlerFailed: a handler returned an error that means Retry (Err);
+	// EventHandlerFailed means a handler returned an error that means Retry (Err);
 	// the delivery went back to the broker as a failed attempt, or is
 	// retried in the lane (Attempt > 0) under LocalRetry.
 	EventHandlerFailed EventKind = iota + 1
-	// EventHandlerPanicked: a handler panicked (Err wraps ErrHandlerPanic
+	// EventHandlerPanicked means a handler panicked (Err wraps ErrHandlerPanic
 	// and holds the value); the delivery is retried.
 	EventHandlerPanicked
-	// EventPoisoned: a delivery was dead-lettered before any handler saw
+	// EventPoisoned means a delivery was dead-lettered before any handler saw
 	// it, its delivery count being past MaxDeliveryCount.
 	EventPoisoned
-	// EventSettleFailed: the broker did not take a settlement (Err); it
+	// EventSettleFailed means the broker did not take a settlement (Err); it
 	// redelivers the delivery.
 	EventSettleFailed
-	// EventLinkLost: the link or connection failed (Err); the subscriber
+	// EventLinkLost means the link or connection failed (Err); the subscriber
 	// reconnects.
 	EventLinkLost
-	// EventReconnectFailed: an attempt to replace a lost link failed (Err);
+	// EventReconnectFailed means an attempt to replace a lost link failed (Err);
 	// another follows after a backoff, unless the error is fatal.
 	EventReconnectFailed
-	// EventReconnected: a new link replaced a lost one after Attempt
+	// EventReconnected means a new link replaced a lost one after Attempt
 	// attempts; Err is what ended the old one.
 	EventReconnected
-	// EventCreditOvershoot: the broker sent past the credit it was given;
+	// EventCreditOvershoot means the broker sent past the credit it was given;
 	// credit is granted in windows from now on.
 	EventCreditOvershoot
-	// EventLockLost: a Service Bus message lock was lost (not renewed in
+	// EventLockLost means a Service Bus message lock was lost (not renewed in
 	// time, or refused by the service); the delivery is dropped if no
 	// handler had it, else its handler's context is cancelled and its
 	// settlement skipped. The service delivers it again.
 	EventLockLost
-	// EventAbandoned: at the end of Run, Count handlers had not returned
+	// EventAbandoned means at the end of Run, Count handlers had not returned
 	// within the grace period and CloseTimeout; their results are ignored
 	// and the broker redelivers their deliveries.
 	EventAbandoned
-	// EventDeadLetterCopyFailed: DeadLetterCopy could not send a delivery's
+	// EventDeadLetterCopyFailed means DeadLetterCopy could not send a delivery's
 	// copy to the dead-letter address (Err); the delivery was rejected
 	// instead, and the broker dead-letters it without the reason.
 	EventDeadLetterCopyFailed
-	// EventOversize: a delivery's body was larger than MaxMessageSize
+	// EventOversize means a delivery's body was larger than MaxMessageSize
 	// (Err); it was rejected before any handler saw it.
 	EventOversize
 )

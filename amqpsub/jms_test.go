@@ -248,7 +248,7 @@ func callViews(d *amqpsub.Delivery) (err error) {
 		}
 	}()
 	check := func(view string, err error) error {
-		if err != nil && !errors.Is(err, amqpsub.ErrBodyKind) && !(view == "Text" && strings.Contains(err.Error(), "not valid UTF-8")) {
+		if err != nil && !errors.Is(err, amqpsub.ErrBodyKind) && (view != "Text" || !strings.Contains(err.Error(), "not valid UTF-8")) {
 			return fmt.Errorf("%s: unexpected error %v", view, err)
 		}
 		return nil

@@ -14,26 +14,6 @@ import (
 	"github.com/amqpsub/amqpsub/lanes"
 )
 
-// stuck is a handler that never returns until released, whatever its ctx
-// says; it records whether its ctx was cancelled.
-type stuck struct {
-	release   chan struct{}
-	in        chan struct{}
-	cancelled atomic.Bool
-}
-
-func newStuck() *stuck { return &stuck{release: make(chan struct{}), in: make(chan struct{}, 1)} }
-
-func (h *stuck) Handle(ctx context.Context, _ *amqpsub.Delivery) error {
-	select {
-	case h.in <- struct{}{}:
-	default:
-	}
-	<-h.release
-	h.cancelled.Store(ctx.Err() != nil)
-	return nil // would accept, were it not abandoned
-}
-
 // A handler that honours its ctx is not abandoned: after the grace period
 // its ctx is cancelled, it returns, and Run returns nil at once.
 func TestHandlerThatHonoursCancelIsNotAbandoned(t *testing.T) {

@@ -243,7 +243,7 @@ func (s *Subscriber) waitGrace(runs []*running) {
 // how many there were.
 func (s *Subscriber) abandon() int {
 	n := int(s.running.Load())
-	if n == 0 {
+	if n <= 0 {
 		return 0
 	}
 	s.abandoned.Add(uint64(n))

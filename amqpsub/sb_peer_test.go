@@ -9,12 +9,9 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -88,21 +85,6 @@ func (p *sbTestPeer) stat(t *testing.T, q, name string) int {
 	return int(n)
 }
 
-// value returns a connection string key's value.
-func (p *sbTestPeer) value(key string) string {
-	for _, seg := range strings.Split(p.conn, ";") {
-		if k, v, ok := strings.Cut(seg, "="); ok && strings.EqualFold(k, key) {
-			return v
-		}
-	}
-	return ""
-}
-
-// hostPort is the peer's AMQP address.
-func (p *sbTestPeer) hostPort() string {
-	return strings.TrimSuffix(strings.TrimPrefix(p.value("Endpoint"), "sb://"), "/")
-}
-
 func sbTestLog(t *testing.T) *zap.Logger { return zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)) }
 
 // waitUntil polls cond until it holds, failing the test after within.
@@ -116,70 +98,3 @@ func waitUntil(t *testing.T, within time.Duration, what string, cond func() bool
 		time.Sleep(20 * time.Millisecond)
 	}
 }
-
-// freezingProxy forwards TCP to a target until frozen: then it holds every
-// byte, keeping the sockets open, as a peer that hangs or a network that
-// drops everything.
-type freezingProxy struct {
-	ln     net.Listener
-	frozen atomic.Bool
-	mu     sync.Mutex
-	conns  []net.Conn
-	wg     sync.WaitGroup
-}
-
-func newFreezingProxy(t *testing.T, target string) *freezingProxy {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	f := &freezingProxy{ln: ln}
-	f.wg.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			u, err := net.Dial("tcp", target)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			f.mu.Lock()
-			f.conns = append(f.conns, c, u)
-			f.mu.Unlock()
-			f.wg.Go(func() { f.pipe(c, u) })
-			f.wg.Go(func() { f.pipe(u, c) })
-		}
-	})
-	t.Cleanup(func() {
-		f.frozen.Store(false)
-		ln.Close()
-		f.mu.Lock()
-		for _, c := range f.conns {
-			c.Close()
-		}
-		f.mu.Unlock()
-		f.wg.Wait()
-	})
-	return f
-}
-
-func (f *freezingProxy) pipe(dst, src net.Conn) {
-	buf := make([]byte, 32<<10)
-	for {
-		n, err := src.Read(buf)
-		if err != nil {
-			return
-		}
-		for f.frozen.Load() {
-			time.Sleep(5 * time.Millisecond) // holds the bytes while frozen
-		}
-		if _, err := dst.Write(buf[:n]); err != nil {
-			return
-		}
-	}
-}
-
-func (f *freezingProxy) addr() string { return f.ln.Addr().String() }

@@ -57,7 +57,7 @@ func TestRefresher(t *testing.T) {
 			}
 			// Due halfway (4 s), failed; tried again after 0.5-1 s; then
 			// halfway through each new token's life.
-			if len(at) < 2 || at[0] != 4*time.Second || at[1]-at[0] < refreshRetryMin/2 || at[1]-at[0] > refreshRetryMin {
+			if len(at) < 2 || at[0] != 4*time.Second || at[1]-at[0] < refreshRetryFloor/2 || at[1]-at[0] > refreshRetryFloor {
 				t.Fatalf("refreshes at %v", at)
 			}
 			for i := 2; i < len(at); i++ {

@@ -63,7 +63,7 @@ func TestSessionLockRenewal(t *testing.T) {
 			if !errors.Is(err, errUnavailable) {
 				t.Fatalf("error %v, want the last request's", err)
 			}
-			if ended < 20*time.Second || ended > 20*time.Second+sessionRetryMin {
+			if ended < 20*time.Second || ended > 20*time.Second+sessionRetryFloor {
 				t.Fatalf("given up at %v; the lock expires at 20s", ended)
 			}
 			// 10, 12, 14, 16, 18, 19, 19.5, 19.75: retries at half of what

@@ -67,7 +67,7 @@ func newRPC(ctx context.Context, sess *amqp.Session, node string) (*rpc, error) 
 		return nil, err
 	}
 	r.snd, r.rcv, r.reply = snd, rcv, reply
-	go r.route(rcv)
+	go r.route(rcv) //nolint:gosec // G118: the router serves the node, not one request; it ends with the node's receiver and close waits for it (r.done)
 	return r, nil
 }
 

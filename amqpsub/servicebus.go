@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"net"
 	"net/url"
@@ -171,9 +172,9 @@ const (
 	// put-token.
 	refreshTimeout = 30 * time.Second
 	// A failed refresh is tried again after a wait between half and all of
-	// a ceiling that doubles from refreshRetryMin up to refreshRetryMax.
-	refreshRetryMin = time.Second
-	refreshRetryMax = 30 * time.Second
+	// a ceiling that doubles from refreshRetryFloor up to refreshRetryMax.
+	refreshRetryFloor = time.Second
+	refreshRetryMax   = 30 * time.Second
 	// refreshGiveUp is how long before a token expires the connection is
 	// dropped when no refresh has succeeded (at most a tenth of the
 	// token's lifetime).
@@ -212,8 +213,8 @@ func refreshAt(issued, expiry time.Time) time.Time {
 // retryWait is the wait before the failures-th retry of a refresh: "equal
 // jitter", between half the backoff ceiling and all of it.
 func retryWait(failures int) time.Duration {
-	c := backoff.Ceiling(failures-1, refreshRetryMin, refreshRetryMax)
-	return c/2 + rand.N(c/2+1)
+	c := backoff.Ceiling(failures-1, refreshRetryFloor, refreshRetryMax)
+	return c/2 + rand.N(c/2+1) //nolint:gosec // G404: jitter spreads retries; nothing secret depends on it
 }
 
 // refresher keeps a connection's tokens on $cbs: it puts each again before
@@ -449,7 +450,7 @@ func (m *management) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time
 func (m *management) request(ctx context.Context, operation string, body map[string]any) (*amqp.Message, error) {
 	props := map[string]any{"operation": operation, "associated-link-name": m.linkName}
 	if dl, ok := ctx.Deadline(); ok {
-		props["com.microsoft:server-timeout"] = uint32(max(0, time.Until(dl)/time.Millisecond))
+		props["com.microsoft:server-timeout"] = millis32(time.Until(dl))
 	}
 	resp, err := m.call(ctx, &amqp.Message{Value: body, ApplicationProperties: props})
 	if err != nil {
@@ -482,3 +483,13 @@ func (m *management) abandonLink(ctx context.Context, rcv *amqp.Receiver) bool {
 // errLockLost is the error users see (in events and $management errors)
 // for a lock the service says is lost: ErrLockLost.
 var errLockLost = lease.ErrLockLost
+
+// millis32 is d in whole milliseconds as an AMQP uint, clamped to its range
+// (a negative d is 0; past 49 days, the most a uint holds).
+func millis32(d time.Duration) uint32 {
+	ms := max(0, d/time.Millisecond)
+	if ms > math.MaxUint32 {
+		return math.MaxUint32
+	}
+	return uint32(ms)
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/Azure/go-amqp"
@@ -35,7 +36,7 @@ func sessionReceiverOptions(ro *amqp.ReceiverOptions, id string, wait time.Durat
 		v = id
 	}
 	ro.Filters = append(ro.Filters, amqp.NewLinkFilter(sessionFilter, sessionFilterCode, v))
-	ro.Properties = map[string]any{"com.microsoft:timeout": uint32(wait / time.Millisecond)}
+	ro.Properties = map[string]any{"com.microsoft:timeout": millis32(wait)}
 }
 
 // sessionSource is the source of a session link: its receiver, which it
@@ -82,6 +83,9 @@ func ticksTime(v any) (time.Time, bool) {
 	case int64:
 		ticks = v
 	case uint64:
+		if v > math.MaxInt64 {
+			return time.Time{}, false
+		}
 		ticks = int64(v)
 	default:
 		return time.Time{}, false
@@ -137,13 +141,13 @@ func (src *sessionSource) renew(ctx context.Context, log *zap.Logger, until time
 	// Bounded, and cut short by stop: go-amqp goes on closing the link.
 	cctx, cancel := context.WithTimeout(ctx, time.Second)
 	defer cancel()
-	_ = src.Receiver.Close(cctx)
+	_ = src.Close(cctx)
 }
 
 // Session lock renewal after a failed request.
 const (
-	sessionRetryMin = 250 * time.Millisecond
-	sessionRetryMax = 2 * time.Second
+	sessionRetryFloor = 250 * time.Millisecond
+	sessionRetryMax   = 2 * time.Second
 	// sessionRenewTimeout bounds each request (and so does the lock's
 	// expiry).
 	sessionRenewTimeout = 10 * time.Second
@@ -200,7 +204,7 @@ func keepSessionLock(ctx context.Context, until time.Time, renew func(context.Co
 		}
 		failed = err
 		retrying(err, until)
-		next = now.Add(min(sessionRetryMax, max(sessionRetryMin, until.Sub(now)/2)))
+		next = now.Add(min(sessionRetryMax, max(sessionRetryFloor, until.Sub(now)/2)))
 	}
 }
 

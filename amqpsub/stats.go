@@ -241,9 +241,9 @@ func (st Stats) String() string {
 		name string
 		n    uint64
 	}{
-		{"bytes_held", uint64(st.BytesHeld)}, {"groups_held", uint64(st.GroupsHeld)}, {"panics", st.Results.Panics}, {"local_retries", st.Results.LocalRetries}, {"poisoned", st.Results.Poisoned}, {"oversize", st.Results.Oversize},
+		{"bytes_held", count(st.BytesHeld)}, {"groups_held", count(int64(st.GroupsHeld))}, {"panics", st.Results.Panics}, {"local_retries", st.Results.LocalRetries}, {"poisoned", st.Results.Poisoned}, {"oversize", st.Results.Oversize},
 		{"settle_errors", st.SettleErrors}, {"stale", st.Stale}, {"dropped", st.Dropped},
-		{"overshoot", uint64(st.Overshoot)}, {"links_lost", st.LinksLost}, {"reconnects", st.Reconnects},
+		{"overshoot", count(st.Overshoot)}, {"links_lost", st.LinksLost}, {"reconnects", st.Reconnects},
 		{"locks_renewed", st.Locks.Renewed}, {"lock_renew_requests", st.Locks.RenewRequests},
 		{"locks_lost", st.Locks.Lost}, {"lost_at_settle", st.Locks.LostAtSettle}, {"settle_timeouts", st.Locks.SettleTimeouts},
 		{"dead_letter_copies", st.DeadLetterCopies}, {"dead_letter_copy_failures", st.DeadLetterCopyFailures}, {"abandoned", st.Abandoned}, {"events_dropped", st.EventsDropped},
@@ -297,4 +297,12 @@ func (st Stats) MarshalLogObject(enc zapcore.ObjectEncoder) error {
 	enc.AddUint64("abandoned", st.Abandoned)
 	enc.AddUint64("events_dropped", st.EventsDropped)
 	return nil
+}
+
+// count is a counter that cannot be negative as a uint64 (0 if it were).
+func count(n int64) uint64 {
+	if n < 0 {
+		return 0
+	}
+	return uint64(n)
 }

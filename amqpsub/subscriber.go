@@ -36,9 +36,8 @@ type Subscriber struct {
 	// lanes start.
 	hctx context.Context
 
-	current                atomic.Pointer[link] // the link attached now; nil between links
-	running                atomic.Int64         // handler calls in progress
-	cut                    atomic.Bool          // Run gave up on the running handlers: ignore their results
+	running                atomic.Int64 // handler calls in progress
+	cut                    atomic.Bool  // Run gave up on the running handlers: ignore their results
 	reconnects             atomic.Uint64
 	inOnReconnect          atomic.Int32 // OnReconnect calls in progress
 	abandoned              atomic.Uint64

@@ -13,14 +13,14 @@ import (
 type State uint8
 
 const (
-	// Queued: waiting in the queue, for its first delivery or for another
+	// Queued means waiting in the queue, for its first delivery or for another
 	// one.
 	Queued State = iota
-	// InFlight: delivered on a link and not settled yet.
+	// InFlight means delivered on a link and not settled yet.
 	InFlight
-	// Consumed: accepted. Final.
+	// Consumed means accepted. Final.
 	Consumed
-	// DeadLettered: rejected, or failed MaxDeliveryAttempts times. Final.
+	// DeadLettered means rejected, or failed MaxDeliveryAttempts times. Final.
 	DeadLettered
 )
 
@@ -37,24 +37,24 @@ func (s State) String() string {
 type Outcome uint8
 
 const (
-	// Pending: not settled yet.
+	// Pending means not settled yet.
 	Pending Outcome = iota
-	// Accepted: accepted (a handler's nil).
+	// Accepted means accepted (a handler's nil).
 	Accepted
-	// Released: released (Release(), a stop, and Retry under RabbitMQ3):
+	// Released means released (Release(), a stop, and Retry under RabbitMQ3):
 	// queued again, not counted.
 	Released
-	// Modified: modified without delivery-failed: queued again, not
+	// Modified means modified without delivery-failed: queued again, not
 	// counted. amqpsub does not send it. With undeliverable-here (for
 	// Failed too), the message is not delivered on that link again.
 	Modified
-	// Failed: modified{delivery-failed} (Retry on Artemis): a failed
+	// Failed means modified{delivery-failed} (Retry on Artemis): a failed
 	// attempt, counted.
 	Failed
-	// Rejected: rejected (Reject, RejectWith, MaxDeliveryCount):
+	// Rejected means rejected (Reject, RejectWith, MaxDeliveryCount):
 	// dead-lettered.
 	Rejected
-	// Unsettled: the link ended before the delivery was settled (a lost
+	// Unsettled means the link ended before the delivery was settled (a lost
 	// link, Close, a grace period run out): queued again, not counted.
 	Unsettled
 )

@@ -8,7 +8,7 @@ import (
 // BenchmarkBatcher measures batch assembly alone: Add until full, then
 // Flush, asking UntilNext as a lane does. One op is one item.
 func BenchmarkBatcher(b *testing.B) {
-	type item struct{ n int }
+	type item struct{}
 	it := &item{}
 	bt := New[*item](100, 10*time.Millisecond)
 	now := time.Now()

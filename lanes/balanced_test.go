@@ -127,9 +127,7 @@ func TestBalancedSlowKeyDoesNotStarveItsLaneMates(t *testing.T) {
 		var keys []string
 		for range 10 {
 			keys = append(keys, slow)
-			for _, m := range mates {
-				keys = append(keys, m)
-			}
+			keys = append(keys, mates...)
 		}
 		start := time.Now()
 		var matesDone atomic.Int64

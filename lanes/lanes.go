@@ -72,7 +72,7 @@ func LaneOf(key string, n int) int {
 	if key == "" {
 		return -1
 	}
-	return int(xxhash.Sum64String(key) % uint64(n))
+	return int(xxhash.Sum64String(key) % uint64(n)) //nolint:gosec // G115: n ≥ 1, and the result is below n
 }
 
 // Run spreads the items of in over the lanes until in is closed and every

@@ -19,15 +19,15 @@ import (
 type State int32
 
 const (
-	// Free: the entry holds no delivery.
+	// Free means the entry holds no delivery.
 	Free State = iota
-	// Buffered: received, waiting in the pump, Out or a lane.
+	// Buffered means received, waiting in the pump, Out or a lane.
 	Buffered
-	// Handling: given to a handler.
+	// Handling means given to a handler.
 	Handling
-	// Settling: the handler is done; its settlement waits for the pump.
+	// Settling means the handler is done; its settlement waits for the pump.
 	Settling
-	// Dropped: no longer held (its link was lost); the entry waits for the
+	// Dropped means no longer held (its link was lost); the entry waits for the
 	// consumer that still has it to pass it to Settle.
 	Dropped
 )
@@ -62,9 +62,9 @@ type Delivery struct {
 // while a handler had it: its settlement is not sent.
 const lockLost = 1 << 8
 
-func pack(gen uint32, s State) uint64 { return uint64(gen)<<32 | uint64(uint32(s)) }
+func pack(gen uint32, s State) uint64 { return uint64(gen)<<32 | uint64(s&0xff) }
 
-func unpack(w uint64) (gen uint32, s State) { return uint32(w >> 32), State(uint8(w)) }
+func unpack(w uint64) (gen uint32, s State) { return uint32(w >> 32), State(w & 0xff) }
 
 // Message returns the AMQP message the entry holds.
 func (d *Delivery) Message() *amqp.Message { return d.msg.Load() }

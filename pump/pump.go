@@ -207,7 +207,7 @@ func (p *Pump) markReleased() { p.releasedOnce.Do(func() { close(p.released) }) 
 // settled.
 var ErrStopped = errors.New("pump: stopped")
 
-// ErrSourceDone, wrapped by a source's Receive error, says that the source
+// ErrSourceDone says, wrapped by a source's Receive error, that the source
 // ended as it should (a Service Bus session whose consumer moves on), not
 // that its link was lost: Run attaches the next one without counting a
 // loss. A source should end so only when nothing of it is held.

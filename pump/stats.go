@@ -108,12 +108,12 @@ func (p *Pump) Stats() Stats {
 type EventKind uint8
 
 const (
-	// SettleFailed: the broker did not take a settlement (Err says why);
+	// SettleFailed means the broker did not take a settlement (Err says why);
 	// it redelivers the delivery.
 	SettleFailed EventKind = iota
-	// LinkLost: the link failed (Err); the pump attaches another.
+	// LinkLost means the link failed (Err); the pump attaches another.
 	LinkLost
-	// Overshoot: the broker sent past its credit for the first time on a
+	// Overshoot means the broker sent past its credit for the first time on a
 	// link; credit is granted in windows from now on.
 	Overshoot
 )

@@ -365,7 +365,7 @@ func drainSub(ctx context.Context, b *broker, connector amqpsub.Connector, queue
 		return abort(context.Cause(dctx))
 	case err := <-runErr:
 		runErr <- err
-		return abort(fmt.Errorf("Run returned before the queue was drained: %w", err))
+		return abort(fmt.Errorf("the subscriber's Run returned before the queue was drained: %w", err))
 	}
 	// The handlers are done; wait for the pump to have sent every
 	// acceptance.
@@ -385,7 +385,7 @@ func drainSub(ctx context.Context, b *broker, connector amqpsub.Connector, queue
 		return abort(fmt.Errorf("shutdown: %w", err))
 	}
 	if err := <-runErr; err != nil {
-		return result{}, fmt.Errorf("Run: %w", err)
+		return result{}, fmt.Errorf("subscriber: %w", err)
 	}
 	if st.Settled.Accepted != uint64(want) || st.Received != uint64(want) {
 		return result{}, fmt.Errorf("received %d, accepted %d, want %d each", st.Received, st.Settled.Accepted, want)

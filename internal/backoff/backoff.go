@@ -20,5 +20,5 @@ func Ceiling(k int, initial, max time.Duration) time.Duration {
 // Jittered returns a random wait in [0, Ceiling(k, initial, max)]: "full
 // jitter", so that clients that failed together do not retry together.
 func Jittered(k int, initial, max time.Duration) time.Duration {
-	return rand.N(Ceiling(k, initial, max) + 1)
+	return rand.N(Ceiling(k, initial, max) + 1) //nolint:gosec // G404: jitter spreads retries; nothing secret depends on it
 }

@@ -313,7 +313,7 @@ func (c *Conn) flusher() {
 		c.naccs = 0
 		if !c.wdl.Equal(c.applied) {
 			c.applied = c.wdl
-			c.c.SetWriteDeadline(c.wdl) // an error here shows in the Write
+			_ = c.c.SetWriteDeadline(c.wdl) // an error here shows in the Write
 		}
 		c.flushing = true
 		c.mu.Unlock()
@@ -328,14 +328,14 @@ func (c *Conn) flusher() {
 			// finds the socket closed. The socket, not c: tls.Conn.Close
 			// would first try to send close_notify over the socket that just
 			// failed, for up to 5 s.
-			c.closeRaw()
+			_ = c.closeRaw() // the write error is what the caller sees
 		}
 
 		c.mu.Lock()
 		c.flushing = false
 		c.unwritten -= len(buf)
 		c.stats.Flushes++
-		c.stats.Bytes += uint64(n)
+		c.stats.Bytes += uint64(max(0, n))
 		if cap(buf) <= 2*c.max {
 			c.spare = buf[:0] // else let an outsized buffer go
 		}
@@ -389,7 +389,7 @@ const outcomeSeen = 1 << 8
 // outcome or at anything else.
 func (c *Conn) SASLOutcome() (code byte, seen bool) {
 	v := c.outcome.Load()
-	return byte(v), v&outcomeSeen != 0
+	return byte(v & 0xff), v&outcomeSeen != 0
 }
 
 // Close writes what is queued, bounded by the write deadline in force, then

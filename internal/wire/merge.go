@@ -28,7 +28,7 @@ func crossable(p []byte) bool {
 	if len(p) == 8 {
 		return binary.BigEndian.Uint32(p) == 8 && p[5] == 0
 	}
-	return len(p) >= 11 && binary.BigEndian.Uint32(p) == uint32(len(p)) && p[4] == 2 && p[5] == 0 &&
+	return len(p) >= 11 && int(binary.BigEndian.Uint32(p)) == len(p) && p[4] == 2 && p[5] == 0 &&
 		p[8] == codeDescribed && p[9] == codeSmallUlong && (p[10] == descFlow || p[10] == descDispose)
 }
 
@@ -62,7 +62,7 @@ const (
 func parseAccepted(p []byte) (accepted, bool) {
 	var a accepted
 	// Frame header: size, doff = 2 (8 bytes), type 0 (AMQP), channel.
-	if len(p) < 8 || binary.BigEndian.Uint32(p) != uint32(len(p)) || p[4] != 2 || p[5] != 0 {
+	if len(p) < 8 || int(binary.BigEndian.Uint32(p)) != len(p) || p[4] != 2 || p[5] != 0 {
 		return a, false
 	}
 	a.ch = binary.BigEndian.Uint16(p[6:])

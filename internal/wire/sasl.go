@@ -124,7 +124,7 @@ func (s *sniffer) parse() {
 		size := binary.BigEndian.Uint32(rest)
 		doff := int(rest[4]) * 4
 		if rest[5] != 1 || size < 8 || doff < 8 || uint64(doff) > uint64(size) ||
-			uint64(size) > uint64(len(s.buf)-s.pos) {
+			int64(size) > int64(len(s.buf)-s.pos) {
 			s.done = true // not a SASL frame, malformed, or larger than the cap
 			return
 		}
@@ -181,7 +181,7 @@ func outcomeCode(b []byte) (byte, bool) {
 		field = b[3 : 2+size]
 	case len(b) >= 9 && b[0] == 0xd0: // list32: size, count, elements
 		size, count := binary.BigEndian.Uint32(b[1:]), binary.BigEndian.Uint32(b[5:])
-		if count == 0 || size < 4 || uint64(size) > uint64(len(b)-5) {
+		if count == 0 || size < 4 || int64(size) > int64(len(b)-5) {
 			return 0, false
 		}
 		field = b[9 : 5+size]

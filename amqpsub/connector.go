@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net"
 	"net/url"
-	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -137,21 +136,8 @@ func dialAMQP(ctx context.Context, host, port string, secure bool, opts *amqp.Co
 		nc = tc
 	}
 	opts.TLSConfig = nil // the socket is already secured, or plain as asked
-	wc := wire.New(nc, raw, wire.Options{NoMerge: os.Getenv("XX_NOMERGE") != ""})
+	wc := wire.New(nc, raw, wo)
 	abort := func() { _ = wc.Abort() }
-	if os.Getenv("XX_DEBUG") != "" {
-		go func() {
-			t := time.NewTicker(time.Second)
-			var last wire.Stats
-			for range t.C {
-				st := wc.Stats()
-				if st != last {
-					fmt.Fprintf(os.Stderr, "wire: %+v\n", st)
-				}
-				last = st
-			}
-		}()
-	}
 	c, err := amqp.NewConn(ctx, wc, opts)
 	if err != nil {
 		abort()

@@ -3,6 +3,7 @@ package amqpsub
 import (
 	"context"
 	"errors"
+	"math"
 	"sync/atomic"
 	"time"
 
@@ -42,7 +43,7 @@ func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
 	}
 	if b := s.cfg.maxHeldBytes; b > 0 {
 		// A session's share of the budget, as of the credit.
-		pc.MaxHeldBytes = max(1, b*int64(credit)/int64(s.cfg.credit))
+		pc.MaxHeldBytes = shareOf(b, credit, s.cfg.credit)
 	}
 	if s.cfg.profile.peekLock {
 		bc := lease.Config{
@@ -98,4 +99,13 @@ func (r renewer) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Tim
 			zap.Error(err))
 	}
 	return exp, err
+}
+
+// shareOf returns part/whole of b, at least 1, without overflowing: a
+// budget too large to scale is as good as unbounded.
+func shareOf(b int64, part, whole int) int64 {
+	if part >= whole || b > math.MaxInt64/int64(part) {
+		return b
+	}
+	return max(1, b*int64(part)/int64(whole))
 }

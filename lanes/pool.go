@@ -233,20 +233,21 @@ func newPoolFeed[T any](p *pool[T]) *poolFeed[T] {
 	return &poolFeed[T]{p: p, wake: make(chan struct{}, 1)}
 }
 
-// poll takes the next item for this lane. When there is none it puts the
-// lane on the idle list, so that the next push or release wakes it; a lane
-// that polls without waiting afterwards only costs a spurious wake.
+// poll takes the next item for this lane without waiting. A lane that
+// polls is not idle, whatever it finds: only wait puts a lane on the idle
+// list, for as long as it waits.
 func (f *poolFeed[T]) poll() (T, status) {
 	v, st := f.take()
-	if st == got && f.isIdle {
-		f.p.unidle(f)
-	}
-	if st == empty && !f.isIdle {
-		f.isIdle = true
-		f.p.idle = append(f.p.idle, f)
-	}
+	f.busy()
 	f.p.mu.Unlock()
 	return v, st
+}
+
+// busy takes the lane off the idle list if it is on it. Under p.mu.
+func (f *poolFeed[T]) busy() {
+	if f.isIdle {
+		f.p.unidle(f)
+	}
 }
 
 // take is poll's work; it returns with p.mu held.
@@ -295,23 +296,41 @@ func (f *poolFeed[T]) take() (T, status) {
 	return zero, empty
 }
 
+// wait takes the next item for this lane, waiting on the idle list while
+// there is none; the lane leaves the list whenever wait returns.
 func (f *poolFeed[T]) wait(fire <-chan time.Time, stop <-chan struct{}) (T, status) {
 	closed := f.p.closed
 	for {
-		v, st := f.poll()
+		v, st := f.take()
 		if st != empty {
+			f.busy()
+			f.p.mu.Unlock()
 			return v, st
 		}
+		if !f.isIdle {
+			f.isIdle = true
+			f.p.idle = append(f.p.idle, f)
+		}
+		f.p.mu.Unlock()
 		select {
 		case <-f.wake:
 		case <-closed:
-			closed = nil // poll says closed once nothing is left for this lane
+			closed = nil // take says closed once nothing is left for this lane
 		case <-fire:
+			f.leaveIdle()
 			return v, timedOut
 		case <-stop:
+			f.leaveIdle()
 			return v, stopping
 		}
 	}
+}
+
+// leaveIdle takes the lane off the idle list, taking p.mu.
+func (f *poolFeed[T]) leaveIdle() {
+	f.p.mu.Lock()
+	f.busy()
+	f.p.mu.Unlock()
 }
 
 // next takes the next item, waiting for one; false once nothing is left.

@@ -28,6 +28,7 @@ func (p *Pump) attach(ctx context.Context, attach AttachFunc, lost error) (Sourc
 		case r := <-res:
 			if r.err != nil {
 				if isClosed(p.stop) {
+					p.markQuiet()
 					return nil, p.waitIdle(ctx)
 				}
 				return nil, r.err
@@ -44,6 +45,7 @@ func (p *Pump) attach(ctx context.Context, attach AttachFunc, lost error) (Sourc
 			stop = nil
 			cancel()
 			p.markReleased()
+			p.markQuiet()
 		case <-ctx.Done():
 			cancel()
 			return nil, ctx.Err()

@@ -153,7 +153,10 @@ func (p *Pump) Released() <-chan struct{} { return p.released }
 // Quiet returns a channel closed once, after Stop, the only deliveries
 // still held are in handlers: every other one was released (by the pump,
 // or by the consumers that had taken it from Out and passed it to Settle)
-// and the release applied. It is closed when Run returns, too. A consumer
+// and the release applied, or with Settlers handed to a settler or queued
+// for one. It is closed when a stop finds the pump without a link (while
+// it reattaches: nothing can be released then, what is held is stale) and
+// when Run returns, too. A consumer
 // that cuts its handlers short at a stop waits for it first, so that what
 // no handler had goes back before any handler is cancelled.
 func (p *Pump) Quiet() <-chan struct{} { return p.quiet }
@@ -164,7 +167,7 @@ func (p *Pump) markQuiet() { p.quietOnce.Do(func() { close(p.quiet) }) }
 // settlement or waiting for a settler. Called on the Run goroutine while
 // stopping; it scans the book until Quiet is closed.
 func (p *Pump) checkQuiet() {
-	if isClosed(p.quiet) || len(p.jobs) > 0 || len(p.backlog) > 0 || p.settle.pending() {
+	if isClosed(p.quiet) || len(p.backlog) > 0 || p.settle.pending() {
 		return
 	}
 	settling := 0
@@ -176,9 +179,11 @@ func (p *Pump) checkQuiet() {
 			settling++
 		}
 	}
-	// What is settling is either with a settler (sent) or about to reach
-	// the queue (Settle has moved it, not yet pushed it).
-	if settling > p.inFlight {
+	// What is settling is with a settler (being sent), waiting for one
+	// (jobs: decided and queued; a peer that does not answer would make
+	// waiting for those take SettleTimeout per round of settlers), or about
+	// to reach the queue (Settle has moved it, not yet pushed it).
+	if settling > p.inFlight+len(p.jobs) {
 		return
 	}
 	p.markQuiet()

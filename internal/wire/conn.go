@@ -139,6 +139,15 @@ func New(c net.Conn, raw net.Conn, opts Options) *Conn {
 // connection failed Write returns that error; after Close, net.ErrClosed;
 // after Abort, ErrAborted.
 func (c *Conn) Write(p []byte) (int, error) {
+	// An accepted disposition is queued as appendAccepted writes it, which
+	// may be longer than go-amqp's encoding: room is made for that.
+	need := len(p)
+	a, isAcc := accepted{}, false
+	if c.merge {
+		if a, isAcc = parseAccepted(p); isAcc {
+			need = mergedSize
+		}
+	}
 	c.mu.Lock()
 	for {
 		if c.err != nil {
@@ -159,7 +168,7 @@ func (c *Conn) Write(p []byte) (int, error) {
 			c.mu.Unlock()
 			return 0, nil
 		}
-		if c.unwritten == 0 || c.unwritten+len(p) <= c.max {
+		if c.unwritten == 0 || c.unwritten+need <= c.max {
 			break
 		}
 		if c.room == nil {
@@ -174,12 +183,12 @@ func (c *Conn) Write(p []byte) (int, error) {
 		c.mu.Lock()
 	}
 	c.stats.Writes++
+	if isAcc {
+		c.queueAccepted(a)
+		c.mu.Unlock()
+		return len(p), nil
+	}
 	if c.merge {
-		if a, ok := parseAccepted(p); ok {
-			c.queueAccepted(a)
-			c.mu.Unlock()
-			return len(p), nil
-		}
 		if !crossable(p) {
 			c.naccs = 0
 		}

@@ -311,3 +311,46 @@ func TestMergeNeverTouchesAFlushInProgress(t *testing.T) {
 		}
 	})
 }
+
+// An accepted disposition is queued in its merged form, which can be a
+// byte longer than go-amqp's: MaxQueued makes room for that form, not for
+// the bytes Write was given.
+func TestMaxQueuedCountsTheMergedForm(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		client, server := net.Pipe()
+		flow := []byte{0, 0, 0, 12, 2, 0, 0, 0, 0x00, 0x53, 0x13, 0x45}
+		acc := accept(0, 1) // 29 bytes as go-amqp writes it; 30 merged
+		if len(acc) != 29 {
+			t.Fatalf("go-amqp's accept of 1 is %d bytes here, the test wants 29", len(acc))
+		}
+		c := wire.New(client, nil, wire.Options{MaxQueued: len(flow) + len(acc)})
+		waited := make(chan struct{}, 1)
+		wire.SetWaitHook(c, func() { waited <- struct{}{} })
+		c.Write(flow) // the flusher takes it and blocks: nobody reads the pipe yet
+		synctest.Wait()
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			c.Write(acc)
+		}()
+		synctest.Wait()
+		select {
+		case <-waited:
+		default:
+			t.Fatal("12 + 30 bytes exceed MaxQueued 41, yet the accept was queued without waiting")
+		}
+		got := readAll(server)
+		<-done
+		if err := c.Close(); err != nil {
+			t.Fatal(err)
+		}
+		server.Close()
+		out := frames(t, <-got)
+		if len(out) != 2 {
+			t.Fatalf("%d frames, want the flow and the accept", len(out))
+		}
+		if _, first, last, ok := wire.ParseAccepted(out[1]); !ok || first != 1 || last != 1 {
+			t.Errorf("second frame %d..%d ok %v, want the accept of 1", first, last, ok)
+		}
+	})
+}

@@ -54,7 +54,7 @@ type Delivery struct {
 	// Set by the pump before the entry is handed out; read-only after.
 	src  Source
 	link uint64
-	size int64 // Size of msg
+	size atomic.Int64 // Size of msg; atomic: LoseLock reads it from another goroutine
 	p    *Pump
 }
 
@@ -139,7 +139,8 @@ func (p *Pump) take(msg *amqp.Message, src Source, link uint64) Ticket {
 		p.book = append(p.book, d)
 		p.bookMu.Unlock()
 	}
-	d.src, d.link, d.size = src, link, Size(msg)
+	d.src, d.link = src, link
+	d.size.Store(Size(msg))
 	d.msg.Store(msg)
 	gen := uint32(d.word.Load()>>32) + 1
 	d.word.Store(pack(gen, Buffered))
@@ -168,7 +169,7 @@ func (p *Pump) dropStale() {
 		w := d.word.Load()
 		if gen, st := unpack(w); d.link != cur && st == Buffered && d.word.CompareAndSwap(w, pack(gen, Dropped)) {
 			n++
-			bytes += d.size
+			bytes += d.size.Load()
 		}
 	}
 	if n > 0 {
@@ -203,7 +204,7 @@ func (p *Pump) LoseLock(t Ticket) {
 		}
 		switch s {
 		case Buffered:
-			size := t.d.size // read before the entry can be reused
+			size := t.d.size.Load() // read before the entry can be reused
 			if t.d.word.CompareAndSwap(w, pack(gen, Dropped)) {
 				p.settle.push(settlement{d: t.d, gen: t.gen, size: size, o: Outcome{Kind: lostLock}})
 				return

@@ -409,7 +409,7 @@ func (p *Pump) received(t Ticket, stopping bool) {
 		p.stats.windowed.Store(true)
 		p.event(Event{Kind: Overshoot})
 	}
-	p.acct.ReceivedBytes(t.d.size)
+	p.acct.ReceivedBytes(t.d.size.Load())
 	p.stats.received.Add(1)
 	p.stats.overshoot.Store(p.acct.Overshoot())
 	p.noteHeld()

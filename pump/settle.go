@@ -147,7 +147,7 @@ func (p *Pump) apply(ctx context.Context, s settlement) {
 	default:
 		p.settled(d, s.o.Kind, settleOn(ctx, d.src, d.msg.Load(), s.o))
 	}
-	size := d.size
+	size := d.size.Load()
 	p.release(d)
 	p.freed(1, size)
 }

@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"log"
+	"os"
 	"os/signal"
 	"slices"
 	"sync"
@@ -477,4 +478,87 @@ func ExampleRabbitMQ3() {
 	// delivery count 0 first acquirer false
 	// delivery count 0 first acquirer false
 	// #0: 0 released, 0 released, 0 accepted → consumed
+}
+
+// BalanceKeys keeps each customer's orders in order, like WorkersByKey
+// alone, but ties a customer to a lane only while the lane has one of its
+// orders: a slow or busy customer holds back no other, and the customers
+// spread over the lanes by load rather than by hash.
+func ExampleBalanceKeys() {
+	q := amqpsubtest.NewQueue()
+	for i := 1; i <= 3; i++ {
+		for _, customer := range []string{"alice", "bob", "carol"} {
+			q.Publish(amqpsubtest.Message(customer, fmt.Sprint(i)))
+		}
+	}
+	var mu sync.Mutex
+	seen := map[string][]string{}
+	h := amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		body, _ := d.Body()
+		mu.Lock()
+		defer mu.Unlock()
+		seen[d.GroupID()] = append(seen[d.GroupID()], string(body))
+		return nil
+	})
+	sub, _ := amqpsub.New(q.Connector(), "orders", h, amqpsub.WorkersByKey(4), amqpsub.BalanceKeys())
+	consume(q, sub)
+	for _, customer := range []string{"alice", "bob", "carol"} {
+		fmt.Println(customer, seen[customer])
+	}
+	// Output:
+	// alice [1 2 3]
+	// bob [1 2 3]
+	// carol [1 2 3]
+}
+
+// Memory bounded in bytes as well as in deliveries: MaxHeldBytes stops
+// granting credit while the bodies held reach 64 MiB (one delivery always
+// flows), and MaxMessageSize refuses bodies over 16 MiB before a handler
+// sees them: the broker dead-letters them, Stats counts them.
+func ExampleMaxMessageSize() {
+	q := amqpsubtest.NewQueue()
+	q.Publish(amqpsubtest.Message("", "small"))
+	q.Publish(amqp.NewMessage(make([]byte, 17<<20))) // 17 MiB
+	h := amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		body, _ := d.Body()
+		fmt.Printf("handled %d bytes\n", len(body))
+		return nil
+	})
+	sub, _ := amqpsub.New(q.Connector(), "blobs", h,
+		amqpsub.Credit(16), amqpsub.MaxHeldBytes(64<<20), amqpsub.MaxMessageSize(16<<20))
+	consume(q, sub)
+	fmt.Println("refused as too large:", sub.Stats().Results.Oversize)
+	// Output:
+	// handled 5 bytes
+	// refused as too large: 1
+}
+
+// Azure Service Bus: the connector takes a connection string (SAS key or
+// token, optional EntityPath; UseDevelopmentEmulator=true for the
+// emulator) and gets CBS tokens itself; the subscriber uses peek-lock and
+// renews the lock of every delivery it holds. Retry abandons (counted
+// towards MaxDeliveryCount), RejectWith dead-letters with a reason and a
+// description.
+func ExampleServiceBus() {
+	conn, err := amqpsub.ServiceBus(os.Getenv("SERVICEBUS_CONNECTION_STRING"))
+	if err != nil {
+		log.Fatal(err) // the error names a missing key, never the key itself
+	}
+	h := amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		var order struct{ ID string }
+		body, err := d.Body()
+		if err != nil || json.Unmarshal(body, &order) != nil {
+			return amqpsub.RejectWith("malformed order", fmt.Sprint(err))
+		}
+		return nil
+	})
+	sub, err := amqpsub.New(conn, "orders", h, amqpsub.WorkersByKey(8))
+	if err != nil {
+		log.Fatal(err)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	if err := sub.Run(ctx); err != nil {
+		log.Fatal(err)
+	}
 }

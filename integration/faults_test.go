@@ -310,6 +310,27 @@ func (c *tally) handler() amqpsub.Handler {
 
 // assertQueueEmpty fails when anything is left on q (the broker's count,
 // once the last acceptances have landed).
+// waitDrained waits, while the subscriber still runs, until the broker
+// counts no message on q (Artemis's messageCount includes the ones being
+// delivered): a delivery whose acceptance a fault lost comes back and is
+// handled, as a duplicate, before the stop. Stopping as soon as every
+// message was handled once would release such a redelivery, if it arrived
+// during the stop, and leave it on the queue.
+func waitDrained(t testing.TB, conn *amqp.Conn, q string, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		n := queueAttribute(t, conn, q, "messageCount")
+		if n == "0" {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s messages still on %s %v after every message was handled once", n, q, within)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 func assertQueueEmpty(t testing.TB, conn *amqp.Conn, q string) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
@@ -387,6 +408,7 @@ func TestFaultBrokerKill(t *testing.T) {
 	resume := first.Sub(acceptedAt)
 
 	c.waitAll(t, 2*time.Minute)
+	waitDrained(t, dial(t, b.url), q, time.Minute)
 	stop()
 	if err := wait(); err != nil {
 		t.Fatalf("Run = %v", err)
@@ -611,6 +633,7 @@ func TestFaultTCPCut(t *testing.T) {
 			i, dropped, at, first.Sub(acceptedAt).Round(time.Millisecond))
 	}
 	c.waitAll(t, 2*time.Minute)
+	waitDrained(t, conn, q, time.Minute)
 	stop()
 	if err := wait(); err != nil {
 		t.Fatalf("Run = %v", err)
@@ -660,6 +683,7 @@ func TestFaultHalfOpen(t *testing.T) {
 	first, _ := c.firstSinceMark()
 	resume := first.Sub(frozenAt)
 	c.waitAll(t, 2*time.Minute)
+	waitDrained(t, conn, q, time.Minute)
 	stop()
 	if err := wait(); err != nil {
 		t.Fatalf("Run = %v", err)

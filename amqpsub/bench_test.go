@@ -240,3 +240,40 @@ func benchLatency(b *testing.B, shape benchShape, rate float64) {
 	b.ReportMetric(rate, "offered/s")
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "delivered/s")
 }
+
+// nopMetrics is a Recorder that does nothing: the cost of the hook itself.
+type nopMetrics struct{}
+
+func (nopMetrics) Recorder(amqpsub.MetricsInfo) amqpsub.Recorder { return nopMetrics{} }
+func (nopMetrics) Received()                                     {}
+func (nopMetrics) Handled(amqpsub.HandlerCall)                   {}
+func (nopMetrics) Settled(amqpsub.Outcome, error)                {}
+func (nopMetrics) Event(amqpsub.Event)                           {}
+func (nopMetrics) LocksRenewed(int)                              {}
+
+// BenchmarkMetricsHook is BenchmarkPipeline without WithMetrics ("none")
+// and with a Recorder that does nothing ("nop"): the difference is what the
+// hook costs per delivery before an adapter does any work.
+func BenchmarkMetricsHook(b *testing.B) {
+	for _, shape := range []benchShape{benchShapes[0], benchShapes[2], benchShapes[4]} {
+		for _, hook := range []string{"none", "nop"} {
+			b.Run(shape.name+"/"+hook, func(b *testing.B) {
+				if hook == "nop" {
+					shape.opts = append(slices.Clip(shape.opts), amqpsub.WithMetrics(nopMetrics{}))
+				}
+				p := startPipeline(b, newBenchSource(), shape, nil)
+				defer p.stop(b)
+				p.wait(4 * 256)
+				var before, after runtime.MemStats
+				runtime.ReadMemStats(&before)
+				b.ReportAllocs()
+				b.ResetTimer()
+				p.wait(b.N)
+				b.StopTimer()
+				runtime.ReadMemStats(&after)
+				b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "deliveries/s")
+				b.ReportMetric(float64(after.Mallocs-before.Mallocs)/float64(b.N), "allocs/delivery")
+			})
+		}
+	}
+}

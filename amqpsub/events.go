@@ -104,9 +104,11 @@ func (e Event) String() string {
 // eventQueueSize is how far OnEvent's function may fall behind.
 const eventQueueSize = 1024
 
-// events passes Events to the user's function on a goroutine of its own. A
-// nil *events (no OnEvent) drops everything at the cost of a nil check.
+// events passes Events to the user's function on a goroutine of its own,
+// and to the Recorder at once. A nil *events (no OnEvent, no WithMetrics)
+// drops everything at the cost of a nil check.
 type events struct {
+	rec     Recorder // nil without WithMetrics
 	fn      func(Event)
 	ch      chan Event
 	mu      sync.RWMutex // held to send, so that close never races a send
@@ -115,17 +117,25 @@ type events struct {
 	done    chan struct{}
 }
 
-func newEvents(fn func(Event)) *events {
-	if fn == nil {
+func newEvents(fn func(Event), rec Recorder) *events {
+	if fn == nil && rec == nil {
 		return nil
 	}
-	return &events{fn: fn, ch: make(chan Event, eventQueueSize), done: make(chan struct{})}
+	e := &events{rec: rec, fn: fn, done: make(chan struct{})}
+	if fn != nil {
+		e.ch = make(chan Event, eventQueueSize)
+	}
+	return e
 }
 
 // start runs the goroutine that calls fn; it ends after close, once the
 // queued events are passed on.
 func (e *events) start() {
 	if e == nil {
+		return
+	}
+	if e.fn == nil {
+		close(e.done)
 		return
 	}
 	go func() {
@@ -140,6 +150,12 @@ func (e *events) start() {
 // close, it is dropped.
 func (e *events) send(ev Event) {
 	if e == nil {
+		return
+	}
+	if e.rec != nil {
+		e.rec.Event(ev)
+	}
+	if e.fn == nil {
 		return
 	}
 	e.mu.RLock()
@@ -163,7 +179,9 @@ func (e *events) close(by time.Time) bool {
 	e.mu.Lock()
 	if !e.closed {
 		e.closed = true
-		close(e.ch)
+		if e.ch != nil {
+			close(e.ch)
+		}
 	}
 	e.mu.Unlock()
 	t := time.NewTimer(time.Until(by))

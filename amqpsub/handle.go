@@ -224,9 +224,18 @@ func (s *Subscriber) poison(d *Delivery) error {
 func (s *Subscriber) call(ctx context.Context, d *Delivery) (err error) {
 	s.running.Add(1)
 	defer s.running.Add(-1)
+	var began time.Time
+	if s.rec != nil {
+		began = time.Now()
+	}
 	defer func() {
-		if r := recover(); r != nil {
+		r := recover()
+		if r != nil {
 			err = s.recovered(r, d)
+		}
+		if s.rec != nil {
+			s.rec.Handled(HandlerCall{Lane: d.lane, Deliveries: 1, Took: time.Since(began),
+				Result: ResultOf(err), Panicked: r != nil})
 		}
 	}()
 	return s.handler.Handle(ctx, d)
@@ -235,9 +244,22 @@ func (s *Subscriber) call(ctx context.Context, d *Delivery) (err error) {
 func (s *Subscriber) callBatch(ctx context.Context, batch []*Delivery) (results []error) {
 	s.running.Add(1)
 	defer s.running.Add(-1)
+	var began time.Time
+	if s.rec != nil {
+		began = time.Now()
+	}
 	defer func() {
-		if r := recover(); r != nil {
+		r := recover()
+		if r != nil {
 			results = fill(len(batch), s.recovered(r, nil))
+		}
+		if s.rec != nil {
+			worst := ResultAccept
+			for _, err := range results {
+				worst = mostSevere(worst, ResultOf(err))
+			}
+			s.rec.Handled(HandlerCall{Lane: batch[0].lane, Deliveries: len(batch), Took: time.Since(began),
+				Result: worst, Panicked: r != nil})
 		}
 	}()
 	results = s.batch.HandleBatch(ctx, batch)

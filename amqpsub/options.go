@@ -48,6 +48,7 @@ type config struct {
 	isFatal      func(error) bool
 	onReconnect  func(attempts int, cause error)
 	onEvent      func(Event)
+	metrics      Metrics
 	localRetry   RetryPolicy
 	maxDelivery  uint32
 	// maxHeldBytes and maxMessageSize: MaxHeldBytes, MaxMessageSize; 0 off.

@@ -41,6 +41,9 @@ func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
 		Logger:  s.log,
 		OnEvent: s.pumpEvent,
 	}
+	if s.rec != nil {
+		pc.Meter = meter{s.rec}
+	}
 	if b := s.cfg.maxHeldBytes; b > 0 {
 		// A session's share of the budget, as of the credit.
 		pc.MaxHeldBytes = shareOf(b, credit, s.cfg.credit)
@@ -50,6 +53,9 @@ func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
 			MaxRenewal: s.cfg.maxLockRenewal,
 			OnLost:     p.lockLost,
 			Logger:     s.log,
+		}
+		if s.rec != nil {
+			bc.OnRenewed = s.rec.LocksRenewed
 		}
 		if !s.cfg.sessions() {
 			// A session's messages are covered by the session's lock,

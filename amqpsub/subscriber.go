@@ -21,8 +21,9 @@ type Subscriber struct {
 	batch     BatchHandler
 	cfg       config
 	log       *zap.Logger
-	pipes     []*pipe // one, or one per session held at once
-	events    *events // nil without OnEvent
+	pipes     []*pipe  // one, or one per session held at once
+	events    *events  // nil without OnEvent and WithMetrics
+	rec       Recorder // nil without WithMetrics
 
 	mu       sync.Mutex
 	started  bool
@@ -56,12 +57,9 @@ func New(c Connector, queue string, h Handler, opts ...Option) (*Subscriber, err
 	if h == nil {
 		return nil, fmt.Errorf("%w: nil Handler", ErrInvalidOption)
 	}
-	s, err := build(c, queue, opts)
+	s, err := build(c, queue, opts, false)
 	if err != nil {
 		return nil, err
-	}
-	if s.cfg.batchSet {
-		return nil, fmt.Errorf("%w: Batch needs a BatchHandler: use NewBatch", ErrInvalidOption)
 	}
 	s.handler = h
 	return s, nil
@@ -74,7 +72,7 @@ func NewBatch(c Connector, queue string, h BatchHandler, opts ...Option) (*Subsc
 	if h == nil {
 		return nil, fmt.Errorf("%w: nil BatchHandler", ErrInvalidOption)
 	}
-	s, err := build(c, queue, opts)
+	s, err := build(c, queue, opts, true)
 	if err != nil {
 		return nil, err
 	}
@@ -82,7 +80,7 @@ func NewBatch(c Connector, queue string, h BatchHandler, opts ...Option) (*Subsc
 	return s, nil
 }
 
-func build(c Connector, queue string, opts []Option) (*Subscriber, error) {
+func build(c Connector, queue string, opts []Option, batch bool) (*Subscriber, error) {
 	if c == nil {
 		return nil, fmt.Errorf("%w: nil Connector", ErrInvalidOption)
 	}
@@ -111,6 +109,9 @@ func build(c Connector, queue string, opts []Option) (*Subscriber, error) {
 			cfg.invalid("queue %q: the connection string's EntityPath is %q", queue, sb.entity)
 		}
 	}
+	if cfg.batchSet && !batch {
+		cfg.invalid("Batch needs a BatchHandler: use NewBatch")
+	}
 	if cfg.balanced && !cfg.byKey {
 		cfg.invalid("BalanceKeys needs WorkersByKey")
 	}
@@ -131,11 +132,21 @@ func build(c Connector, queue string, opts []Option) (*Subscriber, error) {
 		queue:     queue,
 		cfg:       cfg,
 		log:       log,
-		events:    newEvents(cfg.onEvent),
 		stopReq:   make(chan struct{}),
 		closeReq:  make(chan struct{}),
 		done:      make(chan struct{}),
 	}
+	if cfg.metrics != nil {
+		s.rec = cfg.metrics.Recorder(MetricsInfo{
+			Queue:  queue,
+			System: cfg.profile.system(),
+			Credit: cfg.credit,
+			Lanes:  cfg.workers,
+			Batch:  batch,
+			Stats:  s.Stats,
+		})
+	}
+	s.events = newEvents(cfg.onEvent, s.rec)
 	if !cfg.sessions() {
 		s.pipes = []*pipe{s.newPipe(0, cfg.credit, "")}
 		return s, nil

@@ -97,6 +97,10 @@ type Config struct {
 	OnLost func(t pump.Ticket)
 	// Logger receives the book's logs; nil means none.
 	Logger *zap.Logger
+	// OnRenewed, when set, is told of each request that renewed locks: n
+	// locks were renewed by it. It runs on a renewing goroutine and must
+	// not block.
+	OnRenewed func(n int)
 }
 
 // Stats are a Book's counters.
@@ -425,6 +429,9 @@ func (b *Book) renew(ctx context.Context, es []*entry) (refused []*entry) {
 		}
 		b.stats.Renewed += uint64(len(es))
 		b.mu.Unlock()
+		if b.cfg.OnRenewed != nil {
+			b.cfg.OnRenewed(len(es))
+		}
 		return nil
 	case errors.Is(err, ErrLockLost) && len(es) > 1:
 		// A lock settled meanwhile makes the service refuse the whole

@@ -56,6 +56,27 @@ type Delivery struct {
 	link uint64
 	size atomic.Int64 // Size of msg; atomic: LoseLock reads it from another goroutine
 	p    *Pump
+	// after is the function a handler asked to hear the settlement with
+	// (Ticket.OnSettled), tagged with the generation it is for.
+	after atomic.Pointer[afterSettle]
+}
+
+type afterSettle struct {
+	gen uint32
+	f   func(Kind, error)
+}
+
+// notify calls, on the pump's goroutine, the function OnSettled gave for
+// the entry's current delivery, once.
+func (d *Delivery) notify(k Kind, err error) {
+	a := d.after.Load()
+	if a == nil {
+		return
+	}
+	d.after.Store(nil)
+	if gen, _ := unpack(d.word.Load()); gen == a.gen {
+		a.f(k, err)
+	}
 }
 
 // lockLost marks, in an entry's word, a delivery whose broker lock was lost
@@ -113,6 +134,22 @@ func (t Ticket) Entry() *Delivery { return t.d }
 // may be called at any time from any goroutine.
 func (t Ticket) Stale() bool { return t.link != t.d.p.link.Load() }
 
+// OnSettled asks the pump to call f once it has applied the delivery's
+// settlement: with the outcome's kind, and nil when the broker took it,
+// ErrNotSent when it was not sent, or the broker's or link's error. f runs
+// on the pump's goroutine and must return at once. A later call replaces
+// an earlier one's f. It reports false, and f is never called, when the
+// delivery is already settling or settled. f is not called for a delivery
+// that is dropped unsettled (its link lost before a handler took it), nor
+// for one whose settlement comes after Run returned.
+func (t Ticket) OnSettled(f func(k Kind, err error)) bool {
+	if s := t.State(); s != Buffered && s != Handling {
+		return false
+	}
+	t.d.after.Store(&afterSettle{gen: t.gen, f: f})
+	return true
+}
+
 // Begin marks the delivery as given to a handler and reports true, or
 // reports false when it must not be handled: it is stale, or was dropped.
 // Either way the caller passes the ticket to Settle once (with Drop when
@@ -154,6 +191,9 @@ func (p *Pump) release(d *Delivery) {
 	}
 	d.msg.Store(nil)
 	d.src = nil
+	if d.after.Load() != nil {
+		d.after.Store(nil)
+	}
 	d.word.Store(pack(uint32(d.word.Load()>>32), Free))
 	p.free = append(p.free, d)
 }

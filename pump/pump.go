@@ -62,6 +62,21 @@ type Config struct {
 	// MaxHeldBytes, when > 0, bounds the bytes of the deliveries held
 	// (their Size) besides their number: see credit's byte budget.
 	MaxHeldBytes int64
+	// Meter, when set, hears of every delivery received and every
+	// settlement applied. nil costs a nil check per call.
+	Meter Meter
+}
+
+// Meter hears of what the pump does, for metrics. Its methods run on the
+// pump's goroutine and must return at once without blocking: the pump
+// applies no settlement while they run.
+type Meter interface {
+	// Received is called for each delivery received.
+	Received()
+	// Settled is called for each settlement applied: err is nil when the
+	// broker took it, ErrNotSent when it was not sent (the delivery's link
+	// or lock was lost), else what the broker or link answered.
+	Settled(k Kind, err error)
 }
 
 // Leases is told of every delivery the pump holds. Add is called on the
@@ -411,6 +426,9 @@ func (p *Pump) received(t Ticket, stopping bool) {
 	}
 	p.acct.ReceivedBytes(t.d.size.Load())
 	p.stats.received.Add(1)
+	if p.cfg.Meter != nil {
+		p.cfg.Meter.Received()
+	}
 	p.stats.overshoot.Store(p.acct.Overshoot())
 	p.noteHeld()
 	if p.cfg.Leases != nil {

@@ -135,10 +135,12 @@ func (p *Pump) apply(ctx context.Context, s settlement) {
 		p.log.Debug("settlement of a delivery from a lost link skipped; the broker redelivers it",
 			zap.Stringer("outcome", s.o.Kind))
 		p.stats.stale.Add(1)
+		p.notSent(d, s.o.Kind)
 	case d.LockLost():
 		p.log.Debug("settlement of a delivery whose lock was lost skipped; the broker redelivers it",
 			zap.Stringer("outcome", s.o.Kind))
 		p.stats.lockLostSkipped.Add(1)
+		p.notSent(d, s.o.Kind)
 	case p.cfg.Settlers > 0:
 		// A settler sends it and reports back (done); the entry stays held
 		// until then.
@@ -152,8 +154,25 @@ func (p *Pump) apply(ctx context.Context, s settlement) {
 	p.freed(1, size)
 }
 
+// ErrNotSent is what Meter.Settled and a Ticket's OnSettled function hear
+// of a settlement that was not sent: the delivery's link was lost, or its
+// lock (Service Bus), while a handler had it. The broker delivers it again.
+var ErrNotSent = errors.New("pump: settlement not sent: the delivery's link or lock was lost; the broker delivers it again")
+
+// notSent reports a settlement that was skipped.
+func (p *Pump) notSent(d *Delivery, kind Kind) {
+	if p.cfg.Meter != nil {
+		p.cfg.Meter.Settled(kind, ErrNotSent)
+	}
+	d.notify(kind, ErrNotSent)
+}
+
 // settled counts the broker's answer to a settlement.
 func (p *Pump) settled(d *Delivery, kind Kind, err error) {
+	if p.cfg.Meter != nil {
+		p.cfg.Meter.Settled(kind, err)
+	}
+	d.notify(kind, err)
 	if err == nil {
 		p.stats.settled[kind].Add(1)
 		return
@@ -226,7 +245,12 @@ func (p *Pump) releaseUnheld(ctx context.Context, src Source, msg *amqp.Message)
 	// Received, never held: counted as received and released all the same,
 	// so that the counters add up to what the broker saw.
 	p.stats.received.Add(1)
-	if err := src.ReleaseMessage(ctx, msg); err != nil {
+	err := src.ReleaseMessage(ctx, msg)
+	if p.cfg.Meter != nil {
+		p.cfg.Meter.Received()
+		p.cfg.Meter.Settled(Release, err)
+	}
+	if err != nil {
 		p.log.Debug("release at link end failed; the broker redelivers the delivery", zap.Error(err))
 		p.stats.settleErrors.Add(1)
 		return

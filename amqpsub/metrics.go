@@ -1,0 +1,230 @@
+package amqpsub
+
+import (
+	"time"
+
+	"github.com/amqpsub/amqpsub/pump"
+)
+
+// Metrics makes a Recorder for each Subscriber given it (WithMetrics), so
+// that a metrics library sees what the subscriber does without amqpsub
+// depending on one. New calls Recorder once, with what does not change
+// while the subscriber lives; an adapter typically resolves its labels
+// there, so that the Recorder's calls on the delivery path need no lookup.
+// The adapters live in modules of their own:
+// github.com/amqpsub/amqpsub/contrib/amqpprom (Prometheus) and
+// github.com/amqpsub/amqpsub/contrib/amqpotel (OpenTelemetry metrics and
+// traces).
+type Metrics interface {
+	Recorder(MetricsInfo) Recorder
+}
+
+// MetricsInfo is what a Recorder is made for.
+type MetricsInfo struct {
+	// Queue is the queue (entity path) the subscriber consumes.
+	Queue string
+	// System names the broker as the OpenTelemetry messaging conventions
+	// do (messaging.system): "activemq" (the Artemis profile), "rabbitmq",
+	// "servicebus", or "amqp" (Generic).
+	System string
+	// Credit is the credit (Credit), the most deliveries held at once on a
+	// broker that keeps within it; Lanes the number of lanes or workers.
+	Credit, Lanes int
+	// Batch reports whether the handler is a BatchHandler.
+	Batch bool
+	// Stats returns the subscriber's counters, for gauges read when they
+	// are collected: Held against Credit, each lane's Load, GroupsHeld,
+	// BytesHeld, Locks.Held. It may be called from any goroutine once New
+	// returned; it allocates, so call it per scrape, not per delivery.
+	Stats func() Stats
+}
+
+// Recorder hears of what one Subscriber does. Its methods are called from
+// the subscriber's goroutines (the pump's, the lanes'), often at once, and
+// must be safe for that; they must return at once, without blocking: the
+// pump applies no settlement while Received or Settled runs. They are
+// called per delivery, so an implementation should not allocate.
+type Recorder interface {
+	// Received is called for each delivery received from the broker.
+	Received()
+	// Handled is called after each handler call, retries in the lane
+	// included.
+	Handled(HandlerCall)
+	// Settled is called for each settlement the subscriber applied: err
+	// is nil when the broker took it, ErrNotSettled when it was not sent,
+	// or the broker's or link's error.
+	Settled(o Outcome, err error)
+	// Event is called for every Event, as OnEvent's function would be,
+	// but on the goroutine that raised it (so it must not block): links
+	// lost, reconnects, credit overshoot, lost locks and the rest. No
+	// event is dropped.
+	Event(Event)
+	// LocksRenewed is called for each renew-lock request the service
+	// answered (Service Bus): n locks were renewed by it.
+	LocksRenewed(n int)
+}
+
+// HandlerCall describes one call of a Handler or BatchHandler.
+type HandlerCall struct {
+	// Lane is the lane (or worker) that made the call.
+	Lane int
+	// Deliveries is 1 for a Handler, the batch's size for a BatchHandler.
+	Deliveries int
+	// Took is how long the handler ran.
+	Took time.Duration
+	// Result is what the call decided; for a batch, the most severe of
+	// its deliveries' results (Retry, then Reject, Release, Accept).
+	Result Result
+	// Panicked reports a call that panicked (its Result is ResultRetry).
+	Panicked bool
+}
+
+// Result is what a handler decided for a delivery.
+type Result uint8
+
+const (
+	// ResultAccept is a nil error: the delivery was handled.
+	ResultAccept Result = iota
+	// ResultRelease is Release().
+	ResultRelease
+	// ResultReject is Reject, RejectWith, or a delivery past
+	// MaxDeliveryCount or MaxMessageSize.
+	ResultReject
+	// ResultRetry is Retry(err), any other error, or a panic.
+	ResultRetry
+)
+
+var resultNames = [...]string{"accept", "release", "reject", "retry"}
+
+// String returns "accept", "release", "reject" or "retry".
+func (r Result) String() string {
+	if int(r) < len(resultNames) {
+		return resultNames[r]
+	}
+	return "Result(?)"
+}
+
+// ResultOf returns what a handler's error means: see Handler.
+func ResultOf(err error) Result {
+	switch kind, _ := decide(err); kind {
+	case outcomeAccept:
+		return ResultAccept
+	case outcomeRelease:
+		return ResultRelease
+	case outcomeReject:
+		return ResultReject
+	}
+	return ResultRetry
+}
+
+// Outcome is the settlement a delivery was given on the wire.
+type Outcome uint8
+
+const (
+	// OutcomeAccepted settles as accepted: handled (or, with
+	// DeadLetterCopy, rejected and copied).
+	OutcomeAccepted Outcome = iota
+	// OutcomeReleased settles as released: Release, a stop, or Retry under
+	// RabbitMQ3.
+	OutcomeReleased
+	// OutcomeModified settles as modified: Retry on Artemis, Generic and
+	// Service Bus (an abandon).
+	OutcomeModified
+	// OutcomeRejected settles as rejected: Reject, MaxDeliveryCount,
+	// MaxMessageSize (a dead-lettering on Service Bus).
+	OutcomeRejected
+)
+
+var wireOutcomeNames = [...]string{"accepted", "released", "modified", "rejected"}
+
+// String returns "accepted", "released", "modified" or "rejected".
+func (o Outcome) String() string {
+	if int(o) < len(wireOutcomeNames) {
+		return wireOutcomeNames[o]
+	}
+	return "Outcome(?)"
+}
+
+// ErrNotSettled is what Recorder.Settled and a Delivery's OnSettled
+// function hear of a settlement that was not sent, because the delivery's
+// link (or, on Service Bus, its lock) was lost while a handler had it. The
+// broker delivers the message again.
+var ErrNotSettled = pump.ErrNotSent
+
+// WithMetrics gives the subscriber's measurements to m: New calls
+// m.Recorder once. Its cost on the delivery path is an interface call per
+// event and two clock reads per handler call (see docs/performance.md).
+// nil is rejected. Default: none.
+func WithMetrics(m Metrics) Option {
+	return optionFunc(func(c *config) {
+		if m == nil {
+			c.invalid("WithMetrics: nil Metrics")
+			return
+		}
+		c.metrics = m
+	})
+}
+
+// system returns the messaging.system value of a profile.
+func (p Profile) system() string {
+	switch p.name {
+	case "artemis":
+		return "activemq"
+	case "rabbitmq3":
+		return "rabbitmq"
+	case "servicebus":
+		return "servicebus"
+	}
+	return "amqp"
+}
+
+// meter passes the pump's reports to a Recorder (pump.Meter).
+type meter struct{ r Recorder }
+
+var outcomeOfKind = [...]Outcome{pump.Accept: OutcomeAccepted, pump.Release: OutcomeReleased,
+	pump.Modify: OutcomeModified, pump.Reject: OutcomeRejected}
+
+func outcomeOf(k pump.Kind) (Outcome, bool) {
+	if int(k) < len(outcomeOfKind) {
+		return outcomeOfKind[k], true
+	}
+	return 0, false
+}
+
+func (m meter) Received() { m.r.Received() }
+
+func (m meter) Settled(k pump.Kind, err error) {
+	if o, ok := outcomeOf(k); ok {
+		m.r.Settled(o, err)
+	}
+}
+
+// OnSettled asks for f to be called once the delivery's settlement has been
+// applied: with the outcome sent, and nil when the broker took it,
+// ErrNotSettled when it was not sent, or the broker's or link's error. Call
+// it from the handler, before it returns; a later call replaces f. f runs
+// on the subscriber's receiving goroutine and must return at once, without
+// blocking. It is not called when the subscriber stops before the
+// settlement was applied (an abandoned handler, a stop with GracePeriod(0)),
+// and it reports false, never calling f, when called after the delivery's
+// settlement was handed over (from a goroutine the handler left behind).
+// Tracing uses it for a settle span per delivery.
+func (d *Delivery) OnSettled(f func(o Outcome, err error)) bool {
+	if f == nil || d.t.Entry() == nil {
+		return false
+	}
+	return d.t.OnSettled(func(k pump.Kind, err error) {
+		if o, ok := outcomeOf(k); ok {
+			f(o, err)
+		}
+	})
+}
+
+// mostSevere orders results for a batch's HandlerCall.Result.
+func mostSevere(a, b Result) Result {
+	rank := [...]int{ResultAccept: 0, ResultRelease: 1, ResultReject: 2, ResultRetry: 3}
+	if rank[b] > rank[a] {
+		return b
+	}
+	return a
+}

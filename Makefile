@@ -69,8 +69,13 @@ fmt:
 	@out=$$(gofmt -l .); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
+## The adapter modules under contrib/ (own go.mod each) are vetted and
+## linted too, with the root's .golangci.yml.
+CONTRIB := $(patsubst %/go.mod,%,$(wildcard contrib/*/go.mod))
+
 vet:
 	$(GO) vet ./...
+	@for m in $(CONTRIB); do (cd $$m && echo "go vet ($$m)" && $(GO) vet ./...) || exit 1; done
 
 ## lint: gofmt, go vet and golangci-lint (pinned, installed with go install if missing; config in .golangci.yml)
 GOLANGCI_VERSION := 2.15.0
@@ -81,6 +86,7 @@ golangci:
 		$(GO) install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v$(GOLANGCI_VERSION); \
 	fi
 	"$(GOLANGCI)" run ./...
+	@for m in $(CONTRIB); do (cd $$m && echo "golangci-lint ($$m)" && "$(GOLANGCI)" run --config $(CURDIR)/.golangci.yml ./...) || exit 1; done
 
 lint: fmt vet golangci
 

@@ -1,0 +1,268 @@
+package amqpprom
+
+import (
+	"errors"
+	"strconv"
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
+)
+
+// Metrics is an amqpsub.Metrics that records into Prometheus collectors.
+// Create it with New; it may serve any number of Subscribers.
+type Metrics struct {
+	consumed *prometheus.CounterVec
+	process  *prometheus.HistogramVec
+	settled  *prometheus.CounterVec
+	batch    *prometheus.HistogramVec
+	events   *prometheus.CounterVec
+	renewed  *prometheus.CounterVec
+	gauges   *gauges
+}
+
+// Option configures New.
+type Option interface{ apply(*config) }
+
+type optionFunc func(*config)
+
+func (f optionFunc) apply(c *config) { f(c) }
+
+type config struct {
+	durationBuckets []float64
+	batchBuckets    []float64
+	constLabels     prometheus.Labels
+}
+
+// DurationBuckets sets the buckets, in seconds, of
+// messaging_process_duration_seconds. Default: the OpenTelemetry messaging
+// conventions' boundaries, 0.005 s to 10 s.
+func DurationBuckets(b ...float64) Option {
+	return optionFunc(func(c *config) { c.durationBuckets = b })
+}
+
+// BatchBuckets sets the buckets of amqpsub_batch_size. Default: 1, 2, 5,
+// 10, 20, 50, 100, 200, 500, 1000.
+func BatchBuckets(b ...float64) Option {
+	return optionFunc(func(c *config) { c.batchBuckets = b })
+}
+
+// ConstLabels adds labels with fixed values to every series (for example
+// the service's name). Default: none.
+func ConstLabels(l prometheus.Labels) Option {
+	return optionFunc(func(c *config) { c.constLabels = l })
+}
+
+// New returns Metrics whose collectors are registered on reg. It panics if
+// they cannot be (a second New on the same registry), as
+// prometheus.MustRegister does: give every Subscriber of a process the same
+// Metrics instead.
+func New(reg prometheus.Registerer, opts ...Option) *Metrics {
+	cfg := config{
+		durationBuckets: []float64{0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10},
+		batchBuckets:    []float64{1, 2, 5, 10, 20, 50, 100, 200, 500, 1000},
+	}
+	for _, o := range opts {
+		o.apply(&cfg)
+	}
+	base := []string{"messaging_system", "messaging_destination_name"}
+	with := func(more ...string) []string { return append(append([]string(nil), base...), more...) }
+	m := &Metrics{
+		consumed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "messaging_client_consumed_messages_total", ConstLabels: cfg.constLabels,
+			Help: "Deliveries received from the broker.",
+		}, with("messaging_operation_name")),
+		process: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "messaging_process_duration_seconds", ConstLabels: cfg.constLabels,
+			Help:    "Duration of handler calls, retries in the lane included.",
+			Buckets: cfg.durationBuckets,
+		}, with("messaging_operation_name", "error_type")),
+		settled: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "amqpsub_settlements_total", ConstLabels: cfg.constLabels,
+			Help: "Settlements applied, by outcome; error_type is empty when the broker took it.",
+		}, with("outcome", "error_type")),
+		batch: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "amqpsub_batch_size", ConstLabels: cfg.constLabels,
+			Help:    "Deliveries per BatchHandler call.",
+			Buckets: cfg.batchBuckets,
+		}, base),
+		events: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "amqpsub_events_total", ConstLabels: cfg.constLabels,
+			Help: "Subscriber events (amqpsub.EventKind), by kind.",
+		}, with("kind")),
+		renewed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "amqpsub_locks_renewed_total", ConstLabels: cfg.constLabels,
+			Help: "Service Bus message locks renewed.",
+		}, base),
+		gauges: newGauges(cfg.constLabels),
+	}
+	reg.MustRegister(m.consumed, m.process, m.settled, m.batch, m.events, m.renewed, m.gauges)
+	return m
+}
+
+// results and outcomes are the values the recorder resolves series for.
+var (
+	results  = []amqpsub.Result{amqpsub.ResultAccept, amqpsub.ResultRelease, amqpsub.ResultReject, amqpsub.ResultRetry}
+	outcomes = []amqpsub.Outcome{amqpsub.OutcomeAccepted, amqpsub.OutcomeReleased, amqpsub.OutcomeModified, amqpsub.OutcomeRejected}
+)
+
+// maxEventKind bounds the EventKinds a recorder resolves series for; a
+// kind past it is counted as "other".
+const maxEventKind = 32
+
+// Recorder implements amqpsub.Metrics: New of amqpsub calls it once per
+// Subscriber, and every series that Subscriber reports on is resolved here.
+func (m *Metrics) Recorder(info amqpsub.MetricsInfo) amqpsub.Recorder {
+	sys, q := info.System, info.Queue
+	r := &recorder{
+		consumed: m.consumed.WithLabelValues(sys, q, "receive"),
+		panicked: m.process.WithLabelValues(sys, q, "process", "panic"),
+		renewed:  m.renewed.WithLabelValues(sys, q),
+		other:    m.events.WithLabelValues(sys, q, "other"),
+	}
+	for _, res := range results {
+		errType := ""
+		if res == amqpsub.ResultReject || res == amqpsub.ResultRetry {
+			errType = res.String()
+		}
+		r.process[res] = m.process.WithLabelValues(sys, q, "process", errType)
+	}
+	for _, o := range outcomes {
+		r.settled[o][taken] = m.settled.WithLabelValues(sys, q, o.String(), "")
+		r.settled[o][notSent] = m.settled.WithLabelValues(sys, q, o.String(), "not_sent")
+		r.settled[o][failed] = m.settled.WithLabelValues(sys, q, o.String(), "failed")
+	}
+	for k := range amqpsub.EventKind(maxEventKind) {
+		if name := k.String(); k > 0 && name[0] != 'E' { // "EventKind(n)" for kinds that do not exist
+			r.events[k] = m.events.WithLabelValues(sys, q, name)
+		}
+	}
+	if info.Batch {
+		r.batch = m.batch.WithLabelValues(sys, q)
+	}
+	if info.Stats != nil {
+		m.gauges.add(subscriber{system: sys, queue: q, credit: info.Credit, stats: info.Stats})
+	}
+	return r
+}
+
+const (
+	taken = iota
+	notSent
+	failed
+)
+
+type recorder struct {
+	consumed prometheus.Counter
+	process  [4]prometheus.Observer
+	panicked prometheus.Observer
+	batch    prometheus.Observer // nil for a Handler
+	settled  [4][3]prometheus.Counter
+	events   [maxEventKind]prometheus.Counter
+	other    prometheus.Counter
+	renewed  prometheus.Counter
+}
+
+func (r *recorder) Received() { r.consumed.Inc() }
+
+func (r *recorder) Handled(c amqpsub.HandlerCall) {
+	o := r.panicked
+	if !c.Panicked && int(c.Result) < len(r.process) {
+		o = r.process[c.Result]
+	}
+	if o != nil {
+		o.Observe(c.Took.Seconds())
+	}
+	if r.batch != nil {
+		r.batch.Observe(float64(c.Deliveries))
+	}
+}
+
+func (r *recorder) Settled(o amqpsub.Outcome, err error) {
+	if int(o) >= len(r.settled) {
+		return
+	}
+	i := taken
+	switch {
+	case errors.Is(err, amqpsub.ErrNotSettled):
+		i = notSent
+	case err != nil:
+		i = failed
+	}
+	r.settled[o][i].Inc()
+}
+
+func (r *recorder) Event(e amqpsub.Event) {
+	if int(e.Kind) < len(r.events) && r.events[e.Kind] != nil {
+		r.events[e.Kind].Inc()
+		return
+	}
+	r.other.Inc()
+}
+
+func (r *recorder) LocksRenewed(n int) { r.renewed.Add(float64(n)) }
+
+// subscriber is what the gauges read at a scrape.
+type subscriber struct {
+	system, queue string
+	credit        int
+	stats         func() amqpsub.Stats
+}
+
+// gauges is a collector that reads each Subscriber's Stats when scraped.
+type gauges struct {
+	held, credit, bytes, groups, locks, lane *prometheus.Desc
+
+	mu   sync.Mutex
+	subs []subscriber
+}
+
+func newGauges(constLabels prometheus.Labels) *gauges {
+	base := []string{"messaging_system", "messaging_destination_name"}
+	d := func(name, help string, more ...string) *prometheus.Desc {
+		return prometheus.NewDesc(name, help, append(append([]string(nil), base...), more...), constLabels)
+	}
+	return &gauges{
+		held:   d("amqpsub_held_deliveries", "Deliveries held in the process now (at most the credit on a broker that keeps within it)."),
+		credit: d("amqpsub_credit", "The credit: the most deliveries the broker may send ahead."),
+		bytes:  d("amqpsub_held_bytes", "Bytes of the bodies held now."),
+		groups: d("amqpsub_groups_held", "Groups with deliveries in the lanes now (BalanceKeys)."),
+		locks:  d("amqpsub_locks_held", "Service Bus deliveries whose locks are kept now."),
+		lane:   d("amqpsub_lane_load", "Deliveries waiting for each lane and in its handler.", "lane"),
+	}
+}
+
+func (g *gauges) add(s subscriber) {
+	g.mu.Lock()
+	g.subs = append(g.subs, s)
+	g.mu.Unlock()
+}
+
+// Describe implements prometheus.Collector.
+func (g *gauges) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{g.held, g.credit, g.bytes, g.groups, g.locks, g.lane} {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector: one Stats call per Subscriber.
+func (g *gauges) Collect(ch chan<- prometheus.Metric) {
+	g.mu.Lock()
+	subs := append([]subscriber(nil), g.subs...)
+	g.mu.Unlock()
+	for _, s := range subs {
+		st := s.stats()
+		v := func(d *prometheus.Desc, x float64, more ...string) {
+			ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, x, append([]string{s.system, s.queue}, more...)...)
+		}
+		v(g.held, float64(st.Held))
+		v(g.credit, float64(s.credit))
+		v(g.bytes, float64(st.BytesHeld))
+		v(g.groups, float64(st.GroupsHeld))
+		v(g.locks, float64(st.Locks.Held))
+		for i, l := range st.Lanes {
+			v(g.lane, float64(l.Load), strconv.Itoa(i))
+		}
+	}
+}

@@ -1,0 +1,212 @@
+package amqpprom_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/amqpsubtest"
+	"github.com/amqpsub/amqpsub/contrib/amqpprom"
+)
+
+func TestCountsMatchWhatTheQueueSaw(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	m := amqpprom.New(reg)
+	q := amqpsubtest.NewQueue(amqpsubtest.MaxDeliveryAttempts(3))
+	for i := range 20 {
+		body := "ok"
+		switch i % 5 {
+		case 1:
+			body = "reject"
+		case 2:
+			body = "retry"
+		}
+		q.Publish(amqpsubtest.Message("", body))
+	}
+	h := amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+		b, _ := d.Body()
+		switch string(b) {
+		case "reject":
+			return amqpsub.Reject("bad")
+		case "retry":
+			return errors.New("down")
+		}
+		return nil
+	})
+	sub, err := amqpsub.New(q.Connector(), "orders", h, amqpsub.Workers(4), amqpsub.WithMetrics(m))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	if err := q.Drain(ctx, sub); err != nil {
+		t.Fatal(err)
+	}
+	// 20 messages: 12 ok, 4 rejected, 4 retried three times each. Every
+	// series is there from the start, at 0 until it counts.
+	want := `
+# HELP amqpsub_settlements_total Settlements applied, by outcome; error_type is empty when the broker took it.
+# TYPE amqpsub_settlements_total counter
+amqpsub_settlements_total{error_type="",messaging_destination_name="orders",messaging_system="activemq",outcome="accepted"} 12
+amqpsub_settlements_total{error_type="",messaging_destination_name="orders",messaging_system="activemq",outcome="modified"} 12
+amqpsub_settlements_total{error_type="",messaging_destination_name="orders",messaging_system="activemq",outcome="rejected"} 4
+amqpsub_settlements_total{error_type="",messaging_destination_name="orders",messaging_system="activemq",outcome="released"} 0
+amqpsub_settlements_total{error_type="failed",messaging_destination_name="orders",messaging_system="activemq",outcome="accepted"} 0
+amqpsub_settlements_total{error_type="failed",messaging_destination_name="orders",messaging_system="activemq",outcome="modified"} 0
+amqpsub_settlements_total{error_type="failed",messaging_destination_name="orders",messaging_system="activemq",outcome="rejected"} 0
+amqpsub_settlements_total{error_type="failed",messaging_destination_name="orders",messaging_system="activemq",outcome="released"} 0
+amqpsub_settlements_total{error_type="not_sent",messaging_destination_name="orders",messaging_system="activemq",outcome="accepted"} 0
+amqpsub_settlements_total{error_type="not_sent",messaging_destination_name="orders",messaging_system="activemq",outcome="modified"} 0
+amqpsub_settlements_total{error_type="not_sent",messaging_destination_name="orders",messaging_system="activemq",outcome="rejected"} 0
+amqpsub_settlements_total{error_type="not_sent",messaging_destination_name="orders",messaging_system="activemq",outcome="released"} 0
+# HELP messaging_client_consumed_messages_total Deliveries received from the broker.
+# TYPE messaging_client_consumed_messages_total counter
+messaging_client_consumed_messages_total{messaging_destination_name="orders",messaging_operation_name="receive",messaging_system="activemq"} 28
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want),
+		"messaging_client_consumed_messages_total", "amqpsub_settlements_total"); err != nil {
+		t.Error(err)
+	}
+	if n := histogramCount(t, reg, "messaging_process_duration_seconds", "retry"); n != 12 {
+		t.Errorf("process calls with error_type retry = %d, want 12", n)
+	}
+	if n := histogramCount(t, reg, "messaging_process_duration_seconds", ""); n != 12 {
+		t.Errorf("process calls without error = %d, want 12", n)
+	}
+	if n := counterValue(t, reg, "amqpsub_events_total", "handler-failed"); n != 12 {
+		t.Errorf("handler-failed events = %v, want 12", n)
+	}
+	if n := gaugeValue(t, reg, "amqpsub_credit"); n != 256 {
+		t.Errorf("credit gauge = %v", n)
+	}
+	if n := gaugeValue(t, reg, "amqpsub_held_deliveries"); n != 0 {
+		t.Errorf("held gauge after the drain = %v", n)
+	}
+}
+
+// Two subscribers share one Metrics: each has its own series.
+func TestSubscribersShareMetrics(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	m := amqpprom.New(reg, amqpprom.ConstLabels(prometheus.Labels{"service": "billing"}))
+	for _, name := range []string{"a", "b"} {
+		q := amqpsubtest.NewQueue()
+		q.Publish(amqpsubtest.Message("", "x"))
+		if name == "b" {
+			q.Publish(amqpsubtest.Message("", "y"))
+		}
+		sub, err := amqpsub.NewBatch(q.Connector(), name, amqpsub.BatchHandlerFunc(func(context.Context, []*amqpsub.Delivery) []error { return nil }),
+			amqpsub.WithMetrics(m), amqpsub.WorkersByKey(2))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := q.Drain(t.Context(), sub); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := `
+# HELP messaging_client_consumed_messages_total Deliveries received from the broker.
+# TYPE messaging_client_consumed_messages_total counter
+messaging_client_consumed_messages_total{messaging_destination_name="a",messaging_operation_name="receive",messaging_system="activemq",service="billing"} 1
+messaging_client_consumed_messages_total{messaging_destination_name="b",messaging_operation_name="receive",messaging_system="activemq",service="billing"} 2
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "messaging_client_consumed_messages_total"); err != nil {
+		t.Error(err)
+	}
+	lanes := 0
+	for _, mf := range gather(t, reg, "amqpsub_lane_load") {
+		lanes += len(mf.GetMetric())
+	}
+	if n := lanes; n != 4 {
+		t.Errorf("%d lane series, want 2 lanes × 2 subscribers", n)
+	}
+}
+
+// The recorder's calls on the delivery path allocate nothing.
+func TestRecorderDoesNotAllocate(t *testing.T) {
+	m := amqpprom.New(prometheus.NewRegistry())
+	r := m.Recorder(amqpsub.MetricsInfo{Queue: "q", System: "activemq", Credit: 1, Lanes: 1, Batch: true})
+	call := amqpsub.HandlerCall{Deliveries: 3, Took: time.Millisecond, Result: amqpsub.ResultRetry}
+	ev := amqpsub.Event{Kind: amqpsub.EventLinkLost}
+	if n := testing.AllocsPerRun(1000, func() {
+		r.Received()
+		r.Handled(call)
+		r.Settled(amqpsub.OutcomeAccepted, nil)
+		r.Settled(amqpsub.OutcomeRejected, amqpsub.ErrNotSettled)
+		r.Event(ev)
+		r.LocksRenewed(2)
+	}); n != 0 {
+		t.Fatalf("%v allocations per round", n)
+	}
+}
+
+func TestSecondNewOnARegistryPanics(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	amqpprom.New(reg)
+	defer func() {
+		if recover() == nil {
+			t.Fatal("no panic")
+		}
+	}()
+	amqpprom.New(reg)
+}
+
+func counterValue(t *testing.T, g prometheus.Gatherer, name, kind string) float64 {
+	t.Helper()
+	for _, mf := range gather(t, g, name) {
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "kind" && l.GetValue() == kind {
+					return m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return 0
+}
+
+func histogramCount(t *testing.T, g prometheus.Gatherer, name, errType string) uint64 {
+	t.Helper()
+	for _, mf := range gather(t, g, name) {
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "error_type" && l.GetValue() == errType {
+					return m.GetHistogram().GetSampleCount()
+				}
+			}
+		}
+	}
+	return 0
+}
+
+func gaugeValue(t *testing.T, g prometheus.Gatherer, name string) float64 {
+	t.Helper()
+	for _, mf := range gather(t, g, name) {
+		for _, m := range mf.GetMetric() {
+			return m.GetGauge().GetValue()
+		}
+	}
+	t.Fatalf("no %s", name)
+	return 0
+}
+
+func gather(t *testing.T, g prometheus.Gatherer, name string) []*dto.MetricFamily {
+	t.Helper()
+	mfs, err := g.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []*dto.MetricFamily
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			out = append(out, mf)
+		}
+	}
+	return out
+}

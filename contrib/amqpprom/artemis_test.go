@@ -1,0 +1,190 @@
+package amqpprom_test
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/Azure/go-amqp"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/contrib/amqpprom"
+)
+
+// After a run on a real Artemis, a scrape of the metrics handler counts
+// exactly what was published: every delivery received, accepted or
+// rejected as the handler said.
+func TestScrapeAfterArtemisRun(t *testing.T) {
+	url := os.Getenv("AMQPSUB_ARTEMIS_URL")
+	if url == "" {
+		t.Skip("AMQPSUB_ARTEMIS_URL is not set (make test sets it)")
+	}
+	const n, rejectEvery = 2000, 10
+	queue := "amqpprom-" + randomSuffix(t)
+	publish(t, url, queue, n)
+
+	reg := prometheus.NewRegistry()
+	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	defer srv.Close()
+	var handled atomic.Int64
+	done := make(chan struct{})
+	h := amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+		defer func() {
+			if handled.Add(1) == n {
+				close(done)
+			}
+		}()
+		if i, _ := d.ApplicationProperties()["i"].(int64); i%rejectEvery == 0 {
+			return amqpsub.Reject("every tenth")
+		}
+		return nil
+	})
+	sub, err := amqpsub.New(amqpsub.Dial(url, nil), queue, h, amqpsub.WorkersByKey(8), amqpsub.WithMetrics(amqpprom.New(reg)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	errc := make(chan error, 1)
+	go func() { errc <- sub.Run(ctx) }()
+	select {
+	case <-done:
+	case err := <-errc:
+		t.Fatalf("Run: %v", err)
+	case <-time.After(2 * time.Minute):
+		t.Fatalf("handled %d of %d in 2 min", handled.Load(), n)
+	}
+	cancel()
+	if err := <-errc; err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+
+	fams := scrape(t, srv.URL)
+	labels := fmt.Sprintf(`messaging_destination_name=%q,messaging_system="activemq"`, queue)
+	for _, c := range []struct {
+		series string
+		want   float64
+	}{
+		{`messaging_client_consumed_messages_total{` + labels + `,messaging_operation_name="receive"}`, n},
+		{`amqpsub_settlements_total{` + labels + `,outcome="accepted",error_type=""}`, n - n/rejectEvery},
+		{`amqpsub_settlements_total{` + labels + `,outcome="rejected",error_type=""}`, n / rejectEvery},
+		{`amqpsub_settlements_total{` + labels + `,outcome="released",error_type=""}`, 0},
+		{`amqpsub_settlements_total{` + labels + `,outcome="accepted",error_type="failed"}`, 0},
+		{`messaging_process_duration_seconds_count{` + labels + `,messaging_operation_name="process",error_type=""}`, n - n/rejectEvery},
+		{`messaging_process_duration_seconds_count{` + labels + `,messaging_operation_name="process",error_type="reject"}`, n / rejectEvery},
+		{`amqpsub_held_deliveries{` + labels + `}`, 0},
+		{`amqpsub_credit{` + labels + `}`, 256},
+	} {
+		got, ok := fams[normalize(c.series)]
+		if !ok {
+			t.Errorf("%s: not in the scrape", c.series)
+			continue
+		}
+		if got != c.want {
+			t.Errorf("%s = %v, want %v", c.series, got, c.want)
+		}
+	}
+	t.Logf("scraped %d series after %d messages", len(fams), n)
+}
+
+func publish(t *testing.T, url, queue string, n int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	conn, err := amqp.Dial(ctx, url, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	sess, err := conn.NewSession(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	snd, err := sess.NewSender(ctx, queue, &amqp.SenderOptions{TargetCapabilities: []string{"queue"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range n {
+		g := fmt.Sprintf("g%02d", i%50)
+		m := amqp.NewMessage([]byte("x"))
+		m.Properties = &amqp.MessageProperties{GroupID: &g}
+		m.ApplicationProperties = map[string]any{"i": int64(i)}
+		if err := snd.Send(ctx, m, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// scrape GETs the handler and returns every sample by its series, labels
+// sorted.
+func scrape(t *testing.T, url string) map[string]float64 {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := p.TextToMetricFamilies(strings.NewReader(string(body)))
+	if err != nil {
+		t.Fatalf("parse the scrape: %v", err)
+	}
+	out := map[string]float64{}
+	for name, mf := range fams {
+		for _, m := range mf.GetMetric() {
+			var pairs []string
+			for _, l := range m.GetLabel() {
+				pairs = append(pairs, fmt.Sprintf("%s=%q", l.GetName(), l.GetValue()))
+			}
+			key := func(n string) string { return normalize(n + "{" + strings.Join(pairs, ",") + "}") }
+			switch {
+			case m.GetCounter() != nil:
+				out[key(name)] = m.GetCounter().GetValue()
+			case m.GetGauge() != nil:
+				out[key(name)] = m.GetGauge().GetValue()
+			case m.GetHistogram() != nil:
+				out[key(name+"_count")] = float64(m.GetHistogram().GetSampleCount())
+			}
+		}
+	}
+	return out
+}
+
+// normalize sorts a series' labels.
+func normalize(series string) string {
+	i := strings.IndexByte(series, '{')
+	if i < 0 {
+		return series
+	}
+	labels := strings.Split(strings.TrimSuffix(series[i+1:], "}"), ",")
+	for a := 1; a < len(labels); a++ {
+		for b := a; b > 0 && labels[b] < labels[b-1]; b-- {
+			labels[b], labels[b-1] = labels[b-1], labels[b]
+		}
+	}
+	return series[:i] + "{" + strings.Join(labels, ",") + "}"
+}
+
+func randomSuffix(t *testing.T) string {
+	b := make([]byte, 4)
+	if _, err := rand.Read(b); err != nil {
+		t.Fatal(err)
+	}
+	return hex.EncodeToString(b)
+}

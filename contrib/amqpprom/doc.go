@@ -1,0 +1,46 @@
+// Package amqpprom exposes what amqpsub Subscribers do as Prometheus
+// metrics. It lives in a module of its own so that amqpsub itself does not
+// depend on the Prometheus client.
+//
+// Give one *Metrics to every Subscriber of a process (amqpsub.WithMetrics);
+// each Subscriber's series carry its queue and broker as labels:
+//
+//	reg := prometheus.NewRegistry()
+//	m := amqpprom.New(reg)
+//	sub, err := amqpsub.New(conn, "orders", h, amqpsub.WithMetrics(m))
+//	http.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+//
+// The names follow the OpenTelemetry messaging semantic conventions as
+// Prometheus spells them (dots become underscores, units become suffixes),
+// with the labels messaging_system ("activemq", "rabbitmq", "servicebus",
+// "amqp") and messaging_destination_name (the queue):
+//
+//	messaging_client_consumed_messages_total{messaging_operation_name="receive"}
+//	    counter: deliveries received from the broker.
+//	messaging_process_duration_seconds{messaging_operation_name="process", error_type}
+//	    histogram: handler calls (retries in the lane included) and how long
+//	    they ran; error_type is "" for accept and release, else "reject",
+//	    "retry" or "panic".
+//	amqpsub_settlements_total{outcome, error_type}
+//	    counter: settlements applied, by outcome ("accepted", "released",
+//	    "modified", "rejected"); error_type is "" when the broker took
+//	    it, "not_sent" when the delivery's link or lock was lost first,
+//	    else "failed".
+//	amqpsub_batch_size
+//	    histogram: deliveries per BatchHandler call (BatchHandler only).
+//	amqpsub_events_total{kind}
+//	    counter: amqpsub.Events by kind ("link-lost", "reconnected",
+//	    "credit-overshoot", "lock-lost", ...).
+//	amqpsub_locks_renewed_total
+//	    counter: Service Bus message locks renewed.
+//
+// and gauges read from Subscriber.Stats at each scrape:
+//
+//	amqpsub_held_deliveries, amqpsub_credit, amqpsub_held_bytes,
+//	amqpsub_groups_held, amqpsub_locks_held,
+//	amqpsub_lane_load{lane}  (deliveries waiting for each lane or in it)
+//
+// On the delivery path a call costs an atomic add, or a histogram
+// observation, on a series resolved when the Subscriber was made; nothing
+// is allocated.
+package amqpprom

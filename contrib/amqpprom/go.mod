@@ -1,0 +1,24 @@
+module github.com/amqpsub/amqpsub/contrib/amqpprom
+
+go 1.26.0
+
+require github.com/amqpsub/amqpsub v0.0.0
+
+require github.com/kylelemons/godebug v1.1.0 // indirect
+
+require (
+	github.com/Azure/go-amqp v1.7.0
+	github.com/beorn7/perks v1.0.1 // indirect
+	github.com/cespare/xxhash/v2 v2.3.0 // indirect
+	github.com/munnerz/goautoneg v0.0.0-20191010083416-a7dc8b61c822 // indirect
+	github.com/prometheus/client_golang v1.25.0
+	github.com/prometheus/client_model v0.6.3
+	github.com/prometheus/common v0.72.0
+	github.com/prometheus/procfs v0.22.0 // indirect
+	go.uber.org/multierr v1.10.0 // indirect
+	go.uber.org/zap v1.28.0 // indirect
+	golang.org/x/sys v0.48.0 // indirect
+	google.golang.org/protobuf v1.36.12 // indirect
+)
+
+replace github.com/amqpsub/amqpsub => ../..

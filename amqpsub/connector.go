@@ -18,7 +18,7 @@ import (
 )
 
 // A Connector gives a Subscriber its AMQP connection. Make one with Dial,
-// Conn or ServiceBus.
+// DialFailover, Conn or ServiceBus.
 type Connector interface {
 	// connect returns a connection for a link to req.entity.
 	connect(ctx context.Context, req connectRequest) (*connection, error)
@@ -31,6 +31,15 @@ type connectRequest struct {
 	idle   time.Duration // IdleTimeout, for connections whose options leave it 0
 	entity string        // the address the link attaches to
 	log    *zap.Logger   // for what runs beside the connection (never nil)
+	// from is where a connector with several addresses (DialFailover)
+	// starts its pass, an index into its list taken modulo its length.
+	from int
+	// timeout is DialTimeout. A connector with several addresses gives
+	// each this long; the others are given a ctx bound by it.
+	timeout time.Duration
+	// fatal is FatalErrors' test: an address failing with an error it
+	// calls fatal ends a DialFailover pass.
+	fatal func(error) bool
 }
 
 // connection is what a connector gives.
@@ -45,6 +54,10 @@ type connection struct {
 	// stop, when not nil, ends what runs beside the connection (a token
 	// refresher) and waits for it.
 	stop func()
+	// addr names the address connected to, without credentials; index is
+	// its place in a DialFailover list (0 for other connectors).
+	addr  string
+	index int
 }
 
 type dialer struct {
@@ -59,7 +72,8 @@ type dialer struct {
 // TLSConfig's ServerName defaults to the host). The subscriber owns the
 // connections it dials and closes them when it stops; after a lost
 // connection it dials a new one. Errors and logs name the address without
-// its credentials.
+// its credentials. For a broker with several addresses (a backup, a
+// cluster), see DialFailover.
 func Dial(url string, opts *amqp.ConnOptions) Connector { return &dialer{url: url, opts: opts} }
 
 func (d *dialer) connect(ctx context.Context, req connectRequest) (*connection, error) {

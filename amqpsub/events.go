@@ -31,7 +31,8 @@ const (
 	// another follows after a backoff, unless the error is fatal.
 	EventReconnectFailed
 	// EventReconnected means a new link replaced a lost one after Attempt
-	// attempts; Err is what ended the old one.
+	// attempts; Err is what ended the old one, Broker names the address
+	// the new one is on.
 	EventReconnected
 	// EventCreditOvershoot means the broker sent past the credit it was given;
 	// credit is granted in windows from now on.
@@ -82,6 +83,9 @@ type Event struct {
 	Attempt int
 	// Count is how many handlers were abandoned (EventAbandoned).
 	Count int
+	// Broker names the address the new link is on, without credentials
+	// (EventReconnected): with DialFailover, the one of the list in use.
+	Broker string
 }
 
 func (e Event) String() string {
@@ -94,6 +98,9 @@ func (e Event) String() string {
 	}
 	if e.Count > 0 {
 		s += fmt.Sprintf(" count=%d", e.Count)
+	}
+	if e.Broker != "" {
+		s += " broker=" + e.Broker
 	}
 	if e.Err != nil {
 		s += ": " + e.Err.Error()

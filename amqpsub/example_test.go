@@ -108,6 +108,51 @@ func ExampleDial_tls() {
 	}
 }
 
+// A broker with a backup: the first connect tries the live server, then the
+// backup; after a lost connection the subscriber tries the address after
+// the one it was on first, each within DialTimeout, with the backoff
+// between rounds. OnEvent says where it went. Needs a broker: compile-only.
+func ExampleDialFailover() {
+	c, err := amqpsub.DialFailover([]string{
+		"amqp://app:secret@artemis-live:5672",
+		"amqp://app:secret@artemis-backup:5672",
+	}, nil)
+	if err != nil {
+		log.Fatal(err) // an empty list or a bad URL (ErrInvalidOption)
+	}
+	h := amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error { return nil })
+	sub, err := amqpsub.New(c, "orders", h, amqpsub.DialTimeout(5*time.Second),
+		amqpsub.OnEvent(func(e amqpsub.Event) {
+			if e.Kind == amqpsub.EventReconnected {
+				log.Printf("consuming from %s again", e.Broker) // without the password
+			}
+		}))
+	if err != nil {
+		log.Fatal(err)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+	if err := sub.Run(ctx); err != nil {
+		log.Fatal(err) // no address answered (each named, with why), or a fatal error such as refused credentials
+	}
+}
+
+// DialFailover checks the list before anything connects, and names a bad
+// entry by its index, never quoting its password.
+func ExampleDialFailover_invalid() {
+	_, err := amqpsub.DialFailover([]string{
+		"amqp://app:secret@artemis-live:5672",
+		"amqp://app:s%cret@artemis-backup:5672", // a % not escaped
+		"http://artemis-other:8161",
+	}, nil)
+	fmt.Println(errors.Is(err, amqpsub.ErrInvalidOption))
+	fmt.Println(err)
+	// Output:
+	// true
+	// amqpsub: invalid option: DialFailover: urls[1] ("amqp://app:xxxxx@artemis-backup:5672"): not a URL (characters such as % : / @ in a user name or password must be percent-encoded)
+	// amqpsub: invalid option: DialFailover: urls[2] ("http://artemis-other:8161"): unsupported scheme "http": use amqp or amqps
+}
+
 // A connection you opened and keep: the subscriber opens its own session on
 // it and closes only that. Needs a broker: compile-only.
 func ExampleConn() {

@@ -25,23 +25,16 @@ type link struct {
 }
 
 // attach connects (or takes the given connection), opens a session and
-// attaches a receiver to the queue, all within DialTimeout.
+// attaches a receiver to the queue, all within DialTimeout; with
+// DialFailover, within the DialTimeout of the address that answered, each
+// address tried having its own.
 func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
-	ctx, cancel := context.WithTimeout(ctx, s.cfg.dialTimeout)
-	defer cancel()
-	c, err := s.connector.connect(ctx, connectRequest{idle: s.cfg.idleTimeout, entity: s.cfg.profile.address(s.queue), log: s.log})
+	c, by, err := s.connect(ctx, p.att.from)
 	if err != nil {
-		// go-amqp sets the socket's deadline from ctx's, so a dial timeout
-		// shows as the socket's i/o timeout or as ctx's, whichever fires
-		// first: report it as ctx's either way.
-		var nerr net.Error
-		if cerr := ctx.Err(); cerr != nil && !errors.Is(err, cerr) {
-			err = fmt.Errorf("%w: %w", cerr, err)
-		} else if _, ok := ctx.Deadline(); ok && cerr == nil && errors.As(err, &nerr) && nerr.Timeout() {
-			err = fmt.Errorf("%w: %w", context.DeadlineExceeded, err)
-		}
 		return nil, fmt.Errorf("amqpsub: connect to %s: %w", s.connector, err)
 	}
+	ctx, cancel := context.WithDeadline(ctx, by)
+	defer cancel()
 	l := &link{connection: c}
 	conn := c.conn
 	fail := func(what string, err error) (*link, error) {
@@ -51,7 +44,9 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 			// another.
 			err = fmt.Errorf("%w: %w", ErrLinkLost, err)
 		}
-		return nil, fmt.Errorf("amqpsub: %s on %s queue %q: %w", what, s.connector, s.queue, err)
+		// The next attach starts at the address after this one.
+		p.att.from = c.index + 1
+		return nil, fmt.Errorf("amqpsub: %s on %s queue %q: %w", what, c.addr, s.queue, err)
 	}
 	if l.sess, err = conn.NewSession(ctx, nil); err != nil {
 		return fail("open session", err)
@@ -86,9 +81,45 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 			return fail("accept session", err)
 		}
 	}
-	s.log.Info("attached", zap.Stringer("broker", s.connector), zap.String("address", addr),
+	s.log.Info("attached", zap.String("broker", c.addr), zap.String("address", addr),
 		zap.Stringer("profile", s.cfg.profile), zap.Int("credit", p.pump.Credit()))
 	return l, nil
+}
+
+// connect opens a connection for an attach, from the address at index from
+// on for a DialFailover connector, each address within DialTimeout (see
+// failover.pass), or else within DialTimeout; by is when the DialTimeout of
+// the address that answered ends.
+func (s *Subscriber) connect(ctx context.Context, from int) (c *connection, by time.Time, err error) {
+	req := connectRequest{idle: s.cfg.idleTimeout, entity: s.cfg.profile.address(s.queue), log: s.log,
+		from: from, timeout: s.cfg.dialTimeout, fatal: s.cfg.isFatal}
+	if f, ok := s.connector.(*failover); ok {
+		return f.pass(ctx, req)
+	}
+	by = time.Now().Add(s.cfg.dialTimeout)
+	cctx, cancel := context.WithDeadline(ctx, by)
+	defer cancel()
+	if c, err = s.connector.connect(cctx, req); err != nil {
+		return nil, by, timeoutError(cctx, err)
+	}
+	if c.addr == "" {
+		c.addr = s.connector.String()
+	}
+	return c, by, nil
+}
+
+// timeoutError returns err, the error of a connect within ctx, marked as
+// ctx's when ctx ended. go-amqp sets the socket's deadline from ctx's, so a
+// dial timeout shows as the socket's i/o timeout or as ctx's, whichever
+// fires first: it is reported as ctx's either way.
+func timeoutError(ctx context.Context, err error) error {
+	var nerr net.Error
+	if cerr := ctx.Err(); cerr != nil && !errors.Is(err, cerr) {
+		return fmt.Errorf("%w: %w", cerr, err)
+	} else if _, ok := ctx.Deadline(); ok && cerr == nil && errors.As(err, &nerr) && nerr.Timeout() {
+		return fmt.Errorf("%w: %w", context.DeadlineExceeded, err)
+	}
+	return err
 }
 
 // closeLink closes what l opened, all steps within CloseTimeout and before

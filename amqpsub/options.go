@@ -14,7 +14,9 @@ import (
 
 // ErrInvalidOption is wrapped by the error New and NewBatch return for an
 // option with a value out of range or an option that does not fit the
-// subscriber (such as Batch with a plain Handler).
+// subscriber (such as Batch with a plain Handler), and by the error
+// DialFailover and ServiceBusWithToken return for addresses they cannot
+// use.
 var ErrInvalidOption = errors.New("amqpsub: invalid option")
 
 // Option configures a Subscriber.
@@ -200,7 +202,8 @@ func GracePeriod(d time.Duration) Option {
 }
 
 // DialTimeout bounds connecting, opening the session and attaching the link.
-// Must be > 0. Default: 10 s.
+// With DialFailover it bounds each address tried on its own: a pass through
+// n addresses takes up to n × DialTimeout. Must be > 0. Default: 10 s.
 func DialTimeout(d time.Duration) Option {
 	return optionFunc(func(c *config) {
 		if d <= 0 {

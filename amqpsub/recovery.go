@@ -26,9 +26,11 @@ import (
 // without an expiry, say). Lost connections,
 // links and sessions, timeouts and refused TCP connections are not fatal.
 // It judges the errors of attempts to reconnect (any error of the first
-// attach ends Run), never what ended a link: a link Service Bus detaches with
-// amqp:unauthorized-access when its token expired is reconnected (with a
-// new token); a reconnect refused so ends Run.
+// attach ends Run), and with DialFailover each address's error in a pass
+// (a fatal one ends the pass and Run, on the first attach too), never what
+// ended a link: a link Service Bus detaches with amqp:unauthorized-access
+// when its token expired is reconnected (with a new token); a reconnect
+// refused so ends Run.
 func IsFatal(err error) bool {
 	var ae *amqp.Error
 	if errors.As(err, &ae) {
@@ -75,6 +77,11 @@ type attacher struct {
 	// on a message it cannot decode (an AMQP char, say), and the broker
 	// sends that message first again.
 	quick int
+	// from is where the next connect starts in a DialFailover list: the
+	// address after the one whose connection ended last, lost or closed
+	// after a failed attach (see attach). Only this attacher's goroutine
+	// reads or moves it.
+	from int
 }
 
 // healthy is how long a link must have lived for its loss to count as
@@ -83,13 +90,17 @@ const healthy = 10 * time.Second
 
 func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) {
 	s := a.s
+	first := 0
+	moveOn := errors.Is(lost, pump.ErrSourceDone) // a session consumer's next session
 	if a.current != nil {
+		a.from = a.current.index
+		if !moveOn {
+			a.from++ // a lost link: its address is tried last
+		}
 		a.p.current.Store(nil)
 		s.closeLink(ctx, a.current)
 		a.current = nil
 	}
-	first := 0
-	moveOn := errors.Is(lost, pump.ErrSourceDone) // a session consumer's next session
 	if lost != nil && !moveOn {
 		if time.Since(a.attachedAt) < healthy {
 			a.quick++
@@ -110,9 +121,13 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			a.p.current.Store(l)
 			if a.before && !moveOn {
 				n := attempt - first + 1
+				broker := s.connector.String()
+				if l != nil { // nil under a test source
+					broker = l.addr
+				}
 				s.reconnects.Add(1)
-				s.log.Info("reconnected", zap.Int("attempts", n), zap.NamedError("cause", lost))
-				s.events.send(Event{Kind: EventReconnected, Err: lost, Queue: s.queue, Lane: -1, Attempt: n})
+				s.log.Info("reconnected", zap.Int("attempts", n), zap.String("broker", broker), zap.NamedError("cause", lost))
+				s.events.send(Event{Kind: EventReconnected, Err: lost, Queue: s.queue, Lane: -1, Attempt: n, Broker: broker})
 				if s.cfg.onReconnect != nil {
 					s.inOnReconnect.Add(1)
 					s.cfg.onReconnect(n, lost)

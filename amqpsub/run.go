@@ -59,9 +59,10 @@ var (
 //
 // Run returns nil after a stop it was asked for. It returns an error naming
 // the broker when it cannot connect or attach at the start (within
-// DialTimeout), one wrapping ErrLinkLost when a lost link or connection
-// could not be replaced, and ErrClosed when called a second time, or after
-// Shutdown or Close.
+// DialTimeout; with DialFailover, within DialTimeout for each address
+// tried, the error naming each), one wrapping ErrLinkLost when a lost link
+// or connection could not be replaced, and ErrClosed when called a second
+// time, or after Shutdown or Close.
 func (s *Subscriber) Run(ctx context.Context) error {
 	s.mu.Lock()
 	if s.started {

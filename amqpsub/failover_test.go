@@ -1,0 +1,265 @@
+package amqpsub_test
+
+import (
+	"context"
+	"errors"
+	"net"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/internal/wire"
+)
+
+var nop = amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil })
+
+// closedAddr returns a local address nothing listens on: connections to it
+// are refused.
+func closedAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	return addr
+}
+
+// silentAddr returns a local address that accepts connections and never
+// answers.
+func silentAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		var held []net.Conn
+		defer func() {
+			for _, c := range held {
+				c.Close()
+			}
+		}()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			held = append(held, c)
+		}
+	}()
+	t.Cleanup(func() { ln.Close(); <-done })
+	return ln.Addr().String()
+}
+
+func TestDialFailoverRejectsBadInput(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		urls []string
+		want []string // in the error
+	}{
+		{"nil", nil, []string{"no address"}},
+		{"empty", []string{}, []string{"no address"}},
+		{"an empty URL", []string{"amqp://h1", ""}, []string{"urls[1]", "empty"}},
+		{"unparsable", []string{"amqp://alice:s3cr3t%zz@h1:5672"}, []string{`urls[0] ("amqp://alice:xxxxx@h1:5672")`, "not a URL"}},
+		{"unparsable port", []string{"amqp://h1", "amqp://alice:s3cr3t@h2:56x2"}, []string{`urls[1] ("amqp://alice:xxxxx@h2:56x2")`, "not a URL"}},
+		{"scheme", []string{"http://alice:s3cr3t@h1"}, []string{`urls[0] ("http://alice@h1")`, `unsupported scheme "http"`}},
+		{"no host", []string{"amqp:///q"}, []string{"urls[0]", "no host"}},
+		{"each bad entry", []string{"", "amqp://h1", "amqps://"}, []string{"urls[0]", "urls[2]"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, err := amqpsub.DialFailover(tc.urls, nil)
+			if !errors.Is(err, amqpsub.ErrInvalidOption) || c != nil {
+				t.Fatalf("DialFailover = %v, %v; want an error wrapping ErrInvalidOption", c, err)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error %q does not say %q", err, w)
+				}
+			}
+			if strings.Contains(err.Error(), "s3cr3t") || strings.Contains(err.Error(), "%zz") {
+				t.Errorf("error %q holds (part of) the password", err)
+			}
+		})
+	}
+	c, err := amqpsub.DialFailover([]string{"amqp://alice:s3cr3t@h1", "amqps://h2:5671", "amqp+ssl://h3", "//h4:5672"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := c.String(); got != "[amqp://alice@h1, amqps://h2:5671, amqp+ssl://h3, //h4:5672]" {
+		t.Fatalf("String() = %q", got)
+	}
+}
+
+// No address answers: Run's error names each one tried and why, without
+// the password, wraps each cause, and comes within DialTimeout per address
+// (each has its own: two silent ones take two).
+func TestDialFailoverNoAddressAnswers(t *testing.T) {
+	const dialTimeout = 250 * time.Millisecond
+	refused, silent1, silent2 := closedAddr(t), silentAddr(t), silentAddr(t)
+	c, err := amqpsub.DialFailover([]string{"amqp://alice:s3cr3t@" + refused, "amqp://" + silent1, "amqp://" + silent2}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := amqpsub.New(c, "q", nop, amqpsub.DialTimeout(dialTimeout))
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	err = s.Run(context.Background())
+	took := time.Since(start)
+	if err == nil {
+		t.Fatal("Run connected to nothing")
+	}
+	t.Log(err)
+	if took < 2*dialTimeout || took > 3*dialTimeout+2*time.Second {
+		t.Errorf("Run took %v; want 2 × DialTimeout (%v) for the two silent addresses, give or take", took, dialTimeout)
+	}
+	for _, want := range []string{"amqp://alice@" + refused + ": ", "amqp://" + silent1 + ": context deadline exceeded", "amqp://" + silent2 + ": context deadline exceeded"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error does not say %q", want)
+		}
+	}
+	if strings.Contains(err.Error(), "s3cr3t") {
+		t.Errorf("error %q holds the password", err)
+	}
+	if !errors.Is(err, syscall.ECONNREFUSED) || !errors.Is(err, context.DeadlineExceeded) || amqpsub.IsFatal(err) {
+		t.Errorf("errors.Is(ECONNREFUSED) %v, errors.Is(DeadlineExceeded) %v, IsFatal %v",
+			errors.Is(err, syscall.ECONNREFUSED), errors.Is(err, context.DeadlineExceeded), amqpsub.IsFatal(err))
+	}
+}
+
+// The first address refuses the TCP connection: the subscriber runs on the
+// second, and its log says so.
+func TestDialFailoverRunsOnTheNextAddress(t *testing.T) {
+	p := newPeer(t, false)
+	c, err := amqpsub.DialFailover([]string{"amqp://" + closedAddr(t), "amqp://alice:s3cr3t@" + p.addr()}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	core, logs := observer.New(zap.InfoLevel)
+	s, _ := amqpsub.New(c, "q", nop, amqpsub.DialTimeout(5*time.Second), amqpsub.Logger(zap.New(core)))
+	cancel, errc := run(t, s)
+	waitAttached(t, p, errc)
+	cancel()
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	if st := s.Stats(); st.Links != 1 || p.accepted.Load() != 1 {
+		t.Fatalf("links %d, peer accepted %d", st.Links, p.accepted.Load())
+	}
+	attached := logs.FilterMessage("attached").All()
+	if len(attached) != 1 || attached[0].ContextMap()["broker"] != "amqp://alice@"+p.addr() {
+		t.Fatalf("attach log lines %+v; want one naming amqp://alice@%s", attached, p.addr())
+	}
+}
+
+// After a lost connection the subscriber reconnects to the address after
+// the one it was on, round the end of the list, refused addresses skipped
+// within the pass; EventReconnected names the address in use.
+func TestDialFailoverRotatesAfterALostConnection(t *testing.T) {
+	b, c := newPeer(t, false), newPeer(t, false)
+	conn, err := amqpsub.DialFailover([]string{"amqp://" + closedAddr(t), "amqp://" + b.addr(), "amqp://" + c.addr()}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	reconnected := make(chan string, 4)
+	s, _ := amqpsub.New(conn, "q", nop, amqpsub.DialTimeout(5*time.Second),
+		amqpsub.Backoff(time.Millisecond, time.Millisecond),
+		amqpsub.OnEvent(func(e amqpsub.Event) {
+			if e.Kind == amqpsub.EventReconnected {
+				reconnected <- e.Broker
+			}
+		}))
+	cancel, errc := run(t, s)
+	defer cancel()
+	waitAttached(t, b, errc) // the first refused
+	for _, step := range []struct {
+		drop, next *peer
+	}{
+		{b, c}, // the one after b
+		{c, b}, // round the end: the first, refused, then b
+	} {
+		step.drop.drop()
+		waitAttached(t, step.next, errc)
+		select {
+		case got := <-reconnected:
+			if want := "amqp://" + step.next.addr(); got != want {
+				t.Fatalf("reconnected to %s, want %s", got, want)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("no EventReconnected")
+		}
+	}
+	cancel()
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	if st := s.Stats(); st.Links != 3 || st.Reconnects != 2 || b.accepted.Load() != 2 || c.accepted.Load() != 1 {
+		t.Fatalf("stats %+v; b accepted %d, c %d", st, b.accepted.Load(), c.accepted.Load())
+	}
+}
+
+// An address that refuses the credentials ends Run, the others untried: on
+// the first connect, and on a reconnect.
+func TestDialFailoverFatalErrorEndsRun(t *testing.T) {
+	t.Run("first connect", func(t *testing.T) {
+		refuser, good := newPeer(t, true), newPeer(t, false)
+		c, _ := amqpsub.DialFailover([]string{"amqp://alice:s3cr3t@" + refuser.addr(), "amqp://" + good.addr()}, nil)
+		s, _ := amqpsub.New(c, "q", nop, amqpsub.DialTimeout(5*time.Second))
+		err := s.Run(context.Background())
+		var se *wire.SASLError
+		if !errors.As(err, &se) || se.Code != wire.SASLAuth || !amqpsub.IsFatal(err) {
+			t.Fatalf("Run = %v; want the refusal, fatal", err)
+		}
+		if strings.Contains(err.Error(), "s3cr3t") || !strings.Contains(err.Error(), "amqp://alice@"+refuser.addr()) ||
+			!strings.Contains(err.Error(), "(1 more not tried)") {
+			t.Fatalf("Run = %q: want the address without the password, and the one left", err)
+		}
+		if good.accepted.Load() != 0 {
+			t.Fatal("the address after the refusal was dialed")
+		}
+	})
+	t.Run("reconnect", func(t *testing.T) {
+		good, refuser := newPeer(t, false), newPeer(t, true)
+		c, _ := amqpsub.DialFailover([]string{"amqp://" + good.addr(), "amqp://alice:s3cr3t@" + refuser.addr()}, nil)
+		s, _ := amqpsub.New(c, "q", nop, amqpsub.DialTimeout(5*time.Second), amqpsub.Backoff(time.Millisecond, time.Millisecond))
+		_, errc := run(t, s)
+		waitAttached(t, good, errc)
+		good.drop()
+		var err error
+		select {
+		case err = <-errc:
+		case <-time.After(10 * time.Second):
+			t.Fatal("Run did not end")
+		}
+		var se *wire.SASLError
+		if !errors.Is(err, amqpsub.ErrLinkLost) || !errors.As(err, &se) || strings.Contains(err.Error(), "s3cr3t") {
+			t.Fatalf("Run = %v; want ErrLinkLost and the refusal", err)
+		}
+		if good.accepted.Load() != 1 {
+			t.Fatalf("good accepted %d: the pass went on after the refusal", good.accepted.Load())
+		}
+	})
+}
+
+// waitAttached waits for a receiver to attach on p, failing the test if
+// Run returns first.
+func waitAttached(t *testing.T, p *peer, errc <-chan error) {
+	t.Helper()
+	select {
+	case <-p.attached:
+	case err := <-errc:
+		t.Fatalf("Run returned before attaching to %s: %v", p.addr(), err)
+	case <-time.After(10 * time.Second):
+		t.Fatalf("no receiver attached to %s", p.addr())
+	}
+}

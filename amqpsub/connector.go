@@ -87,7 +87,9 @@ func (d *dialer) connect(ctx context.Context, req connectRequest) (*connection, 
 func (d *dialer) dial(ctx context.Context, idle time.Duration) (*connection, error) {
 	u, err := url.Parse(d.url)
 	if err != nil {
-		return nil, err
+		// url.Parse's error quotes the address, password included, and
+		// partly decoded, where scrub cannot find it.
+		return nil, errors.New("amqpsub: the address is not a URL (amqp://[user:password@]host[:port])")
 	}
 	var opts amqp.ConnOptions
 	if d.opts != nil {

@@ -130,7 +130,9 @@ func TestUnparsableAddressHidesThePassword(t *testing.T) {
 	s, _ := amqpsub.New(amqpsub.Dial("amqp://alice:s3cr3t%zz@127.0.0.1:1", nil), "q",
 		amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }))
 	err := s.Run(context.Background())
-	if err == nil || strings.Contains(err.Error(), "s3cr3t") {
+	// Not a fragment of it either: url.Parse's error quotes the password
+	// partly decoded ("%zz"), where scrubbing cannot find it.
+	if err == nil || strings.Contains(err.Error(), "s3cr3t") || strings.Contains(err.Error(), "%zz") {
 		t.Fatalf("Run = %v: want an error without the password", err)
 	}
 }

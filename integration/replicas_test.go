@@ -49,6 +49,15 @@ type replicaLog struct {
 	keys   map[msgKey]int // distinct messages handled
 	stats  map[string]replicaStats
 	held   map[string]int // the last deliveries-held figure of each replica
+	// reconnects are the lost links the replicas replaced, in order.
+	reconnects []replicaReconnect
+}
+
+// replicaReconnect is a replica's "reconnected" line: the broker it
+// attached to and when (Unix nanoseconds).
+type replicaReconnect struct {
+	replica, broker string
+	at              int64
 }
 
 type msgKey struct {
@@ -93,6 +102,12 @@ func (l *replicaLog) add(line string) error {
 		}
 		l.held[f[1]] = n
 	case len(f) == 2 && f[0] == "ready":
+	case len(f) == 4 && f[0] == "reconnected":
+		at, err := strconv.ParseInt(f[3], 10, 64)
+		if err != nil {
+			return fmt.Errorf("bad reconnected line %q", line)
+		}
+		l.reconnects = append(l.reconnects, replicaReconnect{replica: f[1], broker: f[2], at: at})
 	default:
 		return fmt.Errorf("unexpected line %q", line)
 	}

@@ -22,6 +22,7 @@
 //	ready ID                                          (once attached)
 //	handled ID GROUP SEQ DELIVERY-COUNT FIRST-ACQUIRER LANE UNIX-NANO
 //	held ID N                                         (every -report)
+//	reconnected ID BROKER UNIX-NANO                   (a lost link replaced)
 //	stats ID RECEIVED ACCEPTED RELEASED MODIFIED REJECTED MAX-HELD   (at exit)
 //
 // GROUP is "-" for a message without a group-id, UNIX-NANO the wall-clock
@@ -55,7 +56,7 @@ import (
 func main() {
 	host, _ := os.Hostname()
 	cfg := config{}
-	flag.StringVar(&cfg.url, "url", "amqp://127.0.0.1:5672", "broker URL")
+	flag.StringVar(&cfg.url, "url", "amqp://127.0.0.1:5672", "broker URL, or several separated by commas (amqpsub.DialFailover: a cluster, a primary and its backup)")
 	flag.StringVar(&cfg.queue, "queue", "replicas.demo", "queue")
 	flag.IntVar(&cfg.lanes, "lanes", 8, "WorkersByKey lanes")
 	flag.DurationVar(&cfg.work, "work", time.Millisecond, "each message takes a random 0..work")
@@ -169,9 +170,19 @@ func consume(ctx context.Context, cfg config, stdout, stderr io.Writer) error {
 		zapcore.NewConsoleEncoder(zap.NewDevelopmentEncoderConfig()),
 		zapcore.Lock(zapcore.AddSync(stderr)), zap.InfoLevel)).With(zap.String("replica", cfg.id))
 	defer logger.Sync()
-	sub, err := amqpsub.New(amqpsub.Dial(cfg.url, nil), cfg.queue, handler,
+	conn, err := connector(cfg.url)
+	if err != nil {
+		return err
+	}
+	sub, err := amqpsub.New(conn, cfg.queue, handler,
 		amqpsub.WorkersByKey(cfg.lanes), amqpsub.Credit(cfg.credit), amqpsub.GracePeriod(cfg.grace),
-		amqpsub.Logger(logger))
+		amqpsub.Logger(logger), amqpsub.OnEvent(func(e amqpsub.Event) {
+			if cfg.events && e.Kind == amqpsub.EventReconnected {
+				// One short write, as the handlers' lines are: a pipe
+				// keeps it whole.
+				fmt.Fprintf(stdout, "reconnected %s %s %d\n", cfg.id, e.Broker, time.Now().UnixNano())
+			}
+		}))
 	if err != nil {
 		return err
 	}
@@ -235,6 +246,15 @@ func watch(ctx context.Context, cfg config, sub *amqpsub.Subscriber, t *tally, s
 			last = handled
 		}
 	}
+}
+
+// connector dials url, or with several comma-separated URLs fails over
+// between them.
+func connector(url string) (amqpsub.Connector, error) {
+	if !strings.Contains(url, ",") {
+		return amqpsub.Dial(url, nil), nil
+	}
+	return amqpsub.DialFailover(strings.Split(url, ","), nil)
 }
 
 func summary(w io.Writer, id string, t *tally, st amqpsub.Stats, elapsed time.Duration) {

@@ -9,6 +9,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/amqpsub/amqpsub/internal/loglimit"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -21,8 +22,11 @@ type Subscriber struct {
 	batch     BatchHandler
 	cfg       config
 	log       *zap.Logger
-	pipes     []*pipe // one, or one per session held at once
-	events    *events // nil without OnEvent
+	// limited writes the lines that can fire once per delivery: at their
+	// level at most once a minute, at debug otherwise (docs/logging.md).
+	limited *loglimit.Logger
+	pipes   []*pipe // one, or one per session held at once
+	events  *events // nil without OnEvent
 
 	mu       sync.Mutex
 	started  bool
@@ -131,6 +135,7 @@ func build(c Connector, queue string, opts []Option) (*Subscriber, error) {
 		queue:     queue,
 		cfg:       cfg,
 		log:       log,
+		limited:   loglimit.New(log, loglimit.Every),
 		events:    newEvents(cfg.onEvent),
 		stopReq:   make(chan struct{}),
 		closeReq:  make(chan struct{}),

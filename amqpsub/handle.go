@@ -9,6 +9,7 @@ import (
 
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 
 	"github.com/amqpsub/amqpsub/internal/backoff"
 	"github.com/amqpsub/amqpsub/lanes"
@@ -204,7 +205,7 @@ func (s *Subscriber) poison(d *Delivery) error {
 			s.results.oversize.Add(1)
 			err := &OutcomeError{kind: outcomeReject, poisoned: true, cond: condMessageSizeExceeded,
 				reason: fmt.Sprintf("amqpsub: message body of %d bytes is past the limit of %d", size, s.cfg.maxMessageSize)}
-			s.log.Warn("message larger than MaxMessageSize; dead-lettering it unhandled", s.fields(d, err)...)
+			s.limited.Warn("message larger than MaxMessageSize; dead-lettering it unhandled", s.fields(d, err)...)
 			s.events.send(s.event(d, EventOversize, err))
 			return err
 		}
@@ -215,7 +216,7 @@ func (s *Subscriber) poison(d *Delivery) error {
 	s.results.poisoned.Add(1)
 	err := &OutcomeError{kind: outcomeReject, poisoned: true,
 		reason: fmt.Sprintf("amqpsub: delivery count %d is past the limit %d", d.DeliveryCount(), s.cfg.maxDelivery)}
-	s.log.Warn("delivery count past the limit; dead-lettering it unhandled", s.fields(d, err)...)
+	s.limited.Warn("delivery count past MaxDeliveryCount; dead-lettering it unhandled", s.fields(d, err)...)
 	s.events.send(s.event(d, EventPoisoned, err))
 	return err
 }
@@ -268,7 +269,7 @@ func (s *Subscriber) callBatch(ctx context.Context, batch []*Delivery) (results 
 		return make([]error, len(batch))
 	case len(results) != len(batch):
 		err := fmt.Errorf("amqpsub: BatchHandler returned %d results for %d deliveries", len(results), len(batch))
-		s.log.Error("batch handler broke its contract; the batch fails as a whole", zap.Error(err))
+		s.limited.Error("batch handler broke its contract; the batch fails as a whole", zap.Error(err))
 		return fill(len(batch), err)
 	}
 	return results
@@ -288,14 +289,15 @@ func (s *Subscriber) recovered(r any, d *Delivery) error {
 	if s.cut.Load() {
 		return err
 	}
-	fields := []zap.Field{zap.Error(err), zap.ByteString("stack", debug.Stack())}
+	// Limited: a message that panics its handler every time comes back
+	// until the broker dead-letters it, and each time would log a stack.
 	if d != nil {
-		fields = append(s.fields(d, nil), fields...)
 		s.events.send(s.event(d, EventHandlerPanicked, err))
+		s.limited.Error("handler panicked; retrying the delivery", s.fields(d, err, zap.ByteString("stack", debug.Stack()))...)
 	} else {
 		s.events.send(Event{Kind: EventHandlerPanicked, Err: err, Queue: s.queue, Lane: -1})
+		s.limited.Error("batch handler panicked; retrying the batch", zap.Error(err), zap.ByteString("stack", debug.Stack()))
 	}
-	s.log.Error("handler panicked", fields...)
 	return err
 }
 
@@ -304,24 +306,25 @@ func (s *Subscriber) failed(d *Delivery, err error, attempt int) {
 	if s.cut.Load() {
 		return
 	}
-	if !errors.Is(err, ErrHandlerPanic) {
-		s.log.Warn("handler failed; retrying in the lane",
-			append(s.fields(d, err), zap.Int("attempt", attempt))...)
+	if !errors.Is(err, ErrHandlerPanic) && s.debug() {
+		s.log.Debug("handler failed; retrying in the lane", s.fields(d, err, zap.Int("attempt", attempt))...)
 	}
 	ev := s.event(d, EventHandlerFailed, err)
 	ev.Attempt = attempt
 	s.events.send(ev)
 }
 
-// batchFailed reports, in one log line, the deliveries of a batch that
+// batchFailed reports, in one debug line, the deliveries of a batch that
 // failed and are retried in the lane; each is an event of its own.
 func (s *Subscriber) batchFailed(lane int, failed []*Delivery, err error, attempt int) {
 	if s.cut.Load() {
 		return
 	}
-	s.log.Warn("batch handler failed; retrying the failed deliveries in the lane",
-		zap.Int("lane", lane), zap.Int("failed", len(failed)), zap.Int("attempt", attempt),
-		zap.Any("first_message_id", failed[0].MessageID()), zap.Error(err))
+	if s.debug() {
+		s.log.Debug("batch handler failed; retrying the failed deliveries in the lane",
+			zap.Int("lane", lane), zap.Int("failed", len(failed)), zap.Int("attempt", attempt),
+			zap.Any("first_message_id", failed[0].MessageID()), zap.Error(err))
+	}
 	for _, d := range failed {
 		ev := s.event(d, EventHandlerFailed, err)
 		ev.Attempt = attempt
@@ -332,14 +335,18 @@ func (s *Subscriber) batchFailed(lane int, failed []*Delivery, err error, attemp
 // settle maps a handler's result to the broker settlement.
 func (s *Subscriber) settle(d *Delivery, err error) {
 	if s.cut.Load() {
-		s.log.Debug("result of an abandoned handler ignored", s.fields(d, err)...)
+		if s.debug() {
+			s.log.Debug("result of an abandoned handler ignored", s.fields(d, err)...)
+		}
 		return
 	}
 	if d.t.Entry().LockLost() {
 		// Its lock is gone (the book cancelled the handler's context): the
 		// pump skips the settlement and counts it; the service delivers
 		// the message again.
-		s.log.Debug("result of a delivery whose lock was lost not sent", s.fields(d, err)...)
+		if s.debug() {
+			s.log.Debug("result of a delivery whose lock was lost not sent", s.fields(d, err)...)
+		}
 		d.p.pump.Settle(d.t, pump.Outcome{Kind: pump.Accept})
 		return
 	}
@@ -364,7 +371,7 @@ func (s *Subscriber) settle(d *Delivery, err error) {
 			}
 			if err != errNoDeadLetterLink && !s.cut.Load() {
 				s.deadLetterCopyFailures.Add(1)
-				s.log.Warn("dead-letter copy not taken; rejecting without keeping the reason", s.fields(d, err)...)
+				s.limited.Warn("dead-letter copy not taken; rejecting without keeping the reason", s.fields(d, err)...)
 				s.events.send(s.event(d, EventDeadLetterCopyFailed, err))
 			}
 		}
@@ -375,23 +382,31 @@ func (s *Subscriber) settle(d *Delivery, err error) {
 		d.p.pump.Settle(d.t, pump.Outcome{Kind: pump.Reject, Error: oe.rejectError(cond)})
 	default:
 		s.results.retry.Add(1)
-		if !errors.Is(err, ErrHandlerPanic) {
-			s.log.Warn("handler failed; the delivery goes back to the broker as a failed attempt", s.fields(d, err)...)
+		if !errors.Is(err, ErrHandlerPanic) && s.debug() {
+			// Debug: a failing handler fails once per delivery. OnEvent
+			// and Stats().Results.Retry report it.
+			s.log.Debug("handler failed; the delivery goes back to the broker as a failed attempt", s.fields(d, err)...)
 		}
 		s.events.send(s.event(d, EventHandlerFailed, err))
 		d.p.pump.Settle(d.t, s.cfg.profile.retry)
 	}
 }
 
-// fields name d in a log line.
-func (s *Subscriber) fields(d *Delivery, err error) []zap.Field {
-	f := []zap.Field{zap.Any("message_id", d.MessageID()), zap.String("group_id", d.GroupID()),
-		zap.Uint32("delivery_count", d.DeliveryCount()), zap.Int("lane", d.lane)}
+// fields name d in a log line: message_id, group_id, delivery_count and
+// lane, then error when err is not nil, then more.
+func (s *Subscriber) fields(d *Delivery, err error, more ...zap.Field) []zap.Field {
+	f := make([]zap.Field, 0, 5+len(more))
+	f = append(f, zap.Any("message_id", d.MessageID()), zap.String("group_id", d.GroupID()),
+		zap.Uint32("delivery_count", d.DeliveryCount()), zap.Int("lane", d.lane))
 	if err != nil {
 		f = append(f, zap.Error(err))
 	}
-	return f
+	return append(f, more...)
 }
+
+// debug reports whether debug lines are written: the per-delivery ones
+// build their fields only then.
+func (s *Subscriber) debug() bool { return s.log.Core().Enabled(zapcore.DebugLevel) }
 
 // event returns an Event of kind about d.
 func (s *Subscriber) event(d *Delivery, kind EventKind, err error) Event {

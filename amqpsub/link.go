@@ -38,7 +38,7 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 	l := &link{connection: c}
 	conn := c.conn
 	fail := func(what string, err error) (*link, error) {
-		s.closeLink(ctx, l)
+		s.closeLink(ctx, l, nil)
 		if !c.owned && conn.Err() != nil {
 			// A connection the caller gave us is gone: we cannot dial
 			// another.
@@ -81,8 +81,6 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 			return fail("accept session", err)
 		}
 	}
-	s.log.Info("attached", zap.String("broker", c.addr), zap.String("address", addr),
-		zap.Stringer("profile", s.cfg.profile), zap.Int("credit", p.pump.Credit()))
 	return l, nil
 }
 
@@ -122,16 +120,32 @@ func timeoutError(ctx context.Context, err error) error {
 	return err
 }
 
+// attached logs a link attached for p: l, or a test source when l is nil.
+func (s *Subscriber) attached(p *pipe, l *link) {
+	name, broker := "", s.connector.String()
+	if l != nil {
+		broker = l.addr
+		if l.rcv != nil {
+			name = l.rcv.LinkName()
+		}
+	}
+	s.log.Info("attached", zap.String("broker", broker), zap.String("address", s.cfg.profile.address(s.queue)),
+		zap.String("link", name), zap.Stringer("profile", s.cfg.profile), zap.Int("credit", p.pump.Credit()))
+}
+
 // closeLink closes what l opened, all steps within CloseTimeout and before
-// ctx ends. Brokers that never answer a detach (RabbitMQ 3.10) get their
-// session closed instead. A connection the subscriber owns whose close is
-// still waiting at the end (on a write to a peer that no longer reads) has
-// its socket closed under it.
-func (s *Subscriber) closeLink(ctx context.Context, l *link) {
+// ctx ends; why is what ended it (nil: a stop), for the log. Brokers that
+// never answer a detach (RabbitMQ 3.10) get their session closed instead.
+// A connection the subscriber owns whose close is still waiting at the end
+// (on a write to a peer that no longer reads) has its socket closed under
+// it.
+func (s *Subscriber) closeLink(ctx context.Context, l *link, why error) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.closeTimeout)
 	defer cancel()
 	if l.session != nil {
 		l.session.stop()
+		s.log.Info("session released", zap.String("session_id", l.session.id), zap.Int("slot", l.session.p.index),
+			zap.Error(why))
 	}
 	if l.rcv != nil && s.cfg.profile.detach {
 		if err := l.rcv.Close(ctx); err != nil {
@@ -180,5 +194,5 @@ func (s *Subscriber) closeLink(ctx context.Context, l *link) {
 func (s *Subscriber) closeWithin(l *link, by time.Time) {
 	ctx, cancel := context.WithDeadline(context.Background(), by)
 	defer cancel()
-	s.closeLink(ctx, l)
+	s.closeLink(ctx, l, nil)
 }

@@ -350,7 +350,12 @@ func SettleTimeout(d time.Duration) Option {
 	})
 }
 
-// Logger sets the logger. nil is rejected. Default: zap.NewNop().
+// Logger sets the logger; every line carries the field queue. At info and
+// above it logs lifecycle events (attached, link lost, reconnected,
+// stopping, …), one line each; what can happen once per delivery is logged
+// at debug, or, for what needs a person (a panic, a poison message, a lost
+// lock), at warn or error at most once a minute per line. docs/logging.md
+// lists every line and its fields. nil is rejected. Default: zap.NewNop().
 func Logger(l *zap.Logger) Option {
 	return optionFunc(func(c *config) {
 		if l == nil {

@@ -73,14 +73,16 @@ func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
 	return p
 }
 
-// lockLost is told by the lease book of a lost lock: the delivery is
-// dropped if no handler has it, its settlement skipped if one has (the
-// book has cancelled the handler's context).
-func (p *pipe) lockLost(t pump.Ticket) {
+// lockLost is told by the lease book of a lost lock, and why (wrapping
+// ErrLockLost): the delivery is dropped if no handler has it, its
+// settlement skipped if one has (the book has cancelled the handler's
+// context).
+func (p *pipe) lockLost(t pump.Ticket, why error) {
 	p.pump.LoseLock(t)
 	if m := t.Message(); m != nil {
 		d := &Delivery{msg: m, lane: -1}
-		p.s.events.send(p.s.event(d, EventLockLost, errLockLost))
+		p.s.limited.Warn("message lock lost; the service delivers the message again", p.s.fields(d, why)...)
+		p.s.events.send(p.s.event(d, EventLockLost, why))
 	}
 }
 

@@ -98,16 +98,18 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			a.from++ // a lost link: its address is tried last
 		}
 		a.p.current.Store(nil)
-		s.closeLink(ctx, a.current)
+		s.closeLink(ctx, a.current, lost)
 		a.current = nil
 	}
 	if lost != nil && !moveOn {
 		if time.Since(a.attachedAt) < healthy {
 			a.quick++
 			first = a.quick // start further up the backoff
-			s.log.Error("link lost soon after it was attached; backing off", zap.Error(lost),
-				zap.Int("in_a_row", a.quick))
-			if !sleep(ctx, backoff.Jittered(first-1, s.cfg.backoffMin, s.cfg.backoffMax)) {
+			wait := backoff.Jittered(first-1, s.cfg.backoffMin, s.cfg.backoffMax)
+			// Debug: the pump logged the loss ("link lost").
+			s.log.Debug("link lost soon after it was attached; backing off", zap.Error(lost),
+				zap.Int("in_a_row", a.quick), zap.Duration("wait", wait))
+			if !sleep(ctx, wait) {
 				return nil, ctx.Err()
 			}
 		} else {
@@ -119,6 +121,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 		if err == nil {
 			a.current, a.attachedAt = l, time.Now()
 			a.p.current.Store(l)
+			s.attached(a.p, l)
 			if a.before && !moveOn {
 				n := attempt - first + 1
 				broker := s.connector.String()
@@ -126,7 +129,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 					broker = l.addr
 				}
 				s.reconnects.Add(1)
-				s.log.Info("reconnected", zap.Int("attempts", n), zap.String("broker", broker), zap.NamedError("cause", lost))
+				s.log.Info("reconnected", zap.Int("attempt", n), zap.String("broker", broker), zap.Error(lost))
 				s.events.send(Event{Kind: EventReconnected, Err: lost, Queue: s.queue, Lane: -1, Attempt: n, Broker: broker})
 				if s.cfg.onReconnect != nil {
 					s.inOnReconnect.Add(1)
@@ -141,7 +144,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 				a.p.current.Store(nil)
 				a.current = nil
 				if l != nil { // nil under a test source
-					s.closeLink(context.WithoutCancel(ctx), l)
+					s.closeLink(context.WithoutCancel(ctx), l, nil)
 				}
 				return nil, ctx.Err()
 			}
@@ -166,7 +169,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			// The first connection: report it rather than wait.
 			return nil, err
 		case s.cfg.isFatal(err):
-			s.log.Error("reconnect failed with a fatal error; stopping", zap.Error(err))
+			// Run logs it as it stops ("stopping after a fatal error").
 			if errors.Is(err, ErrLinkLost) {
 				return nil, err
 			}
@@ -174,7 +177,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 		}
 		wait := backoff.Jittered(attempt, s.cfg.backoffMin, s.cfg.backoffMax)
 		if !waiting {
-			s.log.Warn("reconnect failed; trying again", zap.Error(err), zap.Int("attempt", attempt-first+1), zap.Duration("wait", wait))
+			s.log.Warn("reconnect failed; trying again", zap.Int("attempt", attempt-first+1), zap.Duration("wait", wait), zap.Error(err))
 			s.events.send(Event{Kind: EventReconnectFailed, Err: err, Queue: s.queue, Lane: -1, Attempt: attempt - first + 1})
 		}
 		if !sleep(ctx, wait) {

@@ -114,15 +114,29 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	}
 
 	var fatal error
+	why := "close"
 	select {
 	case r := <-ended:
 		fatal = r.err
 	case <-ctx.Done():
+		why = "context"
 	case <-s.stopReq:
+		why = "shutdown"
 	case <-s.closeReq:
 	}
 	stopAt := time.Now()
 	closing := isClosed(s.closeReq)
+	if fatal != nil {
+		s.log.Error("stopping after a fatal error", zap.Error(fatal),
+			zap.Duration("grace", s.cfg.grace), zap.Duration("close_timeout", s.cfg.closeTimeout))
+	} else {
+		grace := s.cfg.grace
+		if closing {
+			why, grace = "close", 0
+		}
+		s.log.Info("stopping", zap.String("reason", why),
+			zap.Duration("grace", grace), zap.Duration("close_timeout", s.cfg.closeTimeout))
+	}
 	if !closing {
 		for _, r := range runs {
 			r.p.pump.Stop() // from here on, lanes release what no handler has taken
@@ -133,7 +147,6 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	case fatal != nil:
 		// Attach failed for good: nothing held can be settled any more,
 		// but handlers in progress get the grace period to finish.
-		s.log.Error("stopping after a fatal error", zap.Error(fatal))
 		s.waitGrace(runs)
 	default:
 		s.graceful(runs)
@@ -159,11 +172,12 @@ func (s *Subscriber) Run(ctx context.Context) error {
 				// Its attach goroutine is in OnReconnect, user code that
 				// has not returned: the link it attached is closed once
 				// that returns.
-				s.log.Error("the receiver did not end within CloseTimeout: OnReconnect has not returned; leaving it")
+				s.log.Error("the receiver did not end within CloseTimeout: OnReconnect has not returned; leaving it",
+					zap.Int("slot", r.p.index))
 				errs = append(errs, fmt.Errorf("%w: OnReconnect had not returned %v after the stop began",
 					ErrAbandoned, time.Since(stopAt).Round(time.Millisecond)))
 			} else {
-				s.log.Error("the pump did not end within CloseTimeout; leaving the link to the broker")
+				s.log.Error("the pump did not end within CloseTimeout; leaving the link to the broker", zap.Int("slot", r.p.index))
 			}
 			continue
 		}
@@ -185,7 +199,9 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	if !s.events.close(closeBy) {
 		s.log.Warn("the OnEvent function had not returned by the end of Run; leaving it")
 	}
-	return errors.Join(errs...)
+	err := errors.Join(errs...)
+	s.log.Info("stopped", zap.Duration("elapsed", time.Since(stopAt)), zap.Error(err), zap.Object("stats", s.Stats()))
+	return err
 }
 
 // running is a pipe while Run runs it.
@@ -201,7 +217,6 @@ type running struct {
 // handlers have: what waited in the pump, Out, a lane's queue or an open
 // batch was released. Close cuts the wait short.
 func (s *Subscriber) graceful(runs []*running) {
-	s.log.Debug("stopping", zap.Duration("grace", s.cfg.grace))
 	if s.cfg.grace == 0 {
 		for _, r := range runs {
 			select {
@@ -240,24 +255,26 @@ func (s *Subscriber) waitGrace(runs []*running) {
 	}
 }
 
-// abandon gives up on the handlers still running, logs each, and returns
-// how many there were.
+// abandon gives up on the handlers still running, logs them (one line,
+// and one at debug for each delivery concerned), and returns how many
+// there were.
 func (s *Subscriber) abandon() int {
 	n := int(s.running.Load())
 	if n <= 0 {
 		return 0
 	}
 	s.abandoned.Add(uint64(n))
-	for _, p := range s.pipes {
-		p.pump.Each(func(pd *pump.Delivery) bool {
-			if pd.State() == pump.Handling {
-				d := &Delivery{msg: pd.Message(), lane: -1}
-				s.log.Warn("handler abandoned: it did not return after its context was cancelled; the broker redelivers its delivery",
-					zap.Any("message_id", d.MessageID()), zap.String("group_id", d.GroupID()),
-					zap.Uint32("delivery_count", d.DeliveryCount()))
-			}
-			return true
-		})
+	s.log.Warn("handlers abandoned: they did not return after their context was cancelled; the broker redelivers their deliveries",
+		zap.Int("count", n))
+	if s.debug() {
+		for _, p := range s.pipes {
+			p.pump.Each(func(pd *pump.Delivery) bool {
+				if pd.State() == pump.Handling {
+					s.log.Debug("handler abandoned", s.fields(&Delivery{msg: pd.Message(), lane: -1}, nil)...)
+				}
+				return true
+			})
+		}
 	}
 	s.events.send(Event{Kind: EventAbandoned, Queue: s.queue, Lane: -1, Count: n,
 		Err: fmt.Errorf("%w: %d", ErrAbandoned, n)})

@@ -318,13 +318,13 @@ func (r *refresher) run(ctx context.Context, claims []claim) {
 			// connection now, which claims anew, and fails for good if
 			// the token is refused.
 			r.log.Error("token refresh failed and the token in place is about to expire (or was refused); reconnecting",
-				zap.String("audience", c.audience), zap.Int("failures", c.failures), zap.Time("expiry", c.expiry), zap.Error(err))
+				zap.String("audience", c.audience), zap.Int("attempt", c.failures), zap.Time("expiry", c.expiry), zap.Error(err))
 			r.abort()
 			return
 		}
 		c.next = minTime(now.Add(retryWait(c.failures)), c.giveUpAt())
 		r.log.Warn("token refresh failed; trying again", zap.String("audience", c.audience),
-			zap.Int("failures", c.failures), zap.Duration("wait", time.Until(c.next)), zap.Time("expiry", c.expiry), zap.Error(err))
+			zap.Int("attempt", c.failures), zap.Duration("wait", time.Until(c.next)), zap.Time("expiry", c.expiry), zap.Error(err))
 	}
 }
 

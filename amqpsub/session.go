@@ -61,17 +61,16 @@ func (s *Subscriber) startSession(p *pipe, l *link) (*sessionSource, error) {
 	if id == "" {
 		return nil, errors.New("amqpsub: the service granted no session id in its attach")
 	}
-	until, ok := ticksTime(l.rcv.Properties()["com.microsoft:locked-until-utc"])
-	if !ok {
-		s.log.Warn("session granted without com.microsoft:locked-until-utc; renewing its lock from now",
-			zap.String("session_id", id))
-		until = time.Now()
+	until, sent := ticksTime(l.rcv.Properties()["com.microsoft:locked-until-utc"])
+	if !sent {
+		until = time.Now() // renew at once
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	src := &sessionSource{Receiver: l.rcv, id: id, idle: s.cfg.sessionIdle, p: p, l: l,
 		cancel: cancel, done: make(chan struct{})}
-	go src.renew(ctx, s.log, until)
-	s.log.Info("session accepted", zap.String("session_id", id), zap.Time("locked_until", until), zap.Int("slot", p.index))
+	go src.renew(ctx, s, until)
+	s.log.Info("session accepted", zap.String("session_id", id), zap.Int("slot", p.index),
+		zap.Time("locked_until", until), zap.Bool("locked_until_sent", sent))
 	return src, nil
 }
 
@@ -117,7 +116,7 @@ func (src *sessionSource) Receive(ctx context.Context, opts *amqp.ReceiveOptions
 // lock that is lost, or can no longer be renewed, gives up every delivery
 // of the session (dropped, or its handler's context cancelled) and closes
 // the link, so that the next session is accepted.
-func (src *sessionSource) renew(ctx context.Context, log *zap.Logger, until time.Time) {
+func (src *sessionSource) renew(ctx context.Context, s *Subscriber, until time.Time) {
 	defer close(src.done)
 	err := keepSessionLock(ctx, until, func(ctx context.Context) (time.Time, error) {
 		resp, err := src.l.mgmt.request(ctx, "com.microsoft:renew-session-lock", map[string]any{"session-id": src.id})
@@ -130,13 +129,14 @@ func (src *sessionSource) renew(ctx context.Context, log *zap.Logger, until time
 		}
 		return time.Time{}, errors.New("amqpsub: renew-session-lock: no expiration in the answer")
 	}, func(err error, until time.Time) {
-		log.Warn("renewing the session lock failed; trying again", zap.String("session_id", src.id),
+		// Limited: it is tried again every 250 ms to 2 s while it fails.
+		s.limited.Warn("renewing the session lock failed; trying again", zap.String("session_id", src.id),
 			zap.Time("locked_until", until), zap.Error(err))
 	})
 	if err == nil {
 		return // stopped
 	}
-	log.Warn("session lock lost; giving up its deliveries", zap.String("session_id", src.id), zap.Error(err))
+	s.log.Warn("session lock lost; giving up its deliveries", zap.String("session_id", src.id), zap.Error(err))
 	src.p.book.LoseAll("the session lock was lost")
 	// Bounded, and cut short by stop: go-amqp goes on closing the link.
 	cctx, cancel := context.WithTimeout(ctx, time.Second)

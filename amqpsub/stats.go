@@ -245,7 +245,9 @@ func (st Stats) String() string {
 		{"settle_errors", st.SettleErrors}, {"stale", st.Stale}, {"dropped", st.Dropped},
 		{"overshoot", count(st.Overshoot)}, {"links_lost", st.LinksLost}, {"reconnects", st.Reconnects},
 		{"locks_renewed", st.Locks.Renewed}, {"lock_renew_requests", st.Locks.RenewRequests},
-		{"locks_lost", st.Locks.Lost}, {"lost_at_settle", st.Locks.LostAtSettle}, {"settle_timeouts", st.Locks.SettleTimeouts},
+		{"lock_renew_failures", st.Locks.RenewFailures}, {"locks_lost", st.Locks.Lost}, {"locks_dropped", st.Locks.Dropped},
+		{"locks_skipped", st.Locks.Skipped}, {"locks_lost_at_settle", st.Locks.LostAtSettle}, {"settle_timeouts", st.Locks.SettleTimeouts},
+		{"locks_unrenewable", st.Locks.Unrenewable},
 		{"dead_letter_copies", st.DeadLetterCopies}, {"dead_letter_copy_failures", st.DeadLetterCopyFailures}, {"abandoned", st.Abandoned}, {"events_dropped", st.EventsDropped},
 	} {
 		if c.n != 0 {
@@ -256,7 +258,9 @@ func (st Stats) String() string {
 }
 
 // MarshalLogObject logs the counters as fields of a zap object:
-// zap.Object("stats", sub.Stats()).
+// zap.Object("stats", sub.Stats()). Every counter is written, zero or
+// not, under a snake_case name (the lanes summed up in longest_lane); the
+// "stopped" log line carries them.
 func (st Stats) MarshalLogObject(enc zapcore.ObjectEncoder) error {
 	enc.AddInt("held", st.Held)
 	enc.AddInt("max_held", st.MaxHeld)
@@ -287,9 +291,14 @@ func (st Stats) MarshalLogObject(enc zapcore.ObjectEncoder) error {
 	enc.AddUint64("links", st.Links)
 	enc.AddUint64("links_lost", st.LinksLost)
 	enc.AddUint64("reconnects", st.Reconnects)
+	enc.AddInt("locks_held", st.Locks.Held)
 	enc.AddUint64("locks_renewed", st.Locks.Renewed)
 	enc.AddUint64("lock_renew_requests", st.Locks.RenewRequests)
+	enc.AddUint64("lock_renew_failures", st.Locks.RenewFailures)
 	enc.AddUint64("locks_lost", st.Locks.Lost)
+	enc.AddUint64("locks_dropped", st.Locks.Dropped)
+	enc.AddUint64("locks_skipped", st.Locks.Skipped)
+	enc.AddUint64("locks_unrenewable", st.Locks.Unrenewable)
 	enc.AddUint64("locks_lost_at_settle", st.Locks.LostAtSettle)
 	enc.AddUint64("settle_timeouts", st.Locks.SettleTimeouts)
 	enc.AddUint64("dead_letter_copies", st.DeadLetterCopies)

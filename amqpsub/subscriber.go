@@ -9,6 +9,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/amqpsub/amqpsub/internal/loglimit"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -21,9 +22,12 @@ type Subscriber struct {
 	batch     BatchHandler
 	cfg       config
 	log       *zap.Logger
-	pipes     []*pipe  // one, or one per session held at once
-	events    *events  // nil without OnEvent and WithMetrics
-	rec       Recorder // nil without WithMetrics
+	// limited writes the lines that can fire once per delivery: at their
+	// level at most once a minute, at debug otherwise (docs/logging.md).
+	limited *loglimit.Logger
+	pipes   []*pipe  // one, or one per session held at once
+	events  *events  // nil without OnEvent and WithMetrics
+	rec     Recorder // nil without WithMetrics
 
 	mu       sync.Mutex
 	started  bool
@@ -132,6 +136,7 @@ func build(c Connector, queue string, opts []Option, batch bool) (*Subscriber, e
 		queue:     queue,
 		cfg:       cfg,
 		log:       log,
+		limited:   loglimit.New(log, loglimit.Every),
 		stopReq:   make(chan struct{}),
 		closeReq:  make(chan struct{}),
 		done:      make(chan struct{}),

@@ -38,8 +38,16 @@
 // # Losses
 //
 // A lock that is lost (the service says so, or it expired unrenewed) is
-// reported to OnLost once; a handler's context bound to the delivery is
-// cancelled. A delivery whose settlement is on its way (pump.Settling) is
+// reported to OnLost once, with why; a handler's context bound to the
+// delivery is cancelled.
+//
+// # Logs
+//
+// The book logs each lost lock at debug only: OnLost is where a loss is
+// reported (amqpsub logs it, limited, and passes it to OnEvent). A
+// delivery without a usable lock and a failed renewal request are logged
+// at warn at most once a minute each, and at debug otherwise (see package
+// internal/loglimit). A delivery whose settlement is on its way (pump.Settling) is
 // neither renewed nor declared lost by the book: the settlement's answer
 // decides, and the pump then removes it from the book.
 package lease
@@ -47,6 +55,7 @@ package lease
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"sync"
 	"time"
@@ -54,6 +63,7 @@ import (
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
 
+	"github.com/amqpsub/amqpsub/internal/loglimit"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -92,9 +102,10 @@ type Config struct {
 	// MaxInFlight is the most renewal requests out at once: while one waits
 	// for its answer, locks falling due go out in others. 0 means 4.
 	MaxInFlight int
-	// OnLost is told, once, of each delivery whose lock was lost. It runs
-	// on Run's goroutine and must not block. Required.
-	OnLost func(t pump.Ticket)
+	// OnLost is told, once, of each delivery whose lock was lost, and why:
+	// an error wrapping ErrLockLost. It runs on Run's goroutine (or
+	// LoseAll's caller's) and must not block. Required.
+	OnLost func(t pump.Ticket, why error)
 	// Logger receives the book's logs; nil means none.
 	Logger *zap.Logger
 	// OnRenewed, when set, is told of each request that renewed locks: n
@@ -117,9 +128,10 @@ type Stats struct {
 
 // Book is the lease book. Create it with New; run Run.
 type Book struct {
-	cfg  Config
-	log  *zap.Logger
-	wake chan struct{}
+	cfg     Config
+	log     *zap.Logger
+	limited *loglimit.Logger // lines that can fire once per delivery or request
+	wake    chan struct{}
 
 	mu      sync.Mutex
 	entries map[*pump.Delivery]*entry
@@ -158,7 +170,8 @@ func New(cfg Config) *Book {
 	if log == nil {
 		log = zap.NewNop()
 	}
-	return &Book{cfg: cfg, log: log, wake: make(chan struct{}, 1), entries: map[*pump.Delivery]*entry{}}
+	return &Book{cfg: cfg, log: log, limited: loglimit.New(log, loglimit.Every), wake: make(chan struct{}, 1),
+		entries: map[*pump.Delivery]*entry{}}
 }
 
 // LockToken returns the lock token of a Service Bus delivery: its 16-byte
@@ -207,7 +220,7 @@ func (b *Book) requestTimeout(now, until time.Time) time.Duration {
 
 // Add enters the delivery t in the book (pump.Leases). A delivery without
 // a usable lock token or expiry is kept (so Bind and Remove work) but never
-// renewed, and logged.
+// renewed, counted (Stats.Unrenewable) and logged, limited.
 func (b *Book) Add(t pump.Ticket) {
 	now := time.Now()
 	m := t.Message()
@@ -222,8 +235,8 @@ func (b *Book) Add(t pump.Ticket) {
 	}
 	if !okToken || !okUntil {
 		b.stats.Unrenewable++
-		b.log.Warn("delivery without a usable lock (a 16-byte delivery tag and x-opt-locked-until); its lock is not renewed",
-			zap.Int("tag_bytes", len(m.DeliveryTag)), zap.Bool("locked_until", okUntil))
+		b.limited.Warn("delivery without a usable lock (a 16-byte delivery tag and x-opt-locked-until); its lock is not renewed",
+			zap.Int("tag_bytes", len(m.DeliveryTag)), zap.Bool("has_locked_until", okUntil))
 		return
 	}
 	e.token, e.until, e.due = token, until, dueAt(now, until)
@@ -293,7 +306,7 @@ func (b *Book) Run(ctx context.Context) {
 	for ctx.Err() == nil {
 		renew, lost, next := b.round(time.Now(), (b.cfg.MaxInFlight-inFlight)*b.cfg.MaxBatch)
 		for _, e := range lost {
-			b.lose(e, "the lock expired unrenewed")
+			b.lose(e, errExpired)
 		}
 		for i := 0; i < len(renew); i += b.cfg.MaxBatch {
 			batch := renew[i:min(len(renew), i+b.cfg.MaxBatch)]
@@ -477,7 +490,9 @@ func (b *Book) renew(ctx context.Context, es []*entry) (refused []*entry) {
 		if err == nil {
 			err = errors.New("lease: the answer's expirations do not match the request")
 		}
-		b.log.Warn("renewing message locks failed; trying again until they expire",
+		// Limited: while the service fails, every lock due is in a request
+		// that fails, again within a second.
+		b.limited.Warn("renewing message locks failed; trying again until they expire",
 			zap.Int("locks", len(es)), zap.Duration("timeout", timeout), zap.Error(err))
 		now := time.Now()
 		b.mu.Lock()
@@ -496,7 +511,7 @@ func (b *Book) renew(ctx context.Context, es []*entry) (refused []*entry) {
 // loseRefused reports the locks the service refused to renew.
 func (b *Book) loseRefused(es []*entry) {
 	for _, e := range es {
-		b.lose(e, "the service refused to renew it")
+		b.lose(e, errRefused)
 	}
 }
 
@@ -515,8 +530,10 @@ func (b *Book) done(e *entry) {
 }
 
 // LoseAll reports every delivery in the book lost, and empties it: for the
-// deliveries of a Service Bus session whose session lock was lost.
+// deliveries of a Service Bus session whose session lock was lost. OnLost
+// is told why: an error wrapping ErrLockLost that says why.
 func (b *Book) LoseAll(why string) {
+	err := fmt.Errorf("%w: %s", ErrLockLost, why)
 	b.mu.Lock()
 	es := make([]*entry, 0, len(b.entries))
 	for d, e := range b.entries {
@@ -525,21 +542,28 @@ func (b *Book) LoseAll(why string) {
 	}
 	b.mu.Unlock()
 	for _, e := range es {
-		b.lose(e, why)
+		b.lose(e, err)
 	}
 }
 
+// Why locks are lost, as OnLost is told.
+var (
+	errExpired = fmt.Errorf("%w: it expired unrenewed", ErrLockLost)
+	errRefused = fmt.Errorf("%w: the service refused to renew it", ErrLockLost)
+)
+
 // lose reports a lost lock: to OnLost, and to the handler's context.
-func (b *Book) lose(e *entry, why string) {
+func (b *Book) lose(e *entry, why error) {
 	b.mu.Lock()
 	b.stats.Lost++
 	cancel := e.cancel
 	b.mu.Unlock()
-	b.log.Warn("message lock lost: "+why, zap.Stringer("lock_token", uuidString(e.token)), zap.Time("locked_until", e.until))
+	b.log.Debug("lock lost", zap.Stringer("lock_token", uuidString(e.token)), zap.Time("locked_until", e.until),
+		zap.Error(why))
 	if cancel != nil {
 		cancel(ErrLockLost)
 	}
-	b.cfg.OnLost(e.t)
+	b.cfg.OnLost(e.t, why)
 }
 
 type uuidString amqp.UUID

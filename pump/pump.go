@@ -40,7 +40,9 @@ type Config struct {
 	// Mode is the credit mode at start (see package credit). A broker seen
 	// sending past its credit switches the pump to credit.Windowed.
 	Mode credit.Mode
-	// Logger receives the pump's logs. nil means no logs.
+	// Logger receives the pump's logs. nil means no logs. Two lines are
+	// above debug, once per link at most: "link lost" and the overshoot
+	// (warn); what happens once per delivery is logged at debug.
 	Logger *zap.Logger
 	// OnEvent, when set, is called on the pump's goroutine for each Event.
 	// It must return at once (hand the event on, never block): the pump

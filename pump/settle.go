@@ -179,14 +179,17 @@ func (p *Pump) settled(d *Delivery, kind Kind, err error) {
 	}
 	// Declared past the nil check: errors.As makes it escape, which would
 	// cost an allocation per settlement.
+	//
+	// Each is logged at debug: they happen once per delivery. They are
+	// counted (Stats), and OnEvent hears of each (SettleFailed).
 	var ae *amqp.Error
 	switch {
 	case errors.As(err, &ae) && ae.Condition == ErrCondLockLost:
-		p.log.Warn("settlement answered with lock-lost; the broker redelivers the delivery",
+		p.log.Debug("settlement answered with lock-lost; the broker redelivers the delivery",
 			zap.Stringer("outcome", kind), zap.Error(err))
 		p.stats.lockLostAnswers.Add(1)
 	case errors.Is(err, context.DeadlineExceeded):
-		p.log.Warn("settlement not answered in time; the broker redelivers the delivery once its lock expires",
+		p.log.Debug("settlement not answered in time; the broker redelivers the delivery once its lock expires",
 			zap.Stringer("outcome", kind), zap.Duration("timeout", p.settleTimeout()))
 		p.stats.settleTimeouts.Add(1)
 	default:

@@ -92,8 +92,9 @@ type Config struct {
 	// MaxInFlight is the most renewal requests out at once: while one waits
 	// for its answer, locks falling due go out in others. 0 means 4.
 	MaxInFlight int
-	// OnLost is told, once, of each delivery whose lock was lost. It runs
-	// on Run's goroutine and must not block. Required.
+	// OnLost is told, once, of each delivery whose lock was lost, before a
+	// handler's context bound to it is cancelled. It runs on Run's
+	// goroutine and must not block. Required.
 	OnLost func(t pump.Ticket)
 	// Logger receives the book's logs; nil means none.
 	Logger *zap.Logger
@@ -536,10 +537,13 @@ func (b *Book) lose(e *entry, why string) {
 	cancel := e.cancel
 	b.mu.Unlock()
 	b.log.Warn("message lock lost: "+why, zap.Stringer("lock_token", uuidString(e.token)), zap.Time("locked_until", e.until))
+	// OnLost first: the pump then skips the settlement of a handler that
+	// returns as soon as its context is cancelled. The other way round, its
+	// result could go out on a lock the service has given up.
+	b.cfg.OnLost(e.t)
 	if cancel != nil {
 		cancel(ErrLockLost)
 	}
-	b.cfg.OnLost(e.t)
 }
 
 type uuidString amqp.UUID

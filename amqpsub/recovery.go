@@ -11,6 +11,7 @@ import (
 
 	"github.com/amqpsub/amqpsub/internal/backoff"
 	"github.com/amqpsub/amqpsub/internal/wire"
+	"github.com/amqpsub/amqpsub/lease"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -83,6 +84,7 @@ const healthy = 10 * time.Second
 
 func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) {
 	s := a.s
+	a.p.sourceRenewer.Store(nil)
 	if a.current != nil {
 		a.p.current.Store(nil)
 		s.closeLink(ctx, a.current)
@@ -108,6 +110,12 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 		if err == nil {
 			a.current, a.attachedAt = l, time.Now()
 			a.p.current.Store(l)
+			if l == nil {
+				if rn, ok := src.(lease.Renewer); ok {
+					// A test source that renews its own locks (see renewer).
+					a.p.sourceRenewer.Store(&rn)
+				}
+			}
 			if a.before && !moveOn {
 				n := attempt - first + 1
 				s.reconnects.Add(1)
@@ -124,6 +132,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 				// Stopped while OnReconnect ran: nobody will use the new
 				// link, and Run no longer closes it.
 				a.p.current.Store(nil)
+				a.p.sourceRenewer.Store(nil)
 				a.current = nil
 				if l != nil { // nil under a test source
 					s.closeLink(context.WithoutCancel(ctx), l)

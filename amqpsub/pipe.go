@@ -27,6 +27,10 @@ type pipe struct {
 	book    *lease.Book // nil but for peek-lock profiles
 	att     *attacher
 	current atomic.Pointer[link] // the link attached now; nil between links
+	// sourceRenewer renews locks in place of a link's $management node
+	// when the pipe receives from a test source that can (package
+	// amqpsubtest's Service Bus queue); nil on a broker's link.
+	sourceRenewer atomic.Pointer[lease.Renewer]
 	// session is the session id this pipe asks for ("" for the next
 	// available one); used by session consumers only.
 	session string
@@ -96,9 +100,16 @@ type renewer struct{ p *pipe }
 // attached again), no lock of the link can be renewed any more: the receive
 // link is closed too, so that the pump attaches both anew, and the service
 // delivers again what the link held.
+//
+// A test source attached in place of a link renews its own locks, if it
+// can: the attacher sets sourceRenewer then. A broker's link never reaches
+// that branch.
 func (r renewer) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
 	l := r.p.current.Load()
 	if l == nil || l.mgmt == nil {
+		if sr := r.p.sourceRenewer.Load(); sr != nil {
+			return (*sr).RenewLocks(ctx, tokens)
+		}
 		return nil, errNoLink
 	}
 	exp, err := l.mgmt.RenewLocks(ctx, tokens)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/amqpsub/amqpsub/internal/backoff"
 	"github.com/amqpsub/amqpsub/internal/wire"
+	"github.com/amqpsub/amqpsub/lease"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -90,6 +91,7 @@ const healthy = 10 * time.Second
 
 func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) {
 	s := a.s
+	a.p.sourceRenewer.Store(nil)
 	first := 0
 	moveOn := errors.Is(lost, pump.ErrSourceDone) // a session consumer's next session
 	if a.current != nil {
@@ -122,6 +124,12 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			a.current, a.attachedAt = l, time.Now()
 			a.p.current.Store(l)
 			s.attached(a.p, l)
+			if l == nil {
+				if rn, ok := src.(lease.Renewer); ok {
+					// A test source that renews its own locks (see renewer).
+					a.p.sourceRenewer.Store(&rn)
+				}
+			}
 			if a.before && !moveOn {
 				n := attempt - first + 1
 				broker := s.connector.String()
@@ -142,6 +150,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 				// Stopped while OnReconnect ran: nobody will use the new
 				// link, and Run no longer closes it.
 				a.p.current.Store(nil)
+				a.p.sourceRenewer.Store(nil)
 				a.current = nil
 				if l != nil { // nil under a test source
 					s.closeLink(context.WithoutCancel(ctx), l, nil)

@@ -182,6 +182,7 @@ func (s *Subscriber) Run(ctx context.Context) error {
 			continue
 		}
 		r.p.current.Store(nil)
+		r.p.sourceRenewer.Store(nil)
 		if l := r.p.att.current; l != nil {
 			closings.Go(func() { s.closeWithin(l, closeBy) })
 		}

@@ -102,16 +102,21 @@ func build(c Connector, queue string, opts []Option, batch bool) (*Subscriber, e
 		}
 		o.apply(&cfg)
 	}
-	if sb, ok := c.(*sbConnector); ok {
+	sb, isSB := c.(*sbConnector)
+	sc, isSource := c.(sourceConnector)
+	if isSB || isSource && sc.serviceBus {
 		switch {
 		case !cfg.profileSet:
 			cfg.profile = AzureServiceBus
 		case !cfg.profile.peekLock:
 			cfg.invalid("WithProfile(%s) with a Service Bus connector: use AzureServiceBus", cfg.profile)
 		}
-		if sb.entity != "" && sb.entity != queue {
-			cfg.invalid("queue %q: the connection string's EntityPath is %q", queue, sb.entity)
-		}
+	}
+	if isSB && sb.entity != "" && sb.entity != queue {
+		cfg.invalid("queue %q: the connection string's EntityPath is %q", queue, sb.entity)
+	}
+	if isSource && sc.serviceBus && cfg.sessions() {
+		cfg.invalid("Sessions and SessionIDs: %s does not play Service Bus sessions", sc)
 	}
 	if cfg.batchSet && !batch {
 		cfg.invalid("Batch needs a BatchHandler: use NewBatch")

@@ -9,7 +9,9 @@ import (
 )
 
 func init() {
-	testhook.Connector = func(name string, next testhook.Attach) any { return sourceConnector{name, next} }
+	testhook.Connector = func(name string, next testhook.Attach, serviceBus bool) any {
+		return sourceConnector{name: name, next: next, serviceBus: serviceBus}
+	}
 	testhook.DialWire = func(url string, o wire.Options) any { return &dialer{url: url, wire: o} }
 }
 
@@ -18,6 +20,9 @@ func init() {
 type sourceConnector struct {
 	name string
 	next testhook.Attach
+	// serviceBus: the sources play Service Bus, so the subscriber takes
+	// the AzureServiceBus profile (see build).
+	serviceBus bool
 }
 
 func (sourceConnector) connect(context.Context, connectRequest) (*connection, error) {

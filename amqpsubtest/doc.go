@@ -1,7 +1,9 @@
 // Package amqpsubtest tests amqpsub handlers without a broker: a Queue plays
 // the broker behind the real amqpsub pipeline (pump, credit, lanes,
-// batches, outcomes, LocalRetry, MaxDeliveryCount, reconnects, stops), and
-// records what happened to every message.
+// batches, outcomes, LocalRetry, MaxDeliveryCount, reconnects, stops, and
+// on Service Bus the renewal of message locks), and records what happened
+// to every message. It plays Apache ActiveMQ Artemis, RabbitMQ 3.10, and
+// Azure Service Bus peek-lock on a queue without sessions.
 //
 // # Five minutes
 //
@@ -39,10 +41,12 @@
 // # Fake time
 //
 // Run the test in a testing/synctest bubble (synctest.Test) and LocalRetry
-// backoffs, batch waits, grace periods and reconnect backoffs take no real
-// time; synctest.Wait lets everything settle before you look. The queue
-// starts no goroutine and no timer: it runs on the subscriber's goroutines
-// and yours, and makes the channels it blocks on there, so a bubble sees a
+// backoffs, batch waits, grace periods, reconnect backoffs and Service Bus
+// lock durations take no real time; synctest.Wait lets everything settle
+// before you look. The queue starts no goroutine and no timer of its own:
+// it runs on the subscriber's goroutines and yours, and makes the channels
+// it blocks on there (and, while Service Bus locks are held, the timer a
+// waiting Receive wakes at for the next expiry), so a bubble sees a
 // subscriber on an idle queue as durably blocked. Use a queue
 // from one bubble at a time. A handler that releases a message every time
 // keeps the bubble busy (the message comes back at once, as on a broker),
@@ -105,7 +109,85 @@
 // plain rejections. Under RabbitMQ3 the queue does not
 // send past the credit, which RabbitMQ 3.10 does at small credits.
 //
-// The queue does not play Azure Service Bus (amqpsub.AzureServiceBus):
-// its message locks, sessions and $management node are not simulated; test
-// Service Bus consumers against the peer in integration/sbpeer.
+// # Azure Service Bus (WithProfile(amqpsub.AzureServiceBus))
+//
+// The queue plays a Service Bus queue without sessions, in peek-lock mode,
+// as amqpsub's AzureServiceBus profile and docs/brokers.md describe it (from
+// the Azure SDKs' sources and Microsoft's AMQP documentation, not from
+// Azure itself), so that a test of a Service Bus consumer can show what
+// its locks do:
+//
+//	func TestSlowReport(t *testing.T) {
+//		synctest.Test(t, func(t *testing.T) { // 60 s locks, minutes of handler: no real time
+//			q := amqpsubtest.NewQueue(amqpsubtest.WithProfile(amqpsub.AzureServiceBus))
+//			q.Publish(amqpsubtest.Message("", "report"))
+//			sub, err := amqpsub.New(q.Connector(), "reports", reports.Handler(), amqpsub.MaxLockRenewal(90*time.Second))
+//			if err != nil {
+//				t.Fatal(err)
+//			}
+//			ctx, cancel := context.WithTimeout(t.Context(), time.Hour)
+//			defer cancel()
+//			if err := q.Drain(ctx, sub); err != nil {
+//				t.Fatal(err)
+//			}
+//			if got := q.Records()[0].String(); got != "#0: 0 accepted → consumed" {
+//				t.Fatal(got) // such as `#0: 0 lock expired, 1 accepted → consumed`: it took too long
+//			}
+//		})
+//	}
+//
+// What it does:
+//
+//   - Its Connector stands in for amqpsub.ServiceBus's: a subscriber on it
+//     takes the AzureServiceBus profile without WithProfile, and New refuses
+//     another profile, and Sessions or SessionIDs.
+//   - Each delivery is locked for LockDuration (60 s by default) from when
+//     it is sent. It carries the lock token as its 16-byte delivery tag
+//     (.NET's Guid layout, which lease.LockToken reads), and message
+//     annotations x-opt-locked-until (when the lock expires),
+//     x-opt-sequence-number (from 1, in publish order) and
+//     x-opt-enqueued-time (when it was published). Its header's
+//     delivery-count is the number of earlier deliveries abandoned or whose
+//     lock expired.
+//   - The subscriber's lease book renews the locks through the link, in
+//     place of com.microsoft:renew-lock on the $management node: a renewal
+//     extends each lock to LockDuration from then (Delivery.Renewals,
+//     Delivery.LockedUntil); a request naming a lock that is expired,
+//     settled or unknown renews none and fails with an error wrapping
+//     lease.ErrLockLost, as the service's status 410 does.
+//   - A lock that is not renewed in time (a handler ran past MaxLockRenewal,
+//     say) expires at its locked-until: the delivery is recorded as
+//     LockExpired, and the message goes back, counted. A settlement that
+//     comes later is refused with an *amqp.Error of condition
+//     com.microsoft:message-lock-lost (pump.ErrCondLockLost) and not
+//     applied; Delivery.Late records it (amqpsub sends none once its lease
+//     book knows the lock is lost, and counts the refusals it gets in
+//     Stats().Locks.LostAtSettle).
+//   - accepted completes the message; released returns it, not counted
+//     (so a stop's releases cost nothing); modified (amqpsub's Retry, an
+//     abandon) returns it, counted, whatever delivery-failed says;
+//     modified{undeliverable-here}, a defer, is refused with
+//     amqp:not-implemented; rejected dead-letters it, with the rejected
+//     error's DeadLetterReason and DeadLetterErrorDescription (Record.Reason,
+//     Record.Description). When the count reaches MaxDeliveryAttempts (the
+//     entity's MaxDeliveryCount, 10 by default, as on Service Bus), the
+//     service dead-letters the message with reason MaxDeliveryCountExceeded.
+//   - Settlements are answered at once, and a drain (which amqpsub sends at
+//     a stop) takes the link's credit back at once. A group-id is a plain
+//     property: on Service Bus it is the session id, and this queue has no
+//     sessions.
+//
+// What it does not play: sessions (session locks and state, accepting a
+// session); $management's other operations (peek, receive by sequence
+// number, deferral, update-disposition); scheduled messages, time to live,
+// duplicate detection and partitions; the properties-to-modify of a
+// modified outcome; connections, claims-based security and link detaches
+// by the service. A link that ends gives its unsettled messages back at
+// once, not counted (recorded as Unsettled), as amqpsub assumes when it
+// forgets the locks of a lost link; whether Service Bus does so, or leaves
+// them locked until they expire and counts them (docs/brokers.md, on a
+// consumer that is killed), our sources do not settle. Dead letters are a
+// list to assert on, not a $DeadLetterQueue to consume. Test those parts
+// against the peer in integration/sbpeer, and remember that a test here
+// says what amqpsub does with your handler, not what Azure does.
 package amqpsubtest

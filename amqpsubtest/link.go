@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math"
+	"time"
 
 	"github.com/Azure/go-amqp"
 )
@@ -17,6 +18,7 @@ type link struct {
 	wake      chan struct{}
 	unsettled map[*amqp.Message]*record // delivered copy → its message
 	refused   map[*record]bool          // modified{undeliverable-here} on this link
+	expired   map[*amqp.Message]late    // delivered, lock expired, not settled (Service Bus)
 	err       error                     // why it ended; nil while attached
 }
 
@@ -28,15 +30,25 @@ var errClosed = &amqp.LinkError{}
 // deliver, or settled before.
 var errUnknown = errors.New("amqpsubtest: settlement of a delivery that is not unsettled on this link")
 
+// errDefer refuses a Service Bus defer, which the queue does not play.
+var errDefer = &amqp.Error{Condition: amqp.ErrCondNotImplemented,
+	Description: "amqpsubtest: modified{undeliverable-here} is a Service Bus defer, which the queue does not play"}
+
 // Receive returns the next message the queue has for the link, within the
 // credit. A subscriber's pump calls it from one goroutine and cancels ctx
 // only when it is done with the link (it stopped, or the link failed): so
 // ctx ending ends the link, and its unsettled deliveries go back to the
 // queue, as when a broker sees a receiver close.
+//
+// While Service Bus locks are held, a Receive that waits wakes at the next
+// expiry, on a timer it makes on its caller's goroutine (a synctest bubble's
+// when the subscriber runs in one), so that an expired message comes back
+// without anyone settling or renewing.
 func (l *link) Receive(ctx context.Context, _ *amqp.ReceiveOptions) (*amqp.Message, error) {
 	q := l.q
 	for {
 		q.mu.Lock()
+		q.expireLocks()
 		if l.err != nil {
 			err := l.err
 			q.mu.Unlock()
@@ -49,14 +61,25 @@ func (l *link) Receive(ctx context.Context, _ *amqp.ReceiveOptions) (*amqp.Messa
 				return m, nil
 			}
 		}
+		next := q.nextExpiry()
 		q.mu.Unlock()
+		var timer *time.Timer
+		var expiry <-chan time.Time
+		if !next.IsZero() {
+			timer = time.NewTimer(time.Until(next))
+			expiry = timer.C
+		}
 		select {
 		case <-l.wake:
+		case <-expiry:
 		case <-ctx.Done():
 			q.mu.Lock()
 			q.end(l, errClosed)
 			q.mu.Unlock()
 			return nil, ctx.Err()
+		}
+		if timer != nil {
+			timer.Stop()
 		}
 	}
 }
@@ -82,6 +105,9 @@ func (l *link) deliver(r *record) *amqp.Message {
 	r.state = InFlight
 	r.deliveries = append(r.deliveries, Delivery{Count: h.DeliveryCount, Link: l.id})
 	l.unsettled[&m] = r
+	if q.rules.peekLock {
+		q.lockFor(l, r, &m)
+	}
 	if g := r.groupID(); q.rules.groups && g != "" {
 		q.owners[g] = l
 		if seq, ok := r.groupSequence(); ok && seq == math.MaxUint32 {
@@ -132,16 +158,32 @@ func (l *link) ModifyMessage(_ context.Context, m *amqp.Message, o *amqp.ModifyM
 
 // settle applies an outcome to the delivery m. notHere (undeliverable-here)
 // keeps the message from l for as long as l is attached, as Artemis does.
+//
+// Under Service Bus, a settlement after the lock expired is refused with
+// com.microsoft:message-lock-lost; every modified outcome is an abandon,
+// counted, but for undeliverable-here (a defer), which is refused.
 func (l *link) settle(m *amqp.Message, o Outcome, e *amqp.Error, notHere bool) error {
 	q := l.q
 	q.mu.Lock()
 	defer q.mu.Unlock()
+	q.expireLocks()
 	if l.err != nil {
 		return l.err
 	}
 	r, ok := l.unsettled[m]
 	if !ok {
+		if x, expired := l.expired[m]; expired {
+			delete(l.expired, m)
+			x.r.deliveries[x.i].Late = o
+			return lockLostError()
+		}
 		return errUnknown
+	}
+	if q.rules.peekLock {
+		if notHere {
+			return errDefer
+		}
+		q.unlock(r)
 	}
 	delete(l.unsettled, m)
 	if notHere {
@@ -149,22 +191,17 @@ func (l *link) settle(m *amqp.Message, o Outcome, e *amqp.Error, notHere bool) e
 	}
 	d := r.last()
 	d.Outcome, d.Error = o, e
-	switch o {
-	case Accepted:
+	switch {
+	case o == Accepted:
 		r.state = Consumed
 		q.accepted = append(q.accepted, r)
 		q.final++
-	case Rejected:
+	case o == Rejected:
 		q.deadLetter(r)
-	case Failed:
-		if q.rules.counts {
-			r.count++
-			if q.maxAttempts > 0 && r.count >= q.maxAttempts {
-				q.deadLetter(r)
-				break
-			}
-		}
-		q.requeue(r)
+	case o == Failed, o == Modified && q.rules.peekLock:
+		// A failed attempt: Artemis counts modified{delivery-failed},
+		// Service Bus every abandon.
+		q.fail(r)
 	default: // Released, Modified
 		q.requeue(r)
 	}

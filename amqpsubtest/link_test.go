@@ -7,11 +7,14 @@ import (
 	"math"
 	"testing"
 	"testing/synctest"
+	"time"
 
 	"github.com/Azure/go-amqp"
 	"go.uber.org/goleak"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/lease"
+	"github.com/amqpsub/amqpsub/pump"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -24,6 +27,9 @@ func open(t *testing.T, q *Queue) *link {
 	src, err := q.attach(t.Context())
 	if err != nil {
 		t.Fatal(err)
+	}
+	if sb, ok := src.(serviceBusLink); ok {
+		return sb.link
 	}
 	return src.(*link)
 }
@@ -284,7 +290,7 @@ func TestRabbitMQ3(t *testing.T) {
 }
 
 func TestRulesForEveryProfile(t *testing.T) {
-	for _, p := range []amqpsub.Profile{amqpsub.Artemis, amqpsub.Generic, amqpsub.RabbitMQ3} {
+	for _, p := range []amqpsub.Profile{amqpsub.Artemis, amqpsub.Generic, amqpsub.RabbitMQ3, amqpsub.AzureServiceBus} {
 		if _, ok := rulesFor(p); !ok {
 			t.Errorf("no rules for %s", p)
 		}
@@ -314,4 +320,107 @@ func TestUndeliverableHereKeepsTheMessageFromThatLink(t *testing.T) {
 	if m := receive(t, b); body(m) != "0" || m.Header.DeliveryCount != 0 {
 		t.Fatalf("b got %q, count %d", body(m), m.Header.DeliveryCount)
 	}
+}
+
+// Service Bus locks at the link: renewals, expiry found lazily, settlements
+// after expiry, and a Receive that wakes at the next expiry.
+func TestServiceBusLocksAtTheLink(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		q := NewQueue(WithProfile(amqpsub.AzureServiceBus), MaxDeliveryAttempts(2))
+		q.Publish(Message("", "a"), Message("", "b"))
+		start := time.Now()
+		l := open(t, q)
+		if err := l.IssueCredit(2); err != nil {
+			t.Fatal(err)
+		}
+		a, b := receive(t, l), receive(t, l)
+		ta, _ := lease.LockToken(a.DeliveryTag)
+		tb, _ := lease.LockToken(b.DeliveryTag)
+		ctx := t.Context()
+
+		time.Sleep(30 * time.Second)
+		exp, err := l.renewLocks(ctx, []amqp.UUID{ta})
+		if err != nil || len(exp) != 1 || !exp[0].Equal(start.Add(90*time.Second)) {
+			t.Fatalf("renew a: %v, %v", exp, err)
+		}
+		time.Sleep(31 * time.Second) // b's lock expired at 60 s
+		if _, err := l.renewLocks(ctx, []amqp.UUID{ta, tb}); !errors.Is(err, lease.ErrLockLost) {
+			t.Fatalf("renew a and b: %v", err)
+		}
+		// All or nothing: a was not renewed by the refused request.
+		if d := q.Records()[0].Deliveries[0]; d.Renewals != 1 || !d.LockedUntil.Equal(start.Add(90*time.Second)) {
+			t.Fatalf("a: %+v", d)
+		}
+		var ae *amqp.Error
+		if err := l.AcceptMessage(ctx, b); !errors.As(err, &ae) || ae.Condition != pump.ErrCondLockLost {
+			t.Fatalf("accept after expiry: %v", err)
+		}
+		if err := l.AcceptMessage(ctx, b); err != errUnknown {
+			t.Fatalf("a second accept after expiry: %v", err)
+		}
+		if err := l.ModifyMessage(ctx, a, &amqp.ModifyMessageOptions{UndeliverableHere: true}); !errors.As(err, &ae) ||
+			ae.Condition != amqp.ErrCondNotImplemented {
+			t.Fatalf("defer: %v", err)
+		}
+		// b is back, counted; a Receive waiting with credit gets it, and
+		// a again once its lock expires at 90 s.
+		if err := l.IssueCredit(2); err != nil {
+			t.Fatal(err)
+		}
+		if m := receive(t, l); body(m) != "b" || m.Header.DeliveryCount != 1 || time.Since(start) != 61*time.Second {
+			t.Fatalf("redelivered %q count %d at %v", body(m), m.Header.DeliveryCount, time.Since(start))
+		}
+		a2 := receive(t, l)
+		if body(a2) != "a" || a2.Header.DeliveryCount != 1 || time.Since(start) != 90*time.Second {
+			t.Fatalf("redelivered %q count %d at %v", body(a2), a2.Header.DeliveryCount, time.Since(start))
+		}
+		if _, err := l.renewLocks(ctx, []amqp.UUID{ta}); !errors.Is(err, lease.ErrLockLost) {
+			t.Fatalf("renew a's first lock: %v", err)
+		}
+		// A release does not count; an abandon does, up to MaxDeliveryAttempts.
+		if err := l.ReleaseMessage(ctx, a2); err != nil {
+			t.Fatal(err)
+		}
+		if err := l.IssueCredit(1); err != nil {
+			t.Fatal(err)
+		}
+		a3 := receive(t, l)
+		if a3.Header.DeliveryCount != 1 {
+			t.Fatalf("count after a release: %d", a3.Header.DeliveryCount)
+		}
+		if err := l.ModifyMessage(ctx, a3, nil); err != nil {
+			t.Fatal(err)
+		}
+		want := `#0: 0 lock expired, 1 released, 1 modified → dead-lettered (MaxDeliveryCountExceeded)
+#1: 0 lock expired (late accepted), 1 pending → in flight
+`
+		if got := history(q); got != want {
+			t.Fatalf("history:\n%swant:\n%s", got, want)
+		}
+	})
+}
+
+// A link that ends takes its locks with it: its deliveries go back
+// uncounted, and their tokens can no longer be renewed.
+func TestServiceBusLostLinkEndsItsLocks(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		q := NewQueue(WithProfile(amqpsub.AzureServiceBus))
+		q.Publish(Message("", "a"))
+		l := open(t, q)
+		if err := l.IssueCredit(1); err != nil {
+			t.Fatal(err)
+		}
+		tok, _ := lease.LockToken(receive(t, l).DeliveryTag)
+		q.LoseLinks(nil)
+		var le *amqp.LinkError
+		if _, err := l.renewLocks(t.Context(), []amqp.UUID{tok}); !errors.As(err, &le) {
+			t.Fatalf("renew on the lost link: %v", err)
+		}
+		if _, err := open(t, q).renewLocks(t.Context(), []amqp.UUID{tok}); !errors.Is(err, lease.ErrLockLost) {
+			t.Fatalf("renew on another link: %v", err)
+		}
+		if got := history(q); got != "#0: 0 unsettled → queued\n" {
+			t.Fatal(got)
+		}
+	})
 }

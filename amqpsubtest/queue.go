@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/Azure/go-amqp"
 
@@ -18,8 +19,10 @@ import (
 // one with NewQueue, give its Connector to amqpsub.New or NewBatch, and
 // Publish messages to it. It is safe for concurrent use.
 type Queue struct {
-	rules       rules
-	maxAttempts uint32 // 0: never dead-letter by count
+	rules           rules
+	maxAttempts     uint32 // 0: never dead-letter by count
+	lockDuration    time.Duration
+	lockDurationSet bool
 
 	mu       sync.Mutex
 	records  []*record // publish order
@@ -32,6 +35,9 @@ type Queue struct {
 	owners   map[string]*link // group-id → the link its messages go to
 	refuse   error            // RefuseAttach's
 	waiters  []chan struct{}  // closed at the next change
+	// Service Bus: the records whose delivery is locked now, by lock token.
+	locks     map[amqp.UUID]*record
+	lastToken uint64
 }
 
 // An Option configures a Queue.
@@ -43,11 +49,12 @@ func (f optionFunc) apply(q *Queue) { f(q) }
 
 // WithProfile makes the queue behave as the broker of profile p does (see
 // the package documentation): amqpsub.Artemis and amqpsub.Generic get
-// Artemis's rules, amqpsub.RabbitMQ3 gets RabbitMQ 3.10's. Give the
-// subscriber the same profile. NewQueue panics on a profile it has no rules
-// for, amqpsub.AzureServiceBus among them: the queue does not simulate
-// message locks or sessions (test those against integration/sbpeer).
-// Default: amqpsub.Artemis.
+// Artemis's rules, amqpsub.RabbitMQ3 gets RabbitMQ 3.10's, and
+// amqpsub.AzureServiceBus gets Service Bus peek-lock on a queue without
+// sessions (message locks, LockDuration). Give the subscriber the same
+// profile; a Service Bus queue's Connector gives it AzureServiceBus itself,
+// as amqpsub.ServiceBus's does. NewQueue panics on a profile it has no
+// rules for. Default: amqpsub.Artemis.
 func WithProfile(p amqpsub.Profile) Option {
 	return optionFunc(func(q *Queue) {
 		r, ok := rulesFor(p)
@@ -63,16 +70,24 @@ func WithProfile(p amqpsub.Profile) Option {
 // queued again: Artemis's max-delivery-attempts. n = 0 never dead-letters
 // for failures (Artemis's -1). It has no effect under the RabbitMQ3 profile,
 // where failures are not counted. Our test broker (integration/artemis)
-// uses 5. Default: 10, Artemis's default.
+// uses 5. Under AzureServiceBus it is the entity's MaxDeliveryCount: an
+// abandon (any modified outcome) and an expired lock each count, and the
+// message is dead-lettered with reason MaxDeliveryCountExceeded. Default:
+// 10, the default of Artemis and of Service Bus.
 func MaxDeliveryAttempts(n uint32) Option {
 	return optionFunc(func(q *Queue) { q.maxAttempts = n })
 }
 
-// NewQueue returns an empty queue with the given options.
+// NewQueue returns an empty queue with the given options. It panics on an
+// invalid option: see each option.
 func NewQueue(opts ...Option) *Queue {
-	q := &Queue{rules: artemisRules, maxAttempts: 10, owners: map[string]*link{}}
+	q := &Queue{rules: artemisRules, maxAttempts: 10, lockDuration: time.Minute,
+		owners: map[string]*link{}, locks: map[amqp.UUID]*record{}}
 	for _, o := range opts {
 		o.apply(q)
+	}
+	if q.lockDurationSet && !q.rules.peekLock {
+		panic("amqpsubtest: LockDuration needs WithProfile(amqpsub.AzureServiceBus): other brokers have no message locks")
 	}
 	return q
 }
@@ -80,12 +95,16 @@ func NewQueue(opts ...Option) *Queue {
 // Connector returns a Connector whose every attach opens a new link on q:
 // give it to amqpsub.New or NewBatch in place of amqpsub.Dial. The queue
 // name given to New is not checked. Several subscribers may consume q at
-// once, as replicas do: each attach is a link of its own.
+// once, as replicas do: each attach is a link of its own. On a queue that
+// plays Service Bus it stands in for amqpsub.ServiceBus's connector: the
+// subscriber takes the AzureServiceBus profile without WithProfile, New
+// refuses another profile, and Sessions or SessionIDs (the queue has no
+// sessions).
 func (q *Queue) Connector() amqpsub.Connector {
 	if testhook.Connector == nil {
 		panic("amqpsubtest: package amqpsub did not set its test hook")
 	}
-	return testhook.Connector("amqpsubtest", q.attach).(amqpsub.Connector)
+	return testhook.Connector("amqpsubtest", q.attach, q.rules.peekLock).(amqpsub.Connector)
 }
 
 // Message returns a message whose body is one data section holding body,
@@ -101,15 +120,18 @@ func Message(group, body string) *amqp.Message {
 // Publish appends msgs to the queue, in order. The queue never modifies
 // them: each delivery is a copy with a header of its own. A message's
 // delivery count starts from its header's delivery-count (0 without a
-// header). Publish panics on a nil message.
+// header). Under AzureServiceBus each is enqueued now (x-opt-enqueued-time)
+// with the next sequence number, from 1 (x-opt-sequence-number). Publish
+// panics on a nil message.
 func (q *Queue) Publish(msgs ...*amqp.Message) {
 	if slices.Contains(msgs, nil) {
 		panic("amqpsubtest: Publish(nil)")
 	}
 	q.mu.Lock()
 	defer q.mu.Unlock()
+	t := now()
 	for _, m := range msgs {
-		r := &record{index: len(q.records), msg: m}
+		r := &record{index: len(q.records), msg: m, seq: int64(len(q.records)) + 1, enqueued: t}
 		if m.Header != nil {
 			r.count = m.Header.DeliveryCount
 		}
@@ -160,6 +182,7 @@ var errRunEnded = errors.New("the subscriber's Run returned")
 func (q *Queue) wait(ctx context.Context, ended <-chan struct{}) error {
 	for {
 		q.mu.Lock()
+		q.expireLocks()
 		if q.drained() {
 			q.mu.Unlock()
 			return nil
@@ -239,6 +262,7 @@ func (q *Queue) DeadLetters() []Record { return q.snapshot(func() []*record { re
 func (q *Queue) snapshot(list func() []*record) []Record {
 	q.mu.Lock()
 	defer q.mu.Unlock()
+	q.expireLocks()
 	rs := list()
 	out := make([]Record, len(rs))
 	for i, r := range rs {
@@ -261,8 +285,11 @@ func (q *Queue) attach(ctx context.Context) (pump.Source, error) {
 	// The wake channel is made on the attaching goroutine, which is in the
 	// subscriber's synctest bubble when it runs in one.
 	l := &link{q: q, id: q.lastLink, wake: make(chan struct{}, 1),
-		unsettled: map[*amqp.Message]*record{}, refused: map[*record]bool{}}
+		unsettled: map[*amqp.Message]*record{}, refused: map[*record]bool{}, expired: map[*amqp.Message]late{}}
 	q.links = append(q.links, l)
+	if q.rules.peekLock {
+		return serviceBusLink{l}, nil
+	}
 	return l, nil
 }
 
@@ -313,6 +340,23 @@ func (q *Queue) requeue(r *record) {
 	q.queued = slices.Insert(q.queued, i, r)
 }
 
+// fail counts a failed delivery of r (modified{delivery-failed}; under
+// Service Bus, an abandon or an expired lock) where the broker counts, and
+// dead-letters r at MaxDeliveryAttempts, or queues it again. q.mu is held.
+func (q *Queue) fail(r *record) {
+	if q.rules.counts {
+		r.count++
+		if q.maxAttempts > 0 && r.count >= q.maxAttempts {
+			if q.rules.peekLock {
+				r.dead = maxDeliveryCountExceeded(q.maxAttempts)
+			}
+			q.deadLetter(r)
+			return
+		}
+	}
+	q.requeue(r)
+}
+
 // deadLetter moves r to the dead letters. q.mu is held.
 func (q *Queue) deadLetter(r *record) {
 	r.state = DeadLettered
@@ -330,9 +374,11 @@ func (q *Queue) end(l *link, err error) {
 	q.links = slices.DeleteFunc(q.links, func(x *link) bool { return x == l })
 	for m, r := range l.unsettled {
 		r.last().Outcome = Unsettled
+		q.unlock(r)
 		q.requeue(r)
 		delete(l.unsettled, m)
 	}
+	clear(l.expired)
 	for g, o := range q.owners {
 		if o == l {
 			delete(q.owners, g)

@@ -5,6 +5,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/Azure/go-amqp"
 )
@@ -20,7 +21,8 @@ const (
 	InFlight
 	// Consumed means accepted. Final.
 	Consumed
-	// DeadLettered means rejected, or failed MaxDeliveryAttempts times. Final.
+	// DeadLettered means rejected, or failed MaxDeliveryAttempts times
+	// (under AzureServiceBus, abandoned or its lock expired). Final.
 	DeadLettered
 )
 
@@ -45,8 +47,10 @@ const (
 	// queued again, not counted.
 	Released
 	// Modified means modified without delivery-failed: queued again, not
-	// counted. amqpsub does not send it. With undeliverable-here (for
-	// Failed too), the message is not delivered on that link again.
+	// counted; amqpsub does not send it to Artemis. With undeliverable-here
+	// (for Failed too), the message is not delivered on that link again.
+	// Under AzureServiceBus it is an abandon (Retry): counted, as Failed is
+	// elsewhere.
 	Modified
 	// Failed means modified{delivery-failed} (Retry on Artemis): a failed
 	// attempt, counted.
@@ -57,9 +61,15 @@ const (
 	// Unsettled means the link ended before the delivery was settled (a lost
 	// link, Close, a grace period run out): queued again, not counted.
 	Unsettled
+	// LockExpired means the delivery's Service Bus lock expired before it
+	// was settled (AzureServiceBus): the handler took longer than the lock
+	// and its renewals (amqpsub's MaxLockRenewal), or nobody renewed it.
+	// Queued again, counted, or dead-lettered at MaxDeliveryAttempts. A
+	// settlement that came later was refused: see Delivery.Late.
+	LockExpired
 )
 
-var outcomeNames = [...]string{"pending", "accepted", "released", "modified", "modified{delivery-failed}", "rejected", "unsettled"}
+var outcomeNames = [...]string{"pending", "accepted", "released", "modified", "modified{delivery-failed}", "rejected", "unsettled", "lock expired"}
 
 func (o Outcome) String() string {
 	if int(o) < len(outcomeNames) {
@@ -78,14 +88,31 @@ type Delivery struct {
 	Outcome Outcome
 	// Error is the error a Rejected outcome carried; nil otherwise.
 	Error *amqp.Error
+
+	// The rest is for the AzureServiceBus profile only: zero elsewhere.
+
+	// LockedUntil is when its lock expires (expired, when Outcome is
+	// LockExpired): the x-opt-locked-until it was delivered with, or the
+	// expiry the last renewal gave.
+	LockedUntil time.Time
+	// Renewals counts the renewals of its lock the queue granted.
+	Renewals int
+	// Late is the outcome of a settlement that came after its lock had
+	// expired, which the queue refused with com.microsoft:message-lock-lost
+	// and did not apply; Pending when none came. amqpsub sends none once
+	// it knows the lock is lost.
+	Late Outcome
 }
 
-// String returns the count and the outcome, such as `1 accepted` or
-// `0 rejected "malformed"`.
+// String returns the count and the outcome, such as `1 accepted`,
+// `0 rejected "malformed"` or `0 lock expired (late accepted)`.
 func (d Delivery) String() string {
 	s := strconv.FormatUint(uint64(d.Count), 10) + " " + d.Outcome.String()
 	if d.Error != nil {
 		s += " " + strconv.Quote(d.Error.Description)
+	}
+	if d.Late != Pending {
+		s += " (late " + d.Late.String() + ")"
 	}
 	return s
 }
@@ -102,6 +129,10 @@ type Record struct {
 	State State
 	// Deliveries are its deliveries, in order.
 	Deliveries []Delivery
+
+	// dead is the error the broker itself dead-lettered the message with
+	// (Service Bus: MaxDeliveryCountExceeded); nil otherwise.
+	dead *amqp.Error
 }
 
 // GroupID returns the message's AMQP group-id, "" when it has none.
@@ -114,7 +145,9 @@ func (r Record) GroupID() string {
 
 // Reason returns the description of the error the message's last delivery
 // was rejected with: the reason given to amqpsub's Reject or RejectWith.
-// It is "" when the last delivery was not rejected.
+// Under AzureServiceBus, a message the service dead-lettered itself, for
+// its delivery count, has the service's DeadLetterReason,
+// MaxDeliveryCountExceeded. It is "" otherwise.
 func (r Record) Reason() string {
 	if e := r.rejectError(); e != nil {
 		return e.Description
@@ -123,8 +156,9 @@ func (r Record) Reason() string {
 }
 
 // Description returns the description given to amqpsub's RejectWith (info
-// DeadLetterErrorDescription of the rejected outcome's error), "" when
-// there is none.
+// DeadLetterErrorDescription of the rejected outcome's error), or the one
+// Service Bus gives a message it dead-lettered itself; "" when there is
+// none.
 func (r Record) Description() string {
 	if e := r.rejectError(); e != nil {
 		s, _ := e.Info["DeadLetterErrorDescription"].(string)
@@ -137,12 +171,13 @@ func (r Record) rejectError() *amqp.Error {
 	if n := len(r.Deliveries); n > 0 && r.Deliveries[n-1].Outcome == Rejected {
 		return r.Deliveries[n-1].Error
 	}
-	return nil
+	return r.dead
 }
 
 // String returns the message's index, group, deliveries and state on one
 // line, such as `#2 group a: 0 modified{delivery-failed}, 1 accepted →
-// consumed`.
+// consumed`; a message Service Bus dead-lettered itself ends with the
+// reason, such as `→ dead-lettered (MaxDeliveryCountExceeded)`.
 func (r Record) String() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "#%d", r.Index)
@@ -160,6 +195,9 @@ func (r Record) String() string {
 		b.WriteString(" →")
 	}
 	b.WriteString(" " + r.State.String())
+	if r.dead != nil {
+		b.WriteString(" (" + r.dead.Description + ")")
+	}
 	return b.String()
 }
 
@@ -193,10 +231,16 @@ type record struct {
 	state      State
 	count      uint32 // the delivery count the next delivery carries
 	deliveries []Delivery
+	dead       *amqp.Error // the broker's own dead-lettering (Record.dead)
+
+	// Service Bus (peek-lock) only.
+	seq      int64     // x-opt-sequence-number
+	enqueued time.Time // x-opt-enqueued-time
+	lock     *lock     // its lock while in flight; nil otherwise
 }
 
 func (r *record) snapshot() Record {
-	return Record{Index: r.index, Message: r.msg, State: r.state, Deliveries: slices.Clone(r.deliveries)}
+	return Record{Index: r.index, Message: r.msg, State: r.state, Deliveries: slices.Clone(r.deliveries), dead: r.dead}
 }
 
 func (r *record) last() *Delivery { return &r.deliveries[len(r.deliveries)-1] }

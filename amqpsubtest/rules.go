@@ -3,11 +3,6 @@ package amqpsubtest
 import "github.com/amqpsub/amqpsub/amqpsub"
 
 // rules are what a broker does that the queue plays: one set per profile.
-//
-// Service Bus has no rules here yet: playing it needs a message lock (a
-// delivery not settled within the lock duration goes back to the queue,
-// counted, and settling it afterwards fails with amqp:message-lock-lost),
-// driven by time.Now() so that a synctest bubble's clock expires it.
 type rules struct {
 	// counts: modified{delivery-failed} raises the delivery count, which
 	// the header carries, and MaxDeliveryAttempts dead-letters on it.
@@ -23,11 +18,22 @@ type rules struct {
 	// modifyEndsSession: a modified outcome ends the link's session with
 	// amqp:invalid-field (RabbitMQ 3.10); the message goes back, uncounted.
 	modifyEndsSession bool
+	// peekLock: Service Bus peek-lock on a queue without sessions. Each
+	// delivery is locked for the lock duration (its 16-byte delivery tag is
+	// the lock token; x-opt-locked-until says until when) and carries
+	// x-opt-sequence-number and x-opt-enqueued-time; a lock not renewed in
+	// time expires, and the message goes back counted; settling after that
+	// is answered with com.microsoft:message-lock-lost. Every modified
+	// outcome is an abandon, counted; modified{undeliverable-here} (a
+	// defer) is refused. A dead letter carries the service's
+	// DeadLetterReason.
+	peekLock bool
 }
 
 var (
-	artemisRules  = rules{counts: true, groups: true}
-	rabbitMQRules = rules{firstAcquirer: true, modifyEndsSession: true}
+	artemisRules    = rules{counts: true, groups: true}
+	rabbitMQRules   = rules{firstAcquirer: true, modifyEndsSession: true}
+	serviceBusRules = rules{counts: true, peekLock: true}
 )
 
 // rulesFor returns the rules of profile p.
@@ -37,6 +43,8 @@ func rulesFor(p amqpsub.Profile) (rules, bool) {
 		return artemisRules, true
 	case amqpsub.RabbitMQ3.String():
 		return rabbitMQRules, true
+	case amqpsub.AzureServiceBus.String():
+		return serviceBusRules, true
 	}
 	return rules{}, false
 }

@@ -102,9 +102,10 @@ type Config struct {
 	// MaxInFlight is the most renewal requests out at once: while one waits
 	// for its answer, locks falling due go out in others. 0 means 4.
 	MaxInFlight int
-	// OnLost is told, once, of each delivery whose lock was lost, and why:
-	// an error wrapping ErrLockLost. It runs on Run's goroutine (or
-	// LoseAll's caller's) and must not block. Required.
+	// OnLost is told, once, of each delivery whose lock was lost, and why
+	// (an error wrapping ErrLockLost), before a handler's context bound to
+	// it is cancelled. It runs on Run's goroutine (or LoseAll's caller's)
+	// and must not block. Required.
 	OnLost func(t pump.Ticket, why error)
 	// Logger receives the book's logs; nil means none.
 	Logger *zap.Logger
@@ -560,10 +561,13 @@ func (b *Book) lose(e *entry, why error) {
 	b.mu.Unlock()
 	b.log.Debug("lock lost", zap.Stringer("lock_token", uuidString(e.token)), zap.Time("locked_until", e.until),
 		zap.Error(why))
+	// OnLost first: the pump then skips the settlement of a handler that
+	// returns as soon as its context is cancelled. The other way round, its
+	// result could go out on a lock the service has given up.
+	b.cfg.OnLost(e.t, why)
 	if cancel != nil {
 		cancel(ErrLockLost)
 	}
-	b.cfg.OnLost(e.t, why)
 }
 
 type uuidString amqp.UUID

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -314,6 +315,40 @@ func TestLostLockIsFoundAndOnlyItsDeliveryDisturbed(t *testing.T) {
 		r.stop()
 		if ps.Accepted != 8 || ps.LockLostSkipped != 1 || ps.LockLostDropped != 1 || bs.Lost != 2 || bs.Held != 0 {
 			t.Fatalf("pump %+v\nbook %+v", ps, bs)
+		}
+	})
+}
+
+// A handler that returns the moment its ctx is cancelled for a lost lock
+// must find the pump told already, or its settlement goes out on a lock the
+// service gave up.
+func TestThePumpHearsOfALostLockBeforeTheHandler(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		svc := newService(2 * time.Second)
+		r := newRig(t, svc, 1, lease.Config{MaxRenewal: time.Nanosecond})
+		tk := <-r.pump.Out()
+		tk.Begin()
+		var markedFirst atomic.Bool
+		cancelled := make(chan struct{})
+		cancel := func(cause error) {
+			markedFirst.Store(tk.Entry().LockLost())
+			if cause == lease.ErrLockLost {
+				close(cancelled)
+			}
+		}
+		if !r.book.Bind(tk, cancel) {
+			t.Fatal("Bind refused a held delivery")
+		}
+		<-cancelled
+		if !markedFirst.Load() {
+			t.Fatal("the handler's ctx was cancelled before the pump marked its delivery's lock lost")
+		}
+		r.pump.Settle(tk, pump.Outcome{Kind: pump.Accept})
+		synctest.Wait()
+		ps := r.pump.Stats()
+		r.stop()
+		if ps.LockLostSkipped != 1 || ps.Accepted != 0 {
+			t.Fatalf("pump %+v", ps)
 		}
 	})
 }

@@ -16,8 +16,14 @@ type Attach func(ctx context.Context) (pump.Source, error)
 
 // Connector returns an amqpsub.Connector (as any: this package cannot
 // import amqpsub) that attaches to the sources next gives instead of a
-// broker; name is what String says. Set by package amqpsub.
-var Connector func(name string, next Attach) any
+// broker; name is what String says. serviceBus says that the sources play
+// Azure Service Bus: a Subscriber on the connector then takes the
+// AzureServiceBus profile, as one on amqpsub.ServiceBus's connector does,
+// and refuses sessions, which no source plays. Under a peek-lock profile, a
+// source that also implements lease.Renewer renews the locks of its
+// deliveries, in place of the $management node beside a broker's link.
+// Set by package amqpsub.
+var Connector func(name string, next Attach, serviceBus bool) any
 
 // DialWire returns an amqpsub.Connector (as any) that dials url as
 // amqpsub.Dial(url, nil) does, with wire options o instead of the zero

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# `make test`: unit tests, then the integration tests against real brokers.
+# `make test`: unit tests, then the integration tests against real brokers,
+# then go vet and go test in each contrib module (contrib/*/go.mod).
 # Starts Artemis and RabbitMQ if they are not running, and stops (only) the
 # ones it started when it exits, also on failure or Ctrl-C. Exits non-zero
-# if either test run failed.
+# if any stage failed.
 #
 # Environment: GO (default go), GOTESTFLAGS (extra `go test` flags),
 # INTEGRATION_TIMEOUT (default 40m), plus everything artemis.sh and
@@ -83,20 +84,49 @@ else
 fi
 # ==== end of the Service Bus peer block ====
 
+# The brokers' addresses, for the integration stage and the contrib stage.
+artemis_url=${AMQPSUB_ARTEMIS_URL:-$(bash "$ARTEMIS_CTL" url)}
+rabbitmq_url=${AMQPSUB_RABBITMQ_URL:-$(bash "$RABBITMQ_CTL" url)}
+
 section "integration tests"
 # ./amqpsub again, with the brokers and the peer up: its Service Bus tests
 # against the peer (sb_mgmt_test.go, sb_endpoint_test.go) skip without them.
 integ_rc=0
-AMQPSUB_ARTEMIS_URL=${AMQPSUB_ARTEMIS_URL:-$(bash "$ARTEMIS_CTL" url)} \
-AMQPSUB_RABBITMQ_URL=${AMQPSUB_RABBITMQ_URL:-$(bash "$RABBITMQ_CTL" url)} \
+AMQPSUB_ARTEMIS_URL=$artemis_url \
+AMQPSUB_RABBITMQ_URL=$rabbitmq_url \
 AMQPSUB_ARTEMIS_CTL=$ARTEMIS_CTL \
 AMQPSUB_RABBITMQ_CTL=$RABBITMQ_CTL \
   "$GO" test -race -count=1 -timeout "${INTEGRATION_TIMEOUT:-40m}" "${EXTRA[@]}" ./integration/... ./amqpsub \
   || integ_rc=$?
+
+section "contrib modules"
+# Each adapter under contrib/ (amqpotel, amqpprom, ...) is a module of its
+# own, which neither `go list ./...` nor the stages above reach: vet and
+# test each one here, with the brokers up and their addresses set, so that
+# its integration tests run rather than skip.
+contrib_rc=0
+contrib_failed=()
+for mod in "$ROOT"/contrib/*/go.mod; do
+  [ -e "$mod" ] || continue
+  dir=$(dirname "$mod")
+  name=${dir#"$ROOT"/}
+  echo "--- $name: go vet, go test"
+  if ! (cd "$dir" &&
+    "$GO" vet ./... &&
+    AMQPSUB_ARTEMIS_URL=$artemis_url \
+    AMQPSUB_RABBITMQ_URL=$rabbitmq_url \
+    AMQPSUB_ARTEMIS_CTL=$ARTEMIS_CTL \
+    AMQPSUB_RABBITMQ_CTL=$RABBITMQ_CTL \
+      "$GO" test -race -count=1 -timeout 10m "${EXTRA[@]}" ./...); then
+    contrib_rc=1
+    contrib_failed+=("$name")
+  fi
+done
 
 section "summary"
 [ "$unit_rc" = 0 ] && echo "unit tests: ok" || echo "unit tests: FAIL (exit $unit_rc)"
 [ "$fuzz_rc" = 0 ] && echo "fuzz: ok" || echo "fuzz: FAIL (exit $fuzz_rc)"
 [ "$integ_rc" = 0 ] && echo "integration tests: ok" || echo "integration tests: FAIL (exit $integ_rc)"
 [ "$sbconf_rc" = 0 ] && echo "Service Bus peer conformance: ok" || echo "Service Bus peer conformance: FAIL (exit $sbconf_rc)"
-[ "$unit_rc" = 0 ] && [ "$fuzz_rc" = 0 ] && [ "$integ_rc" = 0 ] && [ "$sbconf_rc" = 0 ]
+[ "$contrib_rc" = 0 ] && echo "contrib modules: ok" || echo "contrib modules: FAIL (${contrib_failed[*]})"
+[ "$unit_rc" = 0 ] && [ "$fuzz_rc" = 0 ] && [ "$integ_rc" = 0 ] && [ "$sbconf_rc" = 0 ] && [ "$contrib_rc" = 0 ]

@@ -1,0 +1,199 @@
+package amqpotel_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/Azure/go-amqp"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/contrib/amqpotel"
+)
+
+// artemisURL returns the Artemis broker's URL, or skips the test.
+func artemisURL(t *testing.T) string {
+	t.Helper()
+	u := os.Getenv("AMQPSUB_ARTEMIS_URL")
+	if u == "" {
+		t.Skip("no Artemis configured (AMQPSUB_ARTEMIS_URL is empty): start one with " +
+			"`bash integration/artemis.sh start` and set AMQPSUB_ARTEMIS_URL=amqp://127.0.0.1:5672; `make test` does both")
+	}
+	return u
+}
+
+// publish sends msgs to queue on Artemis, each waiting for the broker's
+// acceptance, with the queue capability so that Artemis creates an anycast
+// queue.
+func publish(t *testing.T, url, queue string, msgs ...*amqp.Message) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	conn, err := amqp.Dial(ctx, url, nil)
+	if err != nil {
+		t.Fatalf("dial %s: %v", url, err)
+	}
+	defer conn.Close()
+	sess, err := conn.NewSession(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	snd, err := sess.NewSender(ctx, queue, &amqp.SenderOptions{TargetCapabilities: []string{"queue"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer snd.Close(ctx)
+	for _, m := range msgs {
+		if err := snd.Send(ctx, m, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// On Artemis: the process spans carry the producers' traces and the
+// handlers' results, a retried message's second delivery has a span of its
+// own with its delivery count, the settle spans the outcomes sent, and the
+// metrics count what was published.
+func TestArtemisTracesAndMetrics(t *testing.T) {
+	url := artemisURL(t)
+	queue := fmt.Sprintf("amqpotel.%s.%d.%08x", t.Name(), time.Now().UnixNano(), rand.Uint32())
+	tp, rec := spans()
+	m, reader := newMetrics(t)
+
+	producers := map[string]trace.SpanContext{}
+	var msgs []*amqp.Message
+	for i, id := range []string{"ok", "reject", "retry-once", "release-once", "plain"} {
+		var props map[string]any
+		if id != "plain" {
+			sc, traceparent := producerContext(byte(100 + i))
+			producers[id] = sc
+			props = map[string]any{"traceparent": traceparent}
+		}
+		msgs = append(msgs, message(id, id, props))
+	}
+	publish(t, url, queue, msgs...)
+
+	var mu sync.Mutex
+	seen := map[string]int{}
+	h := amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+		id, _ := d.MessageID().(string)
+		mu.Lock()
+		seen[id]++
+		n := seen[id]
+		mu.Unlock()
+		switch {
+		case id == "reject":
+			return amqpsub.Reject("malformed")
+		case id == "retry-once" && n == 1:
+			return errors.New("payment service down")
+		case id == "release-once" && n == 1:
+			return amqpsub.Release()
+		}
+		return nil
+	})
+	sub, err := amqpsub.New(amqpsub.Dial(url, nil), queue, amqpotel.Handler(queue, h, amqpotel.WithTracerProvider(tp)),
+		amqpsub.WithMetrics(m))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- sub.Run(ctx) }()
+	// 7 deliveries: 4 accepted, a reject, a retry, a release.
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		st := sub.Stats().Settled
+		if st.Accepted == 4 && st.Rejected == 1 && st.Modified == 1 && st.Released == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			cancel()
+			<-done
+			t.Fatalf("settled %+v after 60 s", st)
+		}
+		select {
+		case err := <-done:
+			t.Fatalf("Run returned %v", err)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	cancel()
+	if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
+		t.Fatalf("Run: %v", err)
+	}
+
+	type delivery struct {
+		count, result, errType, settle string
+	}
+	got := map[string][]delivery{}
+	process, settle := byName(rec)
+	for _, p := range process {
+		id := attrString(p, "messaging.message.id")
+		if sc, ok := producers[id]; ok {
+			if p.SpanContext().TraceID() != sc.TraceID() || p.Parent().SpanID() != sc.SpanID() || len(p.Links()) != 1 {
+				t.Errorf("%s: span %v parent %v links %d, producer %v", id, p.SpanContext(), p.Parent(), len(p.Links()), sc)
+			}
+		} else if p.Parent().IsValid() {
+			t.Errorf("%s: parent %v", id, p.Parent())
+		}
+		if attrString(p, "messaging.destination.name") != queue || attrString(p, "messaging.system") != "activemq" {
+			t.Errorf("%s: attributes %v", id, p.Attributes())
+		}
+		s := settleOf(settle, p)
+		if len(s) != 1 {
+			t.Errorf("%s: %d settle spans", id, len(s))
+			continue
+		}
+		got[id] = append(got[id], delivery{attrString(p, amqpotel.DeliveryCountKey), attrString(p, amqpotel.ResultKey),
+			attrString(p, "error.type"), strings.TrimSuffix(s[0].Name(), " "+queue)})
+	}
+	want := map[string][]delivery{
+		"ok":           {{"0", "accept", "", "accept"}},
+		"reject":       {{"0", "reject", "reject", "reject"}},
+		"retry-once":   {{"0", "retry", "retry", "modify"}, {"1", "accept", "", "accept"}},
+		"release-once": {{"0", "release", "", "release"}, {"0", "accept", "", "accept"}},
+		"plain":        {{"0", "accept", "", "accept"}},
+	}
+	for id, w := range want {
+		g := got[id]
+		sort.Slice(g, func(i, j int) bool { return g[i].count+g[i].result > g[j].count+g[j].result })
+		sort.Slice(w, func(i, j int) bool { return w[i].count+w[i].result > w[j].count+w[j].result })
+		if fmt.Sprint(g) != fmt.Sprint(w) {
+			t.Errorf("%s: deliveries %v, want %v", id, g, w)
+		}
+	}
+
+	c := collect(t, reader)
+	dest := destKey.String(queue)
+	if got := c.sum(amqpotel.ConsumedMessagesName, dest); got != 7 {
+		t.Errorf("consumed %d, want 7 (5 published, a retry and a release)", got)
+	}
+	for outcome, want := range map[string]int64{"accepted": 4, "rejected": 1, "modified": 1, "released": 1} {
+		if got := c.sum(amqpotel.SettlementsName, dest, amqpotel.OutcomeKey.String(outcome), noError); got != want {
+			t.Errorf("settlements %s = %d, want %d:\n%s", outcome, got, want, c.attrSets(amqpotel.SettlementsName))
+		}
+	}
+	for _, w := range []struct {
+		result string
+		want   uint64
+	}{{"accept", 4}, {"reject", 1}, {"retry", 1}, {"release", 1}} {
+		if got := c.count(amqpotel.ProcessDurationName, dest, amqpotel.ResultKey.String(w.result)); got != w.want {
+			t.Errorf("process %s = %d, want %d", w.result, got, w.want)
+		}
+	}
+	if got := c.count(amqpotel.ProcessDurationName, dest, errKey.String("retry")) +
+		c.count(amqpotel.ProcessDurationName, dest, errKey.String("reject")); got != 2 {
+		t.Errorf("%d failed process calls with error.type, want 2:\n%s", got, c.attrSets(amqpotel.ProcessDurationName))
+	}
+	if got := c.sum(amqpotel.CreditName, dest); got != 256 {
+		t.Errorf("credit = %d", got)
+	}
+}

@@ -1,0 +1,55 @@
+// Package amqpotel reports what amqpsub subscribers do to OpenTelemetry:
+// metrics through amqpsub.WithMetrics(NewMetrics(...)), and traces through
+// a handler middleware, Handler or BatchHandler. It follows the
+// OpenTelemetry messaging semantic conventions (semconv 1.43.0, still
+// "development" for messaging) and names what they lack under amqpsub.
+// It is a module of its own, so that amqpsub itself depends on no
+// OpenTelemetry package.
+//
+// # Metrics
+//
+// Every instrument has messaging.system (amqpsub.MetricsInfo.System:
+// "activemq", "rabbitmq", "servicebus" or "amqp") and
+// messaging.destination.name (the queue).
+//
+//   - messaging.client.consumed.messages, counter, {message}: one per
+//     delivery received; messaging.operation.name "receive".
+//   - messaging.process.duration, histogram, s: one per handler call
+//     (each LocalRetry too), with the buckets the conventions recommend;
+//     messaging.operation.name "process", amqpsub.result (accept, release,
+//     reject, retry) and, on a failed call, error.type: "retry", "reject"
+//     or "panic".
+//   - amqpsub.settlements, counter, {settlement}: one per settlement
+//     applied; messaging.operation.name the settle operation (see Handler),
+//     amqpsub.outcome (accepted, released, modified, rejected) and, when
+//     the broker did not take it, error.type ("not_settled" when it was not
+//     sent, else the AMQP error's condition, or "link_closed" and the like).
+//   - amqpsub.batch.size, histogram, {message}: deliveries per
+//     BatchHandler call; messaging.operation.name "process".
+//   - amqpsub.events, counter, {event}: amqpsub.Events by amqpsub.event,
+//     the kind's name (link-lost, reconnected, credit-overshoot, lock-lost,
+//     handler-failed...).
+//   - amqpsub.locks.renewed, counter, {lock}: Service Bus message locks
+//     renewed.
+//
+// And, read from amqpsub.MetricsInfo.Stats in one callback per collection,
+// summed over the subscribers of a queue: amqpsub.messages.held (held now,
+// against amqpsub.credit), amqpsub.lane.load (per lane, amqpsub.lane),
+// amqpsub.groups.held, amqpsub.bytes.held (By) and amqpsub.locks.held.
+// They are asynchronous up-down counters, as the OpenTelemetry guidelines
+// want for values that add up across attributes (a Prometheus exporter
+// shows them as gauges).
+//
+// A Recorder's methods allocate nothing of their own: every attribute set
+// is made when the subscriber is created, and passed with
+// metric.WithAttributeSet (see the README for the measured figures).
+//
+// # Traces
+//
+// Handler and BatchHandler run the handler in a "process <queue>" span,
+// of kind CONSUMER, linked to (and, for one delivery, a child of) the
+// producer's context carried in the message's application properties
+// (W3C traceparent, or Diagnostic-Id as the Azure Service Bus SDKs write
+// it), and record a "<operation> <queue>" settle span, of kind CLIENT, for
+// each delivery's settlement. See Handler for the attributes.
+package amqpotel

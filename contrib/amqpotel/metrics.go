@@ -1,0 +1,385 @@
+package amqpotel
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"weak"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
+)
+
+// ScopeName is the instrumentation scope of the meter and the tracer this
+// package uses.
+const ScopeName = "github.com/amqpsub/amqpsub/contrib/amqpotel"
+
+// The instruments' names.
+const (
+	// ConsumedMessagesName counts deliveries received (the conventions'
+	// messaging.client.consumed.messages, operation "receive").
+	ConsumedMessagesName = "messaging.client.consumed.messages"
+	// ProcessDurationName is how long handler calls took, in seconds (the
+	// conventions' messaging.process.duration, operation "process").
+	ProcessDurationName = "messaging.process.duration"
+	// SettlementsName counts settlements by outcome.
+	SettlementsName = "amqpsub.settlements"
+	// BatchSizeName is the size of BatchHandler calls.
+	BatchSizeName = "amqpsub.batch.size"
+	// EventsName counts amqpsub.Events by kind.
+	EventsName = "amqpsub.events"
+	// LocksRenewedName counts Service Bus message locks renewed.
+	LocksRenewedName = "amqpsub.locks.renewed"
+	// HeldName is the deliveries held in the process now.
+	HeldName = "amqpsub.messages.held"
+	// CreditName is the subscriber's credit: the most it holds at once.
+	CreditName = "amqpsub.credit" //nolint:gosec // G101 reads "cred" in a metric name, which is no credential
+	// LaneLoadName is each lane's load now (deliveries waiting for it and
+	// in its handler).
+	LaneLoadName = "amqpsub.lane.load"
+	// GroupsHeldName is the groups with deliveries in the lanes now
+	// (BalanceKeys).
+	GroupsHeldName = "amqpsub.groups.held"
+	// BytesHeldName is the size of the bodies held now.
+	BytesHeldName = "amqpsub.bytes.held"
+	// LocksHeldName is the Service Bus message locks kept now.
+	LocksHeldName = "amqpsub.locks.held"
+)
+
+// processBuckets are the bucket boundaries the messaging conventions
+// recommend for messaging.process.duration, in seconds.
+var processBuckets = []float64{0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10}
+
+// batchBuckets cover Batch sizes from 1 to past the default credit.
+var batchBuckets = []float64{1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024}
+
+// Metrics is an amqpsub.Metrics that records what subscribers do on
+// OpenTelemetry instruments (see the package documentation for their names
+// and attributes). Give it to any number of subscribers with
+// amqpsub.WithMetrics; it is safe for concurrent use.
+type Metrics struct {
+	consumed     metric.Int64Counter
+	process      metric.Float64Histogram
+	settlements  metric.Int64Counter
+	batchSize    metric.Int64Histogram
+	events       metric.Int64Counter
+	locksRenewed metric.Int64Counter
+
+	held, credit, laneLoad, groupsHeld, bytesHeld, locksHeld metric.Int64ObservableUpDownCounter
+	reg                                                      metric.Registration
+
+	mu sync.Mutex
+	// recs are the recorders made, weakly: a subscriber that is garbage
+	// collected drops out of the gauges without being told to.
+	recs []weak.Pointer[recorder]
+}
+
+var _ amqpsub.Metrics = (*Metrics)(nil)
+
+// NewMetrics creates the instruments with the meter provider given
+// (WithMeterProvider) and registers the callback that reads the gauges.
+// Options that do not apply to it are ignored. It returns an error wrapping
+// ErrInvalidOption for an invalid option, or the meter's error.
+func NewMetrics(opts ...Option) (*Metrics, error) {
+	c, err := newConfig(opts)
+	if err != nil {
+		return nil, err
+	}
+	meter := c.meters.Meter(ScopeName, metric.WithSchemaURL(semconv.SchemaURL))
+	m := &Metrics{}
+	var errs []error
+	add := func(err error) { errs = append(errs, err) }
+	m.consumed, err = meter.Int64Counter(ConsumedMessagesName, metric.WithUnit("{message}"),
+		metric.WithDescription("Number of messages that were delivered to the application."))
+	add(err)
+	m.process, err = meter.Float64Histogram(ProcessDurationName, metric.WithUnit("s"),
+		metric.WithDescription("Duration of processing operation."),
+		metric.WithExplicitBucketBoundaries(processBuckets...))
+	add(err)
+	m.settlements, err = meter.Int64Counter(SettlementsName, metric.WithUnit("{settlement}"),
+		metric.WithDescription("Settlements applied, by outcome; error.type is set on those the broker did not take."))
+	add(err)
+	m.batchSize, err = meter.Int64Histogram(BatchSizeName, metric.WithUnit("{message}"),
+		metric.WithDescription("Deliveries per BatchHandler call."),
+		metric.WithExplicitBucketBoundaries(batchBuckets...))
+	add(err)
+	m.events, err = meter.Int64Counter(EventsName, metric.WithUnit("{event}"),
+		metric.WithDescription("Subscriber events (links lost, reconnects, credit overshoot, locks lost...), by kind."))
+	add(err)
+	m.locksRenewed, err = meter.Int64Counter(LocksRenewedName, metric.WithUnit("{lock}"),
+		metric.WithDescription("Service Bus message locks renewed."))
+	add(err)
+	gauge := func(name, unit, desc string) metric.Int64ObservableUpDownCounter {
+		g, err := meter.Int64ObservableUpDownCounter(name, metric.WithUnit(unit), metric.WithDescription(desc))
+		add(err)
+		return g
+	}
+	m.held = gauge(HeldName, "{message}", "Deliveries held in the process now: buffered, in a handler, or waiting for their settlement.")
+	m.credit = gauge(CreditName, "{message}", "The credit: the most deliveries held at once.")
+	m.laneLoad = gauge(LaneLoadName, "{message}", "Deliveries waiting for a lane and in its handler now.")
+	m.groupsHeld = gauge(GroupsHeldName, "{group}", "Groups (group-ids) with deliveries in the lanes now.")
+	m.bytesHeld = gauge(BytesHeldName, "By", "Size of the message bodies held now.")
+	m.locksHeld = gauge(LocksHeldName, "{lock}", "Service Bus message locks kept now.")
+	if err := errors.Join(errs...); err != nil {
+		return nil, fmt.Errorf("amqpotel: creating instruments: %w", err)
+	}
+	m.reg, err = meter.RegisterCallback(m.observe, m.held, m.credit, m.laneLoad, m.groupsHeld, m.bytesHeld, m.locksHeld)
+	if err != nil {
+		return nil, fmt.Errorf("amqpotel: registering the gauges' callback: %w", err)
+	}
+	return m, nil
+}
+
+// Close unregisters the callback that reads the gauges, so that the meter
+// provider drops its reference to m; the recorders' other instruments keep
+// working. Call it when m is no longer used and the provider lives on.
+// It is idempotent.
+func (m *Metrics) Close() error {
+	m.mu.Lock()
+	reg := m.reg
+	m.reg = nil
+	m.recs = nil
+	m.mu.Unlock()
+	if reg == nil {
+		return nil
+	}
+	return reg.Unregister()
+}
+
+// Recorder returns the recorder of one subscriber, with every attribute set
+// it records with made here, so that its methods look nothing up. The
+// subscriber's gauges are read (info.Stats) until it is garbage collected
+// or m is closed; an info without Stats has no gauges.
+func (m *Metrics) Recorder(info amqpsub.MetricsInfo) amqpsub.Recorder {
+	r := newRecorder(m, info)
+	m.mu.Lock()
+	if m.reg != nil && info.Stats != nil {
+		m.recs = append(m.recs, weak.Make(r))
+	}
+	m.mu.Unlock()
+	return r
+}
+
+// bg is the context measurements are made in: a Recorder's methods are not
+// given one, and no exemplar or baggage belongs to them.
+var bg = context.Background()
+
+// panicked indexes recorder.process after the four Results.
+const panicked = 4
+
+// recorder is one subscriber's amqpsub.Recorder. Its option slices are
+// built once and passed with ..., which makes no copy: a call allocates
+// nothing of its own.
+type recorder struct {
+	m      *Metrics
+	system string
+	stats  func() amqpsub.Stats
+	credit int64
+	base   attribute.Set
+	lanes  []attribute.Set // base and amqpsub.lane, for the gauges
+
+	received   []metric.AddOption
+	process    [panicked + 1][]metric.RecordOption // by Result; panicked
+	batch      []metric.RecordOption               // nil for a Handler
+	settled    [4][]metric.AddOption               // by Outcome, taken
+	notSettled [4][]metric.AddOption               // by Outcome, ErrNotSettled
+	events     [][]metric.AddOption                // by EventKind, the kinds known
+	plain      []metric.AddOption                  // base
+
+	mu     sync.Mutex
+	failed map[failKey][]metric.AddOption // other settlement errors, made when first seen
+}
+
+type failKey struct {
+	o       amqpsub.Outcome
+	errType string
+}
+
+func newRecorder(m *Metrics, info amqpsub.MetricsInfo) *recorder {
+	base := []attribute.KeyValue{
+		semconv.MessagingSystemKey.String(info.System),
+		semconv.MessagingDestinationNameKey.String(info.Queue),
+	}
+	set := func(kv ...attribute.KeyValue) attribute.Set {
+		return attribute.NewSet(append(append([]attribute.KeyValue{}, base...), kv...)...)
+	}
+	add := func(kv ...attribute.KeyValue) []metric.AddOption {
+		return []metric.AddOption{metric.WithAttributeSet(set(kv...))}
+	}
+	rec := func(kv ...attribute.KeyValue) []metric.RecordOption {
+		return []metric.RecordOption{metric.WithAttributeSet(set(kv...))}
+	}
+	r := &recorder{m: m, system: info.System, stats: info.Stats, credit: int64(info.Credit), base: set()}
+	r.plain = add()
+	r.received = add(semconv.MessagingOperationNameKey.String("receive"))
+	process := semconv.MessagingOperationNameKey.String("process")
+	for res := amqpsub.ResultAccept; res <= amqpsub.ResultRetry; res++ {
+		kv := []attribute.KeyValue{process, ResultKey.String(res.String())}
+		if et := processErrorType(res, false); et != "" {
+			kv = append(kv, semconv.ErrorTypeKey.String(et))
+		}
+		r.process[res] = rec(kv...)
+	}
+	r.process[panicked] = rec(process, ResultKey.String(amqpsub.ResultRetry.String()),
+		semconv.ErrorTypeKey.String(ErrorTypePanic))
+	if info.Batch {
+		r.batch = rec(process)
+	}
+	for o := amqpsub.OutcomeAccepted; o <= amqpsub.OutcomeRejected; o++ {
+		r.settled[o] = add(settleAttrs(info.System, o, "")...)
+		r.notSettled[o] = add(settleAttrs(info.System, o, ErrorTypeNotSettled)...)
+	}
+	r.events = append(r.events, nil) // no kind 0
+	for k := amqpsub.EventKind(1); k != 0 && !unknownKind(k); k++ {
+		r.events = append(r.events, add(EventKey.String(k.String())))
+	}
+	for i := range info.Lanes {
+		r.lanes = append(r.lanes, set(LaneKey.Int(i)))
+	}
+	return r
+}
+
+// unknownKind reports a kind that EventKind.String does not name, so that
+// the recorder prepares sets for every kind amqpsub has, however many.
+func unknownKind(k amqpsub.EventKind) bool { return strings.HasPrefix(k.String(), "EventKind(") }
+
+func settleAttrs(system string, o amqpsub.Outcome, errType string) []attribute.KeyValue {
+	kv := []attribute.KeyValue{
+		semconv.MessagingOperationNameKey.String(settleOp(system, o)),
+		OutcomeKey.String(o.String()),
+	}
+	if errType != "" {
+		kv = append(kv, semconv.ErrorTypeKey.String(errType))
+	}
+	return kv
+}
+
+func (r *recorder) Received() { r.m.consumed.Add(bg, 1, r.received...) }
+
+func (r *recorder) Handled(c amqpsub.HandlerCall) {
+	i := int(c.Result)
+	if c.Panicked {
+		i = panicked
+	}
+	if i < len(r.process) {
+		r.m.process.Record(bg, c.Took.Seconds(), r.process[i]...)
+	}
+	if r.batch != nil {
+		r.m.batchSize.Record(bg, int64(c.Deliveries), r.batch...)
+	}
+}
+
+func (r *recorder) Settled(o amqpsub.Outcome, err error) {
+	if int(o) >= len(r.settled) {
+		return
+	}
+	switch {
+	case err == nil:
+		r.m.settlements.Add(bg, 1, r.settled[o]...)
+	case errors.Is(err, amqpsub.ErrNotSettled):
+		r.m.settlements.Add(bg, 1, r.notSettled[o]...)
+	default:
+		r.m.settlements.Add(bg, 1, r.failedOpts(o, settleErrorType(err))...)
+	}
+}
+
+// failedOpts returns the options of a settlement that failed with an error
+// of type errType, made the first time it is seen. The broker refusing a
+// settlement is rare, and error.type has few values.
+func (r *recorder) failedOpts(o amqpsub.Outcome, errType string) []metric.AddOption {
+	k := failKey{o, errType}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	opts, ok := r.failed[k]
+	if !ok {
+		if r.failed == nil {
+			r.failed = map[failKey][]metric.AddOption{}
+		}
+		set := attribute.NewSet(append(r.base.ToSlice(), settleAttrs(r.system, o, errType)...)...)
+		opts = []metric.AddOption{metric.WithAttributeSet(set)}
+		r.failed[k] = opts
+	}
+	return opts
+}
+
+func (r *recorder) Event(e amqpsub.Event) {
+	if int(e.Kind) < len(r.events) && e.Kind > 0 {
+		r.m.events.Add(bg, 1, r.events[e.Kind]...)
+		return
+	}
+	set := attribute.NewSet(append(r.base.ToSlice(), EventKey.String(e.Kind.String()))...)
+	r.m.events.Add(bg, 1, metric.WithAttributeSet(set))
+}
+
+func (r *recorder) LocksRenewed(n int) { r.m.locksRenewed.Add(bg, int64(n), r.plain...) }
+
+// gauges sums the gauges of the subscribers of one queue.
+type gauges struct {
+	base                               attribute.Set
+	lanes                              []attribute.Set
+	held, credit, groups, bytes, locks int64
+	load                               []int64
+}
+
+// observe reads every live subscriber's Stats, once each per collection,
+// and reports the sums per queue: subscribers of one queue in one process
+// (replicas, say) add up, as the instruments are additive.
+func (m *Metrics) observe(_ context.Context, o metric.Observer) error {
+	m.mu.Lock()
+	live := make([]*recorder, 0, len(m.recs))
+	kept := m.recs[:0]
+	for _, w := range m.recs {
+		if r := w.Value(); r != nil {
+			live = append(live, r)
+			kept = append(kept, w)
+		}
+	}
+	clear(m.recs[len(kept):])
+	m.recs = kept
+	m.mu.Unlock()
+
+	sums := map[attribute.Distinct]*gauges{}
+	var order []*gauges
+	for _, r := range live {
+		g := sums[r.base.Equivalent()]
+		if g == nil {
+			g = &gauges{base: r.base}
+			sums[r.base.Equivalent()] = g
+			order = append(order, g)
+		}
+		st := r.stats()
+		g.held += int64(st.Held)
+		g.credit += r.credit
+		g.groups += int64(st.GroupsHeld)
+		g.bytes += st.BytesHeld
+		g.locks += int64(st.Locks.Held)
+		for i, l := range st.Lanes {
+			if i == len(g.load) {
+				g.load = append(g.load, 0)
+				if i < len(r.lanes) {
+					g.lanes = append(g.lanes, r.lanes[i])
+				} else {
+					g.lanes = append(g.lanes, attribute.NewSet(append(r.base.ToSlice(), LaneKey.Int(i))...))
+				}
+			}
+			g.load[i] += int64(l.Load)
+		}
+	}
+	for _, g := range order {
+		at := metric.WithAttributeSet(g.base)
+		o.ObserveInt64(m.held, g.held, at)
+		o.ObserveInt64(m.credit, g.credit, at)
+		o.ObserveInt64(m.groupsHeld, g.groups, at)
+		o.ObserveInt64(m.bytesHeld, g.bytes, at)
+		o.ObserveInt64(m.locksHeld, g.locks, at)
+		for i, n := range g.load {
+			o.ObserveInt64(m.laneLoad, n, metric.WithAttributeSet(g.lanes[i]))
+		}
+	}
+	return nil
+}

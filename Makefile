@@ -14,7 +14,13 @@ INTEGRATION_ENV := AMQPSUB_ARTEMIS_URL=$(AMQPSUB_ARTEMIS_URL) \
 	AMQPSUB_ARTEMIS_CTL=$(ARTEMIS_CTL) \
 	AMQPSUB_RABBITMQ_CTL=$(RABBITMQ_CTL)
 
-.PHONY: golangci all prereqs prereqs-demo brokers brokers-stop artemis rabbitmq unit integration test demo bench fuzz fmt vet lint check
+.PHONY: golangci all prereqs prereqs-demo brokers brokers-stop artemis rabbitmq unit integration test artemistest demo bench fuzz fmt vet lint check
+
+# Modules of their own (own go.mod) that `make lint` checks like the root
+# one, with the root's .golangci.yml: the Artemis test helper and the
+# adapters under contrib/. (integration/sbconformance is vetted by its test
+# run only.)
+LINT_MODULES := artemistest $(patsubst %/go.mod,%,$(wildcard contrib/*/go.mod))
 
 all: lint unit
 
@@ -52,6 +58,10 @@ integration: brokers
 test: prereqs
 	GO=$(GO) INTEGRATION_TIMEOUT=$(INTEGRATION_TIMEOUT) bash integration/test.sh
 
+## artemistest: the tests of the artemistest module (starts its own Artemis processes; test.sh runs them too)
+artemistest: prereqs
+	cd artemistest && $(GO) vet ./... && $(GO) test -race -count=1 -timeout 10m ./...
+
 ## demo: the orders example against Artemis
 demo: artemis
 	$(GO) run ./examples/orders -url $(AMQPSUB_ARTEMIS_URL)
@@ -69,13 +79,9 @@ fmt:
 	@out=$$(gofmt -l .); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
-## The adapter modules under contrib/ (own go.mod each) are vetted and
-## linted too, with the root's .golangci.yml.
-CONTRIB := $(patsubst %/go.mod,%,$(wildcard contrib/*/go.mod))
-
 vet:
 	$(GO) vet ./...
-	@for m in $(CONTRIB); do (cd $$m && echo "go vet ($$m)" && $(GO) vet ./...) || exit 1; done
+	@for m in $(LINT_MODULES); do (cd $$m && echo "go vet ($$m)" && $(GO) vet ./...) || exit 1; done
 
 ## lint: gofmt, go vet and golangci-lint (pinned, installed with go install if missing; config in .golangci.yml)
 GOLANGCI_VERSION := 2.15.0
@@ -86,7 +92,7 @@ golangci:
 		$(GO) install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v$(GOLANGCI_VERSION); \
 	fi
 	"$(GOLANGCI)" run ./...
-	@for m in $(CONTRIB); do (cd $$m && echo "golangci-lint ($$m)" && "$(GOLANGCI)" run --config $(CURDIR)/.golangci.yml ./...) || exit 1; done
+	@for m in $(LINT_MODULES); do (cd $$m && echo "golangci-lint ($$m)" && "$(GOLANGCI)" run --config $(CURDIR)/.golangci.yml ./...) || exit 1; done
 
 lint: fmt vet golangci
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# `make test`: unit tests, then the integration tests against real brokers,
-# then go vet and go test in each contrib module (contrib/*/go.mod).
-# Starts Artemis and RabbitMQ if they are not running, and stops (only) the
-# ones it started when it exits, also on failure or Ctrl-C. Exits non-zero
-# if any stage failed.
+# `make test`: unit tests, the artemistest module's tests (which start
+# their own Artemis processes), then the integration tests against real
+# brokers, then go vet and go test in each contrib module
+# (contrib/*/go.mod). Starts Artemis and RabbitMQ if they are not running,
+# and stops (only) the ones it started when it exits, also on failure or
+# Ctrl-C. Exits non-zero if any stage failed.
 #
 # Environment: GO (default go), GOTESTFLAGS (extra `go test` flags),
 # INTEGRATION_TIMEOUT (default 40m), plus everything artemis.sh and
@@ -48,6 +49,19 @@ fi
 section "fuzz (short runs; FUZZTIME=5m make fuzz for long ones)"
 fuzz_rc=0
 FUZZTIME=${FUZZTIME:-8s} bash integration/fuzz.sh || fuzz_rc=$?
+
+# ==== artemistest (a module of its own: artemistest/go.mod) ====
+# The helper that starts Artemis for Go tests. Its tests start and stop
+# their own brokers, as local processes on free ports of 127.0.0.1 (the
+# distribution from the cache, downloaded with Maven if missing): the
+# local-process path. This machine has no Docker engine: the container
+# path is compiled and vetted here, never run.
+section "artemistest (Artemis for Go tests: local-process path)"
+artemistest_rc=0
+(cd "$ROOT/artemistest" &&
+  "$GO" vet ./... &&
+  "$GO" test -race -count=1 -timeout 10m "${EXTRA[@]}" ./...) || artemistest_rc=$?
+# ==== end of the artemistest block ====
 
 section "brokers"
 for ctl in "$ARTEMIS_CTL" "$RABBITMQ_CTL"; do
@@ -128,5 +142,6 @@ section "summary"
 [ "$fuzz_rc" = 0 ] && echo "fuzz: ok" || echo "fuzz: FAIL (exit $fuzz_rc)"
 [ "$integ_rc" = 0 ] && echo "integration tests: ok" || echo "integration tests: FAIL (exit $integ_rc)"
 [ "$sbconf_rc" = 0 ] && echo "Service Bus peer conformance: ok" || echo "Service Bus peer conformance: FAIL (exit $sbconf_rc)"
+[ "$artemistest_rc" = 0 ] && echo "artemistest: ok" || echo "artemistest: FAIL (exit $artemistest_rc)"
 [ "$contrib_rc" = 0 ] && echo "contrib modules: ok" || echo "contrib modules: FAIL (${contrib_failed[*]})"
-[ "$unit_rc" = 0 ] && [ "$fuzz_rc" = 0 ] && [ "$integ_rc" = 0 ] && [ "$sbconf_rc" = 0 ] && [ "$contrib_rc" = 0 ]
+[ "$unit_rc" = 0 ] && [ "$fuzz_rc" = 0 ] && [ "$integ_rc" = 0 ] && [ "$sbconf_rc" = 0 ] && [ "$artemistest_rc" = 0 ] && [ "$contrib_rc" = 0 ]

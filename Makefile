@@ -5,6 +5,7 @@ SHELL := /bin/bash
 GO ?= go
 ARTEMIS_CTL  := $(abspath integration/artemis.sh)
 RABBITMQ_CTL := $(abspath integration/rabbitmq.sh)
+CLUSTER_CTL  := $(abspath integration/artemis-cluster.sh)
 AMQPSUB_ARTEMIS_URL  ?= amqp://127.0.0.1:5672
 AMQPSUB_RABBITMQ_URL ?= amqp://guest:guest@127.0.0.1:5682
 INTEGRATION_TIMEOUT  ?= 40m
@@ -12,7 +13,8 @@ INTEGRATION_TIMEOUT  ?= 40m
 INTEGRATION_ENV := AMQPSUB_ARTEMIS_URL=$(AMQPSUB_ARTEMIS_URL) \
 	AMQPSUB_RABBITMQ_URL=$(AMQPSUB_RABBITMQ_URL) \
 	AMQPSUB_ARTEMIS_CTL=$(ARTEMIS_CTL) \
-	AMQPSUB_RABBITMQ_CTL=$(RABBITMQ_CTL)
+	AMQPSUB_RABBITMQ_CTL=$(RABBITMQ_CTL) \
+	AMQPSUB_CLUSTER_CTL=$(CLUSTER_CTL)
 
 .PHONY: golangci all prereqs prereqs-demo brokers brokers-stop artemis rabbitmq unit integration test artemistest demo bench fuzz fmt vet lint check
 

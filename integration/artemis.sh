@@ -34,6 +34,11 @@
 #                              (default integration/artemis/broker.xml; the
 #                              fault tests give their broker one with an
 #                              extra TLS acceptor)
+#   AMQPSUB_ARTEMIS_WAIT       what `start` waits for: `port` (default), the
+#                              AMQP port accepting; or `process`, the broker's
+#                              java process running (a shared-store backup
+#                              opens no port until it becomes active; see
+#                              integration/artemis-cluster.sh)
 #   A second broker (for tests that kill one) needs its own
 #   AMQPSUB_ARTEMIS_HOME and both ports.
 set -euo pipefail
@@ -54,6 +59,8 @@ LOG="$INSTANCE/log/console.log"
 BROKER_XML=${AMQPSUB_ARTEMIS_BROKER_XML:-$SCRIPT_DIR/artemis/broker.xml}
 LOGIN_CONFIG="$SCRIPT_DIR/artemis/login.config"
 START_TIMEOUT=${AMQPSUB_START_TIMEOUT:-90}
+WAIT_FOR=${AMQPSUB_ARTEMIS_WAIT:-port}
+case "$WAIT_FOR" in port|process) ;; *) echo "artemis.sh: AMQPSUB_ARTEMIS_WAIT must be port or process, not '$WAIT_FOR'" >&2; exit 2 ;; esac
 STOP_TIMEOUT=30
 # The instance's etc/artemis.profile only sets JAVA_ARGS when it is empty;
 # this is its default list with a smaller heap and without the hawtio
@@ -170,13 +177,33 @@ wait_port() {
   done
 }
 
+# wait_process PID: until PID is this instance's java process (bin/artemis
+# has exec'd java), for a broker whose port is not expected to open.
+wait_process() {
+  local pid=$1 deadline=$((SECONDS + START_TIMEOUT))
+  until is_broker "$pid"; do
+    if ! live "$pid"; then
+      log "broker process $pid exited during start-up; last lines of $LOG:"
+      tail -n 60 "$LOG" >&2 || true
+      rm -f "$PIDFILE"
+      exit 1
+    fi
+    [ "$SECONDS" -lt "$deadline" ] || die "pid $pid did not become the broker's java process within ${START_TIMEOUT}s"
+    sleep 0.1
+  done
+}
+
+wait_ready() {
+  if [ "$WAIT_FOR" = process ]; then wait_process "$1"; else wait_port "$1"; fi
+}
+
 cmd_start() {
   with_lock
   local pid
   pid=$(broker_pid)
   if [ -n "$pid" ]; then
     echo "$pid" >"$PIDFILE"
-    wait_port "$pid"
+    wait_ready "$pid"
     log "already running (pid $pid) on $HOST:$PORT"
     return 0
   fi
@@ -196,7 +223,7 @@ cmd_start() {
       </dev/null >"$LOG" 2>&1 9>&- &
   pid=$!
   echo "$pid" >"$PIDFILE"
-  wait_port "$pid"
+  wait_ready "$pid"
   # Belt and braces: make sure the PID is the java process itself.
   if ! is_broker "$pid"; then
     local real
@@ -205,13 +232,20 @@ cmd_start() {
     pid=$real
     echo "$pid" >"$PIDFILE"
   fi
-  log "started (pid $pid) on $HOST:$PORT in $((SECONDS - t0))s; log: $LOG"
+  if [ "$WAIT_FOR" = process ]; then
+    log "started (pid $pid; $HOST:$PORT not waited for) in $((SECONDS - t0))s; log: $LOG"
+  else
+    log "started (pid $pid) on $HOST:$PORT in $((SECONDS - t0))s; log: $LOG"
+  fi
 }
 
+# wait_gone PID SECS: until PID has exited. A zombie counts as gone: it
+# holds no port, file lock or memory, and whoever reaps it (here often PID 1,
+# since the broker is detached) may take seconds to do so.
 wait_gone() {
   local pid=$1 secs=$2 deadline
   deadline=$((SECONDS + secs))
-  while kill -0 "$pid" 2>/dev/null; do
+  while live "$pid"; do
     [ "$SECONDS" -ge "$deadline" ] && return 1
     sleep 0.2
   done

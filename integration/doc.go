@@ -5,5 +5,7 @@
 //	bash integration/artemis.sh start   # amqp://127.0.0.1:5672
 //	bash integration/rabbitmq.sh start  # amqp://guest:guest@127.0.0.1:5682
 //
-// `make test` starts both and sets the variables.
+// `make test` starts both and sets the variables. The cluster and HA tests
+// start their own brokers with integration/artemis-cluster.sh
+// (AMQPSUB_CLUSTER_CTL).
 package integration

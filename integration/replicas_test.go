@@ -452,10 +452,17 @@ func buildReplicas(t *testing.T, dir string) string {
 }
 
 // queueAttribute reads an attribute of queue (such as "groupRebalance" or
-// "messageCount") through Artemis management over AMQP: a request to
+// "messageCount") through Artemis management over AMQP.
+func queueAttribute(t testing.TB, conn *amqp.Conn, queue, attr string) string {
+	t.Helper()
+	return resourceAttribute(t, conn, "queue."+queue, attr)
+}
+
+// resourceAttribute reads an attribute of an Artemis management resource
+// ("broker", "queue.NAME") through management over AMQP: a request to
 // activemq.management, answered on a dynamic (temporary) queue with a JSON
 // array of one value.
-func queueAttribute(t testing.TB, conn *amqp.Conn, queue, attr string) string {
+func resourceAttribute(t testing.TB, conn *amqp.Conn, resource, attr string) string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -474,7 +481,7 @@ func queueAttribute(t testing.TB, conn *amqp.Conn, queue, attr string) string {
 	}
 	reply := rcv.Address()
 	req := &amqp.Message{Value: "[]", Properties: &amqp.MessageProperties{ReplyTo: &reply},
-		ApplicationProperties: map[string]any{"_AMQ_ResourceName": "queue." + queue, "_AMQ_Attribute": attr}}
+		ApplicationProperties: map[string]any{"_AMQ_ResourceName": resource, "_AMQ_Attribute": attr}}
 	if err := snd.Send(ctx, req, nil); err != nil {
 		t.Fatalf("management request: %v", err)
 	}
@@ -485,7 +492,7 @@ func queueAttribute(t testing.TB, conn *amqp.Conn, queue, attr string) string {
 	rcv.AcceptMessage(ctx, resp)
 	v, _ := resp.Value.(string)
 	if ok, _ := resp.ApplicationProperties["_AMQ_OperationSucceeded"].(bool); !ok {
-		t.Fatalf("management: %s of queue %s failed: %v", attr, queue, resp.Value)
+		t.Fatalf("management: %s of %s failed: %v", attr, resource, resp.Value)
 	}
 	return strings.Trim(v, "[]\"")
 }

@@ -15,6 +15,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 ROOT=$(pwd)
 GO=${GO:-go}
 ARTEMIS_CTL="$ROOT/integration/artemis.sh"
+# The cluster and HA tests start (and stop) their own brokers with it.
+CLUSTER_CTL="$ROOT/integration/artemis-cluster.sh"
 RABBITMQ_CTL="$ROOT/integration/rabbitmq.sh"
 # shellcheck disable=SC2206
 EXTRA=(${GOTESTFLAGS:-})
@@ -40,7 +42,7 @@ if [ -n "$pkgs" ]; then
   # holds: the few tests of these packages that need a broker or the
   # Service Bus peer skip here and run in the integration stage below.
   # shellcheck disable=SC2086
-  env -u AMQPSUB_ARTEMIS_URL -u AMQPSUB_RABBITMQ_URL -u AMQPSUB_SBPEER_CONN -u AMQPSUB_SBPEER_CONTROL \
+  env -u AMQPSUB_ARTEMIS_URL -u AMQPSUB_RABBITMQ_URL -u AMQPSUB_SBPEER_CONN -u AMQPSUB_SBPEER_CONTROL -u AMQPSUB_CLUSTER_CTL \
     "$GO" test -race -count=1 "${EXTRA[@]}" $pkgs || unit_rc=$?
 else
   echo "no unit test packages"
@@ -110,6 +112,7 @@ AMQPSUB_ARTEMIS_URL=$artemis_url \
 AMQPSUB_RABBITMQ_URL=$rabbitmq_url \
 AMQPSUB_ARTEMIS_CTL=$ARTEMIS_CTL \
 AMQPSUB_RABBITMQ_CTL=$RABBITMQ_CTL \
+AMQPSUB_CLUSTER_CTL=${AMQPSUB_CLUSTER_CTL-$CLUSTER_CTL} \
   "$GO" test -race -count=1 -timeout "${INTEGRATION_TIMEOUT:-40m}" "${EXTRA[@]}" ./integration/... ./amqpsub \
   || integ_rc=$?
 

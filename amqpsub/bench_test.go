@@ -250,6 +250,7 @@ func (nopMetrics) Handled(amqpsub.HandlerCall)                   {}
 func (nopMetrics) Settled(amqpsub.Outcome, error)                {}
 func (nopMetrics) Event(amqpsub.Event)                           {}
 func (nopMetrics) LocksRenewed(int)                              {}
+func (nopMetrics) Dropped(int)                                   {}
 
 // BenchmarkMetricsHook is BenchmarkPipeline without WithMetrics ("none")
 // and with a Recorder that does nothing ("nop"): the difference is what the

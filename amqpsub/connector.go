@@ -91,6 +91,9 @@ func (d *dialer) dial(ctx context.Context, idle time.Duration) (*connection, err
 		// partly decoded, where scrub cannot find it.
 		return nil, errors.New("amqpsub: the address is not a URL (amqp://[user:password@]host[:port])")
 	}
+	if misparsed(u) {
+		return nil, errors.New("amqpsub: the address has an '@' after its host: a password with '/', '?' or '#' must be percent-encoded")
+	}
 	var opts amqp.ConnOptions
 	if d.opts != nil {
 		opts = *d.opts
@@ -188,10 +191,22 @@ func redact(raw string) string {
 	if err != nil {
 		return "(unparsable address)"
 	}
+	if misparsed(u) {
+		// user:pass@ parsed as host:port and path: keep what follows the
+		// last '@', which is where the broker is.
+		return u.Scheme + "://xxxxx@" + raw[strings.LastIndex(raw, "@")+1:]
+	}
 	if u.User != nil {
 		u.User = url.User(u.User.Username())
 	}
 	return u.String()
+}
+
+// misparsed reports a URL whose credentials were taken for its host: an
+// unescaped '/', '?' or '#' in a password ends the authority early, so the
+// '@' lands in the path, query or fragment.
+func misparsed(u *url.URL) bool {
+	return strings.Contains(u.Path, "@") || strings.Contains(u.RawQuery, "@") || strings.Contains(u.Fragment, "@")
 }
 
 // scrub replaces err by one whose text does not hold the URL's password, if

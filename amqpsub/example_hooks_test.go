@@ -89,6 +89,7 @@ func (c *outcomeCounter) Received()                   {}
 func (c *outcomeCounter) Handled(amqpsub.HandlerCall) {}
 func (c *outcomeCounter) Event(amqpsub.Event)         {}
 func (c *outcomeCounter) LocksRenewed(int)            {}
+func (c *outcomeCounter) Dropped(int)                 {}
 func (c *outcomeCounter) Settled(o amqpsub.Outcome, err error) {
 	if err == nil {
 		c.mu.Lock()

@@ -22,7 +22,9 @@ import (
 // starts at the address after the one the link was on, so an address that
 // has just failed is tried last (and likewise after an attempt that
 // connected but could not open the session or attach the link). The first
-// address that answers is used. DialTimeout bounds each address on its own:
+// address that answers is used; on the first connect, one that answered
+// but could not serve the queue is passed over too, until every address
+// was tried. DialTimeout bounds each address on its own:
 // the dial, and then the session and link on the connection it gave; a
 // pass through n addresses that do not answer lasts up to n × DialTimeout.
 // Within a pass the next address is tried at once; between passes the
@@ -72,6 +74,9 @@ func checkURL(raw string) string {
 		// url.Error's text quotes raw, password and all, and its cause
 		// may quote part of the password (an invalid escape in it).
 		return "not a URL (characters such as % : / @ in a user name or password must be percent-encoded)"
+	}
+	if misparsed(u) {
+		return "an '@' after the host: a password with '/', '?' or '#' must be percent-encoded"
 	}
 	switch u.Scheme {
 	case "amqp", "amqps", "amqp+ssl", "":

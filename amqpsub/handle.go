@@ -13,6 +13,7 @@ import (
 
 	"github.com/amqpsub/amqpsub/internal/backoff"
 	"github.com/amqpsub/amqpsub/lanes"
+	"github.com/amqpsub/amqpsub/lease"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -53,6 +54,7 @@ func (s *Subscriber) laneConfig(ctx context.Context, p *pipe) lanes.Config[pump.
 	// A batch never holds more than the credit.
 	cfg.BatchSize, cfg.BatchWait = min(s.cfg.batchSize, s.cfg.credit), s.cfg.batchWait
 	scratch := make([][]*Delivery, s.cfg.workers) // one per lane, reused
+	tickets := make([][]pump.Ticket, s.cfg.workers)
 	cfg.HandleBatch = func(lane int, ts []pump.Ticket) {
 		batch := scratch[lane][:0]
 		for _, t := range ts {
@@ -65,7 +67,12 @@ func (s *Subscriber) laneConfig(ctx context.Context, p *pipe) lanes.Config[pump.
 		}
 		scratch[lane] = batch
 		if len(batch) > 0 {
-			bctx, done := s.leased(ctx, p, ts...)
+			held := tickets[lane][:0] // those handed to the handler, not the poisoned ones
+			for _, d := range batch {
+				held = append(held, d.t)
+			}
+			tickets[lane] = held
+			bctx, done := s.leased(ctx, p, held...)
 			s.handleBatch(bctx, lane, batch)
 			done()
 		}
@@ -83,7 +90,12 @@ func (s *Subscriber) leased(ctx context.Context, p *pipe, ts ...pump.Ticket) (co
 	}
 	hctx, cancel := context.WithCancelCause(ctx)
 	for _, t := range ts {
-		p.book.Bind(t, cancel)
+		if !p.book.Bind(t, cancel) {
+			// Out of the book already: its lock was lost between the
+			// lane's Begin and now (or went with its link). The handler
+			// must hear of it as it would have a moment later.
+			cancel(lease.ErrLockLost)
+		}
 	}
 	return hctx, func() { cancel(nil) }
 }
@@ -344,10 +356,28 @@ func (s *Subscriber) settle(d *Delivery, err error) {
 		// Its lock is gone (the book cancelled the handler's context): the
 		// pump skips the settlement and counts it; the service delivers
 		// the message again.
+		// Its result still counts, and the outcome it would have had is
+		// what the Recorder and OnSettled hear (with ErrNotSettled).
 		if s.debug() {
 			s.log.Debug("result of a delivery whose lock was lost not sent", s.fields(d, err)...)
 		}
-		d.p.pump.Settle(d.t, pump.Outcome{Kind: pump.Accept})
+		o := pump.Outcome{Kind: pump.Accept}
+		switch kind, oe := decide(err); kind {
+		case outcomeAccept:
+			s.results.accept.Add(1)
+		case outcomeRelease:
+			s.results.release.Add(1)
+			o.Kind = pump.Release
+		case outcomeReject:
+			if !oe.poisoned {
+				s.results.reject.Add(1)
+			}
+			o.Kind = pump.Reject
+		default:
+			s.results.retry.Add(1)
+			o = s.cfg.profile.retry
+		}
+		d.p.pump.Settle(d.t, o)
 		return
 	}
 	kind, oe := decide(err)

@@ -46,6 +46,7 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 		}
 		// The next attach starts at the address after this one.
 		p.att.from = c.index + 1
+		p.att.connected = true
 		return nil, fmt.Errorf("amqpsub: %s on %s queue %q: %w", what, c.addr, s.queue, err)
 	}
 	if l.sess, err = conn.NewSession(ctx, nil); err != nil {

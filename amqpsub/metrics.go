@@ -28,7 +28,8 @@ type MetricsInfo struct {
 	// "servicebus", or "amqp" (Generic).
 	System string
 	// Credit is the credit (Credit), the most deliveries held at once on a
-	// broker that keeps within it; Lanes the number of lanes or workers.
+	// broker that keeps within it (a session consumer: the sum of its
+	// sessions' shares); Lanes the number of lanes or workers.
 	Credit, Lanes int
 	// Batch reports whether the handler is a BatchHandler.
 	Batch bool
@@ -36,7 +37,11 @@ type MetricsInfo struct {
 	// are collected: Held against Credit, each lane's Load, GroupsHeld,
 	// BytesHeld, Locks.Held. It may be called from any goroutine once New
 	// returned; it allocates, so call it per scrape, not per delivery.
+	// Called before New has returned, it returns zeros.
 	Stats func() Stats
+	// Done is closed when the subscriber's Run has returned (see
+	// Subscriber.Done): an adapter stops reporting its gauges then.
+	Done <-chan struct{}
 }
 
 // Recorder hears of what one Subscriber does. Its methods are called from
@@ -54,6 +59,12 @@ type Recorder interface {
 	// is nil when the broker took it, ErrNotSettled when it was not sent,
 	// or the broker's or link's error.
 	Settled(o Outcome, err error)
+	// Dropped is called for deliveries freed without a settlement before
+	// any handler saw them, n at a time: their link (or, on Service Bus,
+	// their lock) was lost; the broker delivers them again. With Settled,
+	// it accounts for every delivery Received. (Stats.Dropped and
+	// Stats.Locks.Dropped count them.)
+	Dropped(n int)
 	// Event is called for every Event, as OnEvent's function would be,
 	// but on the goroutine that raised it (so it must not block): links
 	// lost, reconnects, credit overshoot, lost locks and the rest. No
@@ -192,6 +203,8 @@ func outcomeOf(k pump.Kind) (Outcome, bool) {
 }
 
 func (m meter) Received() { m.r.Received() }
+
+func (m meter) Dropped(n int) { m.r.Dropped(n) }
 
 func (m meter) Settled(k pump.Kind, err error) {
 	if o, ok := outcomeOf(k); ok {

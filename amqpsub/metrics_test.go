@@ -20,6 +20,7 @@ type countingMetrics struct {
 	panics   int
 	settled  map[amqpsub.Outcome]int
 	failed   int
+	dropped  int
 	events   map[amqpsub.EventKind]int
 	batches  []int
 	lanes    map[int]bool
@@ -62,6 +63,7 @@ func (m *countingMetrics) Settled(o amqpsub.Outcome, err error) {
 
 func (m *countingMetrics) Event(e amqpsub.Event) { m.mu.Lock(); m.events[e.Kind]++; m.mu.Unlock() }
 func (m *countingMetrics) LocksRenewed(int)      {}
+func (m *countingMetrics) Dropped(n int)         { m.mu.Lock(); m.dropped += n; m.mu.Unlock() }
 
 // The recorder hears, call by call, what Stats counts in total.
 func TestRecorderAgreesWithStats(t *testing.T) {

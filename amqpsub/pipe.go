@@ -81,9 +81,10 @@ func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
 // ErrLockLost): the delivery is dropped if no handler has it, its
 // settlement skipped if one has (the book has cancelled the handler's
 // context).
-func (p *pipe) lockLost(t pump.Ticket, why error) {
-	p.pump.LoseLock(t)
-	if m := t.Message(); m != nil {
+func (p *pipe) lockLost(t pump.Ticket, m *amqp.Message, why error) {
+	// Reported only when it changed anything: a delivery already settling
+	// or settled hears of its lock from the settlement's answer.
+	if p.pump.LoseLock(t) && m != nil {
 		d := &Delivery{msg: m, lane: -1}
 		p.s.limited.Warn("message lock lost; the service delivers the message again", p.s.fields(d, why)...)
 		p.s.events.send(p.s.event(d, EventLockLost, why))

@@ -83,6 +83,10 @@ type attacher struct {
 	// after a failed attach (see attach). Only this attacher's goroutine
 	// reads or moves it.
 	from int
+	// connected is set by attach when its connect succeeded and the
+	// session or link then failed: with DialFailover, the first attach
+	// goes on to the next address rather than fail.
+	connected bool
 }
 
 // healthy is how long a link must have lived for its loss to count as
@@ -118,7 +122,9 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			a.quick = 0
 		}
 	}
+	passes := 0 // first attach with DialFailover: addresses that connected but failed
 	for attempt := first; ; attempt++ {
+		a.connected = false
 		src, l, err := s.attachOnce(ctx, a.p)
 		if err == nil {
 			a.current, a.attachedAt = l, time.Now()
@@ -174,6 +180,12 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			if attempt == first {
 				s.log.Info("the queue or session is not available (yet); waiting for it", zap.Error(err))
 			}
+		case !a.before && a.connected && s.failoverLeft(&passes) && !s.cfg.isFatal(err):
+			// The first connection, on an address that answered but could
+			// not serve the queue: try the others before giving up.
+			s.log.Warn("attach failed on an address that answered; trying the next", zap.Error(err))
+			attempt = first - 1
+			continue
 		case !a.before:
 			// The first connection: report it rather than wait.
 			return nil, err
@@ -193,6 +205,17 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			return nil, ctx.Err()
 		}
 	}
+}
+
+// failoverLeft reports, for a DialFailover connector, whether another
+// address is left to try on the first attach, counting the one that failed.
+func (s *Subscriber) failoverLeft(passes *int) bool {
+	f, ok := s.connector.(*failover)
+	if !ok {
+		return false
+	}
+	*passes++
+	return *passes < len(f.addrs)
 }
 
 // sleep waits d or until ctx ends; false means ctx ended.

@@ -25,9 +25,10 @@ type Subscriber struct {
 	// limited writes the lines that can fire once per delivery: at their
 	// level at most once a minute, at debug otherwise (docs/logging.md).
 	limited *loglimit.Logger
-	pipes   []*pipe  // one, or one per session held at once
-	events  *events  // nil without OnEvent and WithMetrics
-	rec     Recorder // nil without WithMetrics
+	pipes   []*pipe     // one, or one per session held at once
+	events  *events     // nil without OnEvent and WithMetrics
+	rec     Recorder    // nil without WithMetrics
+	built   atomic.Bool // build is done: the fields above are set
 
 	mu       sync.Mutex
 	started  bool
@@ -146,34 +147,44 @@ func build(c Connector, queue string, opts []Option, batch bool) (*Subscriber, e
 		closeReq:  make(chan struct{}),
 		done:      make(chan struct{}),
 	}
+	// A session consumer has one pipe per session held at once, the
+	// credit shared between them.
+	sessions, credit := 1, cfg.credit
+	if cfg.sessions() {
+		sessions = cfg.maxSessions
+		if len(cfg.sessionIDs) > 0 {
+			sessions = len(cfg.sessionIDs)
+		}
+		credit = max(1, cfg.credit/sessions)
+	}
 	if cfg.metrics != nil {
+		// The Recorder is made first, since the pipes report to it; an
+		// adapter may call Stats at once (a scrape), before the pipes
+		// exist: it reads zeros until build is done.
 		s.rec = cfg.metrics.Recorder(MetricsInfo{
 			Queue:  queue,
 			System: cfg.profile.system(),
-			Credit: cfg.credit,
+			Credit: credit * sessions,
 			Lanes:  cfg.workers,
 			Batch:  batch,
-			Stats:  s.Stats,
+			Stats: func() Stats {
+				if !s.built.Load() {
+					return Stats{}
+				}
+				return s.Stats()
+			},
+			Done: s.done,
 		})
 	}
 	s.events = newEvents(cfg.onEvent, s.rec)
-	if !cfg.sessions() {
-		s.pipes = []*pipe{s.newPipe(0, cfg.credit, "")}
-		return s, nil
-	}
-	// A session consumer: one pipe per session held at once, the credit
-	// shared between them.
-	n := cfg.maxSessions
-	if len(cfg.sessionIDs) > 0 {
-		n = len(cfg.sessionIDs)
-	}
-	for i := range n {
+	for i := range sessions {
 		id := ""
 		if len(cfg.sessionIDs) > 0 {
 			id = cfg.sessionIDs[i]
 		}
-		s.pipes = append(s.pipes, s.newPipe(i, max(1, cfg.credit/n), id))
+		s.pipes = append(s.pipes, s.newPipe(i, credit, id))
 	}
+	s.built.Store(true)
 	return s, nil
 }
 

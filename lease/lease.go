@@ -106,7 +106,9 @@ type Config struct {
 	// (an error wrapping ErrLockLost), before a handler's context bound to
 	// it is cancelled. It runs on Run's goroutine (or LoseAll's caller's)
 	// and must not block. Required.
-	OnLost func(t pump.Ticket, why error)
+	// m is the delivery's message, as it was when the delivery entered the
+	// book (the ticket's entry may hold another by now).
+	OnLost func(t pump.Ticket, m *amqp.Message, why error)
 	// Logger receives the book's logs; nil means none.
 	Logger *zap.Logger
 	// OnRenewed, when set, is told of each request that renewed locks: n
@@ -141,6 +143,7 @@ type Book struct {
 
 type entry struct {
 	t        pump.Ticket
+	msg      *amqp.Message // t's message, which t may no longer reach
 	token    amqp.UUID
 	until    time.Time // when the lock expires
 	began    time.Time // when its handler began (Bind); zero while it waits
@@ -225,7 +228,7 @@ func (b *Book) requestTimeout(now, until time.Time) time.Duration {
 func (b *Book) Add(t pump.Ticket) {
 	now := time.Now()
 	m := t.Message()
-	e := &entry{t: t}
+	e := &entry{t: t, msg: m}
 	token, okToken := LockToken(m.DeliveryTag)
 	until, okUntil := LockedUntil(m)
 	b.mu.Lock()
@@ -564,7 +567,7 @@ func (b *Book) lose(e *entry, why error) {
 	// OnLost first: the pump then skips the settlement of a handler that
 	// returns as soon as its context is cancelled. The other way round, its
 	// result could go out on a lock the service has given up.
-	b.cfg.OnLost(e.t, why)
+	b.cfg.OnLost(e.t, e.msg, why)
 	if cancel != nil {
 		cancel(ErrLockLost)
 	}

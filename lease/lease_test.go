@@ -208,7 +208,7 @@ func newRigWith(t *testing.T, svc *service, src *fake.Source, cfg lease.Config, 
 	if cfg.Renewer == nil {
 		cfg.Renewer = svc
 	}
-	cfg.OnLost = func(t pump.Ticket, _ error) {
+	cfg.OnLost = func(t pump.Ticket, _ *amqp.Message, _ error) {
 		r.lostM.Lock()
 		r.lost = append(r.lost, t.Message().Value.(int))
 		r.lostM.Unlock()

@@ -69,11 +69,13 @@ type afterSettle struct {
 // notify calls, on the pump's goroutine, the function OnSettled gave for
 // the entry's current delivery, once.
 func (d *Delivery) notify(k Kind, err error) {
-	a := d.after.Load()
+	if d.after.Load() == nil {
+		return // the common case, without a locked instruction
+	}
+	a := d.after.Swap(nil)
 	if a == nil {
 		return
 	}
-	d.after.Store(nil)
 	if gen, _ := unpack(d.word.Load()); gen == a.gen {
 		a.f(k, err)
 	}
@@ -146,9 +148,30 @@ func (t Ticket) OnSettled(f func(k Kind, err error)) bool {
 	if s := t.State(); s != Buffered && s != Handling {
 		return false
 	}
-	t.d.after.Store(&afterSettle{gen: t.gen, f: f})
+	mine := &afterSettle{gen: t.gen, f: f}
+	var prev *afterSettle
+	for {
+		prev = t.d.after.Load()
+		if prev != nil && later(prev.gen, t.gen) {
+			return false // the entry holds a later delivery, whose function stays
+		}
+		if t.d.after.CompareAndSwap(prev, mine) {
+			break
+		}
+	}
+	// Settling began between the check and the store (a goroutine the
+	// handler left behind): put back what was there, so that the handler's
+	// own function is not lost. If the slot changed meanwhile, the pump
+	// has taken f (and calls it), or a later call replaced it.
+	if s := t.State(); s != Buffered && s != Handling && t.d.after.CompareAndSwap(mine, prev) {
+		return false
+	}
 	return true
 }
+
+// later reports whether generation a comes after b, across the wrap of the
+// counter: a is at most 2³¹ generations ahead.
+func later(a, b uint32) bool { return a != b && a-b < 1<<31 }
 
 // Begin marks the delivery as given to a handler and reports true, or
 // reports false when it must not be handled: it is stale, or was dropped.
@@ -214,6 +237,9 @@ func (p *Pump) dropStale() {
 	}
 	if n > 0 {
 		p.stats.settled[Drop].Add(uint64(n))
+		if p.cfg.Meter != nil {
+			p.cfg.Meter.Dropped(n)
+		}
 		p.freed(n, bytes)
 	}
 	if p.cfg.Leases != nil {
@@ -234,27 +260,29 @@ func (p *Pump) dropStale() {
 // counting as held at once, and the consumer that finds it passes it to
 // Settle, which only frees it); a delivery in a handler is marked, so that
 // its settlement is not sent and counted as skipped. It may be called from
-// any goroutine; a delivery already settling or settled is left alone.
-func (p *Pump) LoseLock(t Ticket) {
+// any goroutine; a delivery already settling or settled is left alone. It
+// reports whether it acted: false when the ticket's delivery was settling
+// or settled, or its entry already holds another.
+func (p *Pump) LoseLock(t Ticket) bool {
 	for {
 		w := t.d.word.Load()
 		gen, s := unpack(w)
 		if gen != t.gen || w&lockLost != 0 {
-			return
+			return false
 		}
 		switch s {
 		case Buffered:
 			size := t.d.size.Load() // read before the entry can be reused
 			if t.d.word.CompareAndSwap(w, pack(gen, Dropped)) {
 				p.settle.push(settlement{d: t.d, gen: t.gen, size: size, o: Outcome{Kind: lostLock}})
-				return
+				return true
 			}
 		case Handling:
 			if t.d.word.CompareAndSwap(w, w|lockLost) {
-				return
+				return true
 			}
 		default:
-			return
+			return false
 		}
 	}
 }

@@ -79,6 +79,10 @@ type Meter interface {
 	// broker took it, ErrNotSent when it was not sent (the delivery's link
 	// or lock was lost), else what the broker or link answered.
 	Settled(k Kind, err error)
+	// Dropped is called for deliveries freed without a settlement, before
+	// a handler took them: their link, or their lock, was lost (n at once
+	// when a lost link's buffered deliveries are dropped together).
+	Dropped(n int)
 }
 
 // Leases is told of every delivery the pump holds. Add is called on the

@@ -121,6 +121,9 @@ func (p *Pump) apply(ctx context.Context, s settlement) {
 		// given it to the next delivery (release told the lease book
 		// then): the count still goes, but not that delivery's lease.
 		p.stats.lockLostDropped.Add(1)
+		if p.cfg.Meter != nil {
+			p.cfg.Meter.Dropped(1)
+		}
 		if gen, _ := unpack(d.word.Load()); p.cfg.Leases != nil && gen == s.gen {
 			p.cfg.Leases.Remove(d)
 		}
@@ -131,6 +134,9 @@ func (p *Pump) apply(ctx context.Context, s settlement) {
 		p.settled(d, s.o.Kind, s.err)
 	case s.o.Kind == Drop:
 		p.stats.settled[Drop].Add(1)
+		if p.cfg.Meter != nil {
+			p.cfg.Meter.Dropped(1)
+		}
 	case d.link != p.link.Load():
 		p.log.Debug("settlement of a delivery from a lost link skipped; the broker redelivers it",
 			zap.Stringer("outcome", s.o.Kind))

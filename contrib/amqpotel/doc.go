@@ -31,9 +31,14 @@
 //     handler-failed...).
 //   - amqpsub.locks.renewed, counter, {lock}: Service Bus message locks
 //     renewed.
+//   - amqpsub.deliveries.dropped, counter, {message}: deliveries freed
+//     unsettled before a handler saw them (their link or lock was lost;
+//     the broker delivers them again). Consumed = settlements + dropped,
+//     once nothing is held.
 //
 // And, read from amqpsub.MetricsInfo.Stats in one callback per collection,
-// summed over the subscribers of a queue: amqpsub.messages.held (held now,
+// summed over the running subscribers of a queue (one whose Run returned
+// is left out): amqpsub.messages.held (held now,
 // against amqpsub.credit), amqpsub.lane.load (per lane, amqpsub.lane),
 // amqpsub.groups.held, amqpsub.bytes.held (By) and amqpsub.locks.held.
 // They are asynchronous up-down counters, as the OpenTelemetry guidelines

@@ -35,6 +35,9 @@ const (
 	EventsName = "amqpsub.events"
 	// LocksRenewedName counts Service Bus message locks renewed.
 	LocksRenewedName = "amqpsub.locks.renewed"
+	// DroppedName counts deliveries freed unsettled before a handler saw
+	// them (their link or lock was lost); the broker delivers them again.
+	DroppedName = "amqpsub.deliveries.dropped"
 	// HeldName is the deliveries held in the process now.
 	HeldName = "amqpsub.messages.held"
 	// CreditName is the subscriber's credit: the most it holds at once.
@@ -69,6 +72,7 @@ type Metrics struct {
 	batchSize    metric.Int64Histogram
 	events       metric.Int64Counter
 	locksRenewed metric.Int64Counter
+	dropped      metric.Int64Counter
 
 	held, credit, laneLoad, groupsHeld, bytesHeld, locksHeld metric.Int64ObservableUpDownCounter
 	reg                                                      metric.Registration
@@ -113,6 +117,9 @@ func NewMetrics(opts ...Option) (*Metrics, error) {
 	add(err)
 	m.locksRenewed, err = meter.Int64Counter(LocksRenewedName, metric.WithUnit("{lock}"),
 		metric.WithDescription("Service Bus message locks renewed."))
+	add(err)
+	m.dropped, err = meter.Int64Counter(DroppedName, metric.WithUnit("{message}"),
+		metric.WithDescription("Deliveries freed unsettled before a handler saw them (their link or lock was lost); the broker delivers them again."))
 	add(err)
 	gauge := func(name, unit, desc string) metric.Int64ObservableUpDownCounter {
 		g, err := meter.Int64ObservableUpDownCounter(name, metric.WithUnit(unit), metric.WithDescription(desc))
@@ -179,6 +186,7 @@ type recorder struct {
 	m      *Metrics
 	system string
 	stats  func() amqpsub.Stats
+	done   <-chan struct{} // closed when the subscriber's Run returned
 	credit int64
 	base   attribute.Set
 	lanes  []attribute.Set // base and amqpsub.lane, for the gauges
@@ -214,7 +222,7 @@ func newRecorder(m *Metrics, info amqpsub.MetricsInfo) *recorder {
 	rec := func(kv ...attribute.KeyValue) []metric.RecordOption {
 		return []metric.RecordOption{metric.WithAttributeSet(set(kv...))}
 	}
-	r := &recorder{m: m, system: info.System, stats: info.Stats, credit: int64(info.Credit), base: set()}
+	r := &recorder{m: m, system: info.System, stats: info.Stats, done: info.Done, credit: int64(info.Credit), base: set()}
 	r.plain = add()
 	r.received = add(semconv.MessagingOperationNameKey.String("receive"))
 	process := semconv.MessagingOperationNameKey.String("process")
@@ -318,6 +326,22 @@ func (r *recorder) Event(e amqpsub.Event) {
 
 func (r *recorder) LocksRenewed(n int) { r.m.locksRenewed.Add(bg, int64(n), r.plain...) }
 
+func (r *recorder) Dropped(n int) { r.m.dropped.Add(bg, int64(n), r.plain...) }
+
+// ended reports whether the subscriber's Run has returned: its gauges are
+// no longer read.
+func (r *recorder) ended() bool {
+	if r.done == nil {
+		return false
+	}
+	select {
+	case <-r.done:
+		return true
+	default:
+		return false
+	}
+}
+
 // gauges sums the gauges of the subscribers of one queue.
 type gauges struct {
 	base                               attribute.Set
@@ -334,7 +358,7 @@ func (m *Metrics) observe(_ context.Context, o metric.Observer) error {
 	live := make([]*recorder, 0, len(m.recs))
 	kept := m.recs[:0]
 	for _, w := range m.recs {
-		if r := w.Value(); r != nil {
+		if r := w.Value(); r != nil && !r.ended() {
 			live = append(live, r)
 			kept = append(kept, w)
 		}

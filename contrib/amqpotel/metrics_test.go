@@ -12,6 +12,7 @@ import (
 	"github.com/Azure/go-amqp"
 	"go.opentelemetry.io/otel/attribute"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/amqpsubtest"
@@ -134,7 +135,40 @@ func TestMetricsCountWhatWasPublished(t *testing.T) {
 	if _, ok := c[amqpotel.BatchSizeName]; ok {
 		t.Errorf("a Handler's subscriber recorded batch sizes: %s", c.attrSets(amqpotel.BatchSizeName))
 	}
-	// The gauges: nothing held once drained, the credit, a load per lane.
+	// Run has returned: the subscriber's gauges are no longer reported.
+	for _, name := range []string{amqpotel.CreditName, amqpotel.HeldName, amqpotel.LaneLoadName} {
+		if c.points(name, base...) != 0 {
+			t.Errorf("%s still reported after Run returned:\n%s", name, c.attrSets(name))
+		}
+	}
+}
+
+// While a subscriber runs, the gauges read its Stats: nothing held once its
+// queue is drained, the credit, a load per lane.
+func TestMetricsGaugesWhileRunning(t *testing.T) {
+	m, reader := newMetrics(t)
+	q := amqpsubtest.NewQueue()
+	q.Publish(amqpsubtest.Message("a", "x"), amqpsubtest.Message("b", "y"))
+	sub, err := amqpsub.New(q.Connector(), "orders", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+		amqpsub.WorkersByKey(3), amqpsub.WithMetrics(m))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	errc := make(chan error, 1)
+	go func() { errc <- sub.Run(ctx) }()
+	if err := q.Wait(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	for sub.Stats().Held != 0 { // the last settlement applied
+		runtime.Gosched()
+	}
+	c := collect(t, reader)
+	cancel()
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	base := []attribute.KeyValue{semconv.MessagingSystemKey.String("activemq"), semconv.MessagingDestinationNameKey.String("orders")}
 	if got := c.sum(amqpotel.CreditName, base...); got != 256 {
 		t.Errorf("credit = %d", got)
 	}
@@ -395,6 +429,7 @@ func TestRecorderAllocations(t *testing.T) {
 		{"Settled(ErrNotSettled)", func() { r.Settled(amqpsub.OutcomeModified, amqpsub.ErrNotSettled) }, 0},
 		{"Event", func() { r.Event(amqpsub.Event{Kind: amqpsub.EventLinkLost}) }, 0},
 		{"LocksRenewed", func() { r.LocksRenewed(3) }, 0},
+		{"Dropped", func() { r.Dropped(2) }, 0},
 	} {
 		c.f() // the SDK makes the attribute set's aggregator on first sight
 		got := testing.AllocsPerRun(1000, c.f)

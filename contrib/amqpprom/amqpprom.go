@@ -19,6 +19,7 @@ type Metrics struct {
 	batch    *prometheus.HistogramVec
 	events   *prometheus.CounterVec
 	renewed  *prometheus.CounterVec
+	dropped  *prometheus.CounterVec
 	gauges   *gauges
 }
 
@@ -95,9 +96,13 @@ func New(reg prometheus.Registerer, opts ...Option) *Metrics {
 			Name: "amqpsub_locks_renewed_total", ConstLabels: cfg.constLabels,
 			Help: "Service Bus message locks renewed.",
 		}, base),
+		dropped: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "amqpsub_dropped_total", ConstLabels: cfg.constLabels,
+			Help: "Deliveries freed unsettled before a handler saw them (their link or lock was lost); the broker delivers them again.",
+		}, base),
 		gauges: newGauges(cfg.constLabels),
 	}
-	reg.MustRegister(m.consumed, m.process, m.settled, m.batch, m.events, m.renewed, m.gauges)
+	reg.MustRegister(m.consumed, m.process, m.settled, m.batch, m.events, m.renewed, m.dropped, m.gauges)
 	return m
 }
 
@@ -119,6 +124,7 @@ func (m *Metrics) Recorder(info amqpsub.MetricsInfo) amqpsub.Recorder {
 		consumed: m.consumed.WithLabelValues(sys, q, "receive"),
 		panicked: m.process.WithLabelValues(sys, q, "process", "panic"),
 		renewed:  m.renewed.WithLabelValues(sys, q),
+		dropped:  m.dropped.WithLabelValues(sys, q),
 		other:    m.events.WithLabelValues(sys, q, "other"),
 	}
 	for _, res := range results {
@@ -142,7 +148,7 @@ func (m *Metrics) Recorder(info amqpsub.MetricsInfo) amqpsub.Recorder {
 		r.batch = m.batch.WithLabelValues(sys, q)
 	}
 	if info.Stats != nil {
-		m.gauges.add(subscriber{system: sys, queue: q, credit: info.Credit, stats: info.Stats})
+		m.gauges.add(subscriber{system: sys, queue: q, credit: info.Credit, stats: info.Stats, done: info.Done})
 	}
 	return r
 }
@@ -162,6 +168,7 @@ type recorder struct {
 	events   [maxEventKind]prometheus.Counter
 	other    prometheus.Counter
 	renewed  prometheus.Counter
+	dropped  prometheus.Counter
 }
 
 func (r *recorder) Received() { r.consumed.Inc() }
@@ -203,11 +210,26 @@ func (r *recorder) Event(e amqpsub.Event) {
 
 func (r *recorder) LocksRenewed(n int) { r.renewed.Add(float64(n)) }
 
+func (r *recorder) Dropped(n int) { r.dropped.Add(float64(n)) }
+
 // subscriber is what the gauges read at a scrape.
 type subscriber struct {
 	system, queue string
 	credit        int
 	stats         func() amqpsub.Stats
+	done          <-chan struct{} // closed when its Run returned
+}
+
+func (s subscriber) ended() bool {
+	if s.done == nil {
+		return false
+	}
+	select {
+	case <-s.done:
+		return true
+	default:
+		return false
+	}
 }
 
 // gauges is a collector that reads each Subscriber's Stats when scraped.
@@ -246,23 +268,62 @@ func (g *gauges) Describe(ch chan<- *prometheus.Desc) {
 	}
 }
 
-// Collect implements prometheus.Collector: one Stats call per Subscriber.
+// Collect implements prometheus.Collector: one Stats call per Subscriber
+// whose Run has not returned (those that have are forgotten), summed over
+// the Subscribers of one queue and broker (replicas in one process), so
+// that each series is collected once.
 func (g *gauges) Collect(ch chan<- prometheus.Metric) {
 	g.mu.Lock()
-	subs := append([]subscriber(nil), g.subs...)
-	g.mu.Unlock()
-	for _, s := range subs {
-		st := s.stats()
-		v := func(d *prometheus.Desc, x float64, more ...string) {
-			ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, x, append([]string{s.system, s.queue}, more...)...)
+	live := g.subs[:0]
+	for _, s := range g.subs {
+		if !s.ended() {
+			live = append(live, s)
 		}
-		v(g.held, float64(st.Held))
-		v(g.credit, float64(s.credit))
-		v(g.bytes, float64(st.BytesHeld))
-		v(g.groups, float64(st.GroupsHeld))
-		v(g.locks, float64(st.Locks.Held))
+	}
+	clear(g.subs[len(live):])
+	g.subs = live
+	subs := append([]subscriber(nil), live...)
+	g.mu.Unlock()
+	type key struct{ system, queue string }
+	type sums struct {
+		held, credit, bytes, groups, locks float64
+		lanes                              []float64
+	}
+	var order []key
+	byKey := map[key]*sums{}
+	for _, s := range subs {
+		k := key{s.system, s.queue}
+		t := byKey[k]
+		if t == nil {
+			t = &sums{}
+			byKey[k] = t
+			order = append(order, k)
+		}
+		st := s.stats()
+		t.held += float64(st.Held)
+		t.credit += float64(s.credit)
+		t.bytes += float64(st.BytesHeld)
+		t.groups += float64(st.GroupsHeld)
+		t.locks += float64(st.Locks.Held)
 		for i, l := range st.Lanes {
-			v(g.lane, float64(l.Load), strconv.Itoa(i))
+			if i == len(t.lanes) {
+				t.lanes = append(t.lanes, 0)
+			}
+			t.lanes[i] += float64(l.Load)
+		}
+	}
+	for _, k := range order {
+		t := byKey[k]
+		v := func(d *prometheus.Desc, x float64, more ...string) {
+			ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, x, append([]string{k.system, k.queue}, more...)...)
+		}
+		v(g.held, t.held)
+		v(g.credit, t.credit)
+		v(g.bytes, t.bytes)
+		v(g.groups, t.groups)
+		v(g.locks, t.locks)
+		for i, l := range t.lanes {
+			v(g.lane, l, strconv.Itoa(i))
 		}
 	}
 }

@@ -66,12 +66,19 @@ func TestScrapeAfterArtemisRun(t *testing.T) {
 	case <-time.After(2 * time.Minute):
 		t.Fatalf("handled %d of %d in 2 min", handled.Load(), n)
 	}
+	// Scraped while the subscriber runs, once the last settlement is out,
+	// so that its gauges are there too.
+	for deadline := time.Now().Add(30 * time.Second); sub.Stats().Held != 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("still %d held 30 s after the last handler returned", sub.Stats().Held)
+		}
+	}
+	fams := scrape(t, srv.URL)
 	cancel()
 	if err := <-errc; err != nil {
 		t.Fatalf("Run: %v", err)
 	}
 
-	fams := scrape(t, srv.URL)
 	labels := fmt.Sprintf(`messaging_destination_name=%q,messaging_system="activemq"`, queue)
 	for _, c := range []struct {
 		series string

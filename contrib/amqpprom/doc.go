@@ -33,8 +33,14 @@
 //	    "credit-overshoot", "lock-lost", ...).
 //	amqpsub_locks_renewed_total
 //	    counter: Service Bus message locks renewed.
+//	amqpsub_dropped_total
+//	    counter: deliveries freed unsettled before a handler saw them
+//	    (their link or lock was lost; the broker delivers them again).
+//	    Consumed = settlements + dropped, once nothing is held.
 //
-// and gauges read from Subscriber.Stats at each scrape:
+// and gauges read from Subscriber.Stats at each scrape, summed over the
+// Subscribers of one queue and broker (replicas in one process); a
+// Subscriber whose Run has returned is forgotten:
 //
 //	amqpsub_held_deliveries, amqpsub_credit, amqpsub_held_bytes,
 //	amqpsub_groups_held, amqpsub_locks_held,

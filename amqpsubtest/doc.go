@@ -57,7 +57,9 @@
 // It follows Apache ActiveMQ Artemis 2.40 as docs/brokers.md records it:
 //
 //   - The queue hands out messages in publish order, only within the credit
-//     each link was given: it never sends past it.
+//     each link was given: it never sends past it. A drain (which amqpsub
+//     sends at a stop) takes the link's credit back at once, so what the
+//     stop releases is not sent back to the stopping link.
 //   - Each delivery is a copy of the published message (group-id and every
 //     other property kept) with a header of its own: its delivery-count is
 //     the message's count of failed attempts; first-acquirer is the

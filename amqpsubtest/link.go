@@ -214,3 +214,18 @@ func (l *link) settle(m *amqp.Message, o Outcome, e *amqp.Error, notHere bool) e
 	q.changed()
 	return nil
 }
+
+// DrainCredit takes back the link's credit, at once, as Artemis and
+// Service Bus answer a drain: the pump drains at a stop, so that the
+// deliveries it releases are not sent back to the same link while credit is
+// left.
+func (l *link) DrainCredit(context.Context, *amqp.DrainCreditOptions) error {
+	q := l.q
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if l.err != nil {
+		return l.err
+	}
+	l.credit = 0
+	return nil
+}

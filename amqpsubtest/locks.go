@@ -159,27 +159,12 @@ func (q *Queue) nextExpiry() time.Time {
 // serviceBusLink is a link of a queue that plays Service Bus: what the
 // subscriber's pump and lease book get. Besides a link's calls it renews
 // locks, in place of the $management node beside a Service Bus link (the
-// lease book's renewer calls it: see package internal/testhook), and
-// answers a drain, as Service Bus does.
+// lease book's renewer calls it: see package internal/testhook).
 type serviceBusLink struct{ *link }
 
 // RenewLocks renews message locks (lease.Renewer): see renewLocks.
 func (l serviceBusLink) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
 	return l.renewLocks(ctx, tokens)
-}
-
-// DrainCredit takes back the link's credit, at once: the pump drains at a
-// stop, so that the deliveries it releases are not sent back to it while
-// credit is left.
-func (l serviceBusLink) DrainCredit(context.Context, *amqp.DrainCreditOptions) error {
-	q := l.q
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	if l.err != nil {
-		return l.err
-	}
-	l.credit = 0
-	return nil
 }
 
 // renewLocks renews the locks of tokens for the lock duration from now, as

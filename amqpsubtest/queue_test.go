@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -809,5 +810,44 @@ func TestGroupOrder(t *testing.T) {
 		if (err == nil) != (tc.err == "") || err != nil && !strings.HasSuffix(err.Error(), tc.err) {
 			t.Errorf("GroupOrder(%v) = %v, want %q", tc.items, err, tc.err)
 		}
+	}
+}
+
+// A graceful stop drains the link's credit, as Artemis does with amqpsub's
+// drain: the deliveries it releases are not sent back to the stopping link
+// while a handler finishes. (A user trial saw 255 redeliveries here.)
+func TestStopDoesNotRedeliverToTheStoppingLink(t *testing.T) {
+	q := amqpsubtest.NewQueue()
+	q.Publish(amqpsubtest.Message("a", "1"), amqpsubtest.Message("a", "2"))
+	began, finish := make(chan struct{}), make(chan struct{})
+	calls := 0
+	sub, err := amqpsub.New(q.Connector(), "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		calls++
+		if calls == 1 {
+			close(began)
+			<-finish
+		}
+		return nil
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	errc := make(chan error, 1)
+	go func() { errc <- sub.Run(ctx) }()
+	<-began
+	cancel() // the second delivery is released while the first is handled
+	for sub.Stats().Settled.Released == 0 {
+		runtime.Gosched()
+	}
+	close(finish)
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	if st := sub.Stats(); st.Received != 2 || calls != 1 {
+		t.Fatalf("received %d, handled %d; want 2 received, 1 handled (no redelivery to the stopping link)\n%v", st.Received, calls, q.Records())
+	}
+	if n := len(q.Queued()); n != 1 {
+		t.Fatalf("%d left on the queue, want the released one", n)
 	}
 }

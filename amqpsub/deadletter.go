@@ -37,9 +37,14 @@ import (
 // the message-id and a hash of the body (and of an earlier copy's id, for a
 // message retried from the dead-letter queue), so a copy sent twice (the
 // original redelivered after a crash between the two steps) is stored once,
-// while messages that merely share a message-id each keep theirs. A message
-// without a message-id gets no such id: after such a crash its copy may be
-// stored twice. The two steps are not one transaction: go-amqp has
+// while messages that merely share a message-id each keep theirs. But two
+// messages with the same message-id and the same body (a producer that
+// sent one message twice) make the same id: Artemis stores the second
+// copy as a duplicate, that is not at all, and the original is accepted,
+// so the second is in neither queue (Stats.DeadLetterCopies counts it all
+// the same). Producers that may send a message twice should give each send
+// a message-id of its own. A message without a message-id gets no such id:
+// after such a crash its copy may be stored twice. The two steps are not one transaction: go-amqp has
 // no AMQP transactions. Not for the RabbitMQ3 profile (RabbitMQ
 // dead-letters through the queue's dead-letter exchange), nor for Service
 // Bus, which keeps the reason itself. Default: off.

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
+	"go.uber.org/zap"
 )
 
 // DialFailover returns a Connector for a broker reachable at several
@@ -143,6 +144,12 @@ func (f *failover) pass(ctx context.Context, req connectRequest) (c *connection,
 		cancel()
 		if err == nil {
 			c.index, c.addr = i, f.addrs[i].String()
+			if len(tried) > 0 && req.log != nil {
+				// A dead address goes unnoticed until it is needed: say so
+				// once per connect that had to pass it over.
+				req.log.Warn("connected past addresses that did not answer", zap.String("broker", c.addr),
+					zap.Error(&failoverError{tried: tried}))
+			}
 			return c, by, nil
 		}
 		tried = append(tried, addrError{addr: f.addrs[i].String(), err: err})

@@ -141,7 +141,8 @@ func TestDialFailoverNoAddressAnswers(t *testing.T) {
 // second, and its log says so.
 func TestDialFailoverRunsOnTheNextAddress(t *testing.T) {
 	p := newPeer(t, false)
-	c, err := amqpsub.DialFailover([]string{"amqp://" + closedAddr(t), "amqp://alice:s3cr3t@" + p.addr()}, nil)
+	dead := closedAddr(t)
+	c, err := amqpsub.DialFailover([]string{"amqp://" + dead, "amqp://alice:s3cr3t@" + p.addr()}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -159,6 +160,11 @@ func TestDialFailoverRunsOnTheNextAddress(t *testing.T) {
 	attached := logs.FilterMessage("attached").All()
 	if len(attached) != 1 || attached[0].ContextMap()["broker"] != "amqp://alice@"+p.addr() {
 		t.Fatalf("attach log lines %+v; want one naming amqp://alice@%s", attached, p.addr())
+	}
+	// The dead address is not passed over in silence.
+	past := logs.FilterMessage("connected past addresses that did not answer").All()
+	if len(past) != 1 || past[0].Level != zap.WarnLevel || !strings.Contains(past[0].ContextMap()["error"].(string), dead) {
+		t.Fatalf("log lines about the dead address %+v; want one warning naming %s", past, dead)
 	}
 }
 

@@ -187,7 +187,8 @@ func Batch(size int, wait time.Duration) Option {
 }
 
 // GracePeriod bounds how long a graceful stop waits for the handlers in
-// progress. When it runs out their context is cancelled, their results are
+// progress. When it runs out their context is cancelled (its cause is
+// ErrStopping), their results are
 // ignored and the connection is closed; the broker redelivers what was not
 // settled. GracePeriod(0) releases the buffered deliveries and cancels the
 // handlers at once. Must be ≥ 0. Default: 30 s.
@@ -241,8 +242,14 @@ func WithProfile(p Profile) Option {
 
 // MaxLockRenewal bounds, on Azure Service Bus, how long after its handler
 // began a delivery's message lock is still renewed (LocalRetry's waits
-// included). After that the lock expires, the handler's context is
-// cancelled and the service delivers the message again. While a delivery
+// included). After that the lock expires (up to one lock duration later:
+// the last renewal's), the handler's context is cancelled (cause
+// lease.ErrLockLost), its result is not sent, and the service delivers the
+// message again, counted, to whichever receiver asks next. So a handler
+// that outlives its lock can see its work done twice (once more if it
+// ignores its context), and under WorkersByKey the redelivery comes after
+// the group's later messages: its order is broken. Set it above the
+// longest handler. While a delivery
 // waits for a handler (behind a busy group, say) its lock is renewed for as
 // long as it waits: the credit bounds how many wait. Must be ≥ 0; 0 renews
 // no lock of a delivery in a handler. Default: 5 min, as the .NET

@@ -14,6 +14,12 @@ import (
 	"github.com/amqpsub/amqpsub/pump"
 )
 
+// ErrStopping is the cause (context.Cause) of a handler's context cancelled
+// by a stop: the grace period ran out, Close was called, or attaching failed
+// for good. A handler tells it from a lost lock (lease.ErrLockLost, on
+// Service Bus) this way; its result is ignored.
+var ErrStopping = errors.New("amqpsub: the subscriber is stopping: the grace period is over")
+
 // Errors Run returns.
 var (
 	// ErrClosed is returned by Run when the Subscriber was already run, or
@@ -81,8 +87,8 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	s.events.start()
 
 	// Handlers and the pumps outlive ctx by the grace period.
-	hctx, cancelHandlers := context.WithCancel(context.WithoutCancel(ctx))
-	defer cancelHandlers()
+	hctx, cancelHandlers := context.WithCancelCause(context.WithoutCancel(ctx))
+	defer cancelHandlers(ErrStopping)
 	s.hctx = hctx // set before the lanes start; they read it
 	pctx, cancelPump := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelPump()
@@ -126,10 +132,20 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	}
 	stopAt := time.Now()
 	closing := isClosed(s.closeReq)
-	if fatal != nil {
+	attached := uint64(0)
+	for _, p := range s.pipes {
+		attached += p.pump.Stats().Links
+	}
+	switch {
+	case fatal != nil && attached == 0:
+		// Not fatal in itself (a refused connection may be), but Run does
+		// not wait for a broker it never reached: see Backoff.
+		s.log.Error("could not connect at start; stopping", zap.Error(fatal),
+			zap.Duration("grace", s.cfg.grace), zap.Duration("close_timeout", s.cfg.closeTimeout))
+	case fatal != nil:
 		s.log.Error("stopping after a fatal error", zap.Error(fatal),
 			zap.Duration("grace", s.cfg.grace), zap.Duration("close_timeout", s.cfg.closeTimeout))
-	} else {
+	default:
 		grace := s.cfg.grace
 		if closing {
 			why, grace = "close", 0
@@ -156,7 +172,7 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	// ignored from here on, and they are told to stop.
 	s.cut.Store(true)
 	cancelPump()
-	cancelHandlers()
+	cancelHandlers(ErrStopping)
 	for _, r := range runs {
 		r.p.pump.Stop() // after Close: lanes drop what they hold
 	}

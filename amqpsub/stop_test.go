@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/amqpsubtest"
 	"github.com/amqpsub/amqpsub/internal/fake"
 )
 
@@ -181,4 +182,33 @@ func TestWorkersIgnoreGroups(t *testing.T) {
 			t.Fatal(err)
 		}
 	})
+}
+
+// A handler's context cancelled by a stop says so: its cause is
+// ErrStopping, not a bare context.Canceled.
+func TestStopCancelsHandlersWithErrStopping(t *testing.T) {
+	q := amqpsubtest.NewQueue()
+	q.Publish(amqpsubtest.Message("", "1"))
+	began := make(chan struct{})
+	cause := make(chan error, 1)
+	s, err := amqpsub.New(q.Connector(), "q", amqpsub.HandlerFunc(func(ctx context.Context, _ *amqpsub.Delivery) error {
+		close(began)
+		<-ctx.Done()
+		cause <- context.Cause(ctx)
+		return ctx.Err()
+	}), amqpsub.GracePeriod(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() { errc <- s.Run(ctx) }()
+	<-began
+	cancel()
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	if c := <-cause; !errors.Is(c, amqpsub.ErrStopping) {
+		t.Fatalf("cause %v, want ErrStopping", c)
+	}
 }

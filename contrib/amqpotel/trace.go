@@ -77,6 +77,10 @@ func newTracing(queue string, opts []Option) *tracing {
 // of kind CONSUMER, and records a settle span for the delivery's
 // settlement.
 //
+// A handler does not see its subscriber's profile: on any broker but
+// Artemis, pass WithSystem ("servicebus", "rabbitmq", "amqp"), or the spans
+// say "activemq" and name Service Bus settlements in AMQP terms.
+//
 // The producer's trace context is read from the delivery's application
 // properties with the propagator (WithPropagator; W3C "traceparent" and
 // "tracestate" by default), or, when there is no "traceparent", from

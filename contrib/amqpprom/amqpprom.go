@@ -78,7 +78,7 @@ func New(reg prometheus.Registerer, opts ...Option) *Metrics {
 			Name: "messaging_process_duration_seconds", ConstLabels: cfg.constLabels,
 			Help:    "Duration of handler calls, retries in the lane included.",
 			Buckets: cfg.durationBuckets,
-		}, with("messaging_operation_name", "error_type")),
+		}, with("messaging_operation_name", "result", "error_type")),
 		settled: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "amqpsub_settlements_total", ConstLabels: cfg.constLabels,
 			Help: "Settlements applied, by outcome; error_type is empty when the broker took it.",
@@ -122,7 +122,7 @@ func (m *Metrics) Recorder(info amqpsub.MetricsInfo) amqpsub.Recorder {
 	sys, q := info.System, info.Queue
 	r := &recorder{
 		consumed: m.consumed.WithLabelValues(sys, q, "receive"),
-		panicked: m.process.WithLabelValues(sys, q, "process", "panic"),
+		panicked: m.process.WithLabelValues(sys, q, "process", amqpsub.ResultRetry.String(), "panic"),
 		renewed:  m.renewed.WithLabelValues(sys, q),
 		dropped:  m.dropped.WithLabelValues(sys, q),
 		other:    m.events.WithLabelValues(sys, q, "other"),
@@ -132,11 +132,11 @@ func (m *Metrics) Recorder(info amqpsub.MetricsInfo) amqpsub.Recorder {
 		if res == amqpsub.ResultReject || res == amqpsub.ResultRetry {
 			errType = res.String()
 		}
-		r.process[res] = m.process.WithLabelValues(sys, q, "process", errType)
+		r.process[res] = m.process.WithLabelValues(sys, q, "process", res.String(), errType)
 	}
 	for _, o := range outcomes {
 		r.settled[o][taken] = m.settled.WithLabelValues(sys, q, o.String(), "")
-		r.settled[o][notSent] = m.settled.WithLabelValues(sys, q, o.String(), "not_sent")
+		r.settled[o][notSent] = m.settled.WithLabelValues(sys, q, o.String(), "not_settled")
 		r.settled[o][failed] = m.settled.WithLabelValues(sys, q, o.String(), "failed")
 	}
 	for k := range amqpsub.EventKind(maxEventKind) {

@@ -62,10 +62,10 @@ amqpsub_settlements_total{error_type="failed",messaging_destination_name="orders
 amqpsub_settlements_total{error_type="failed",messaging_destination_name="orders",messaging_system="activemq",outcome="modified"} 0
 amqpsub_settlements_total{error_type="failed",messaging_destination_name="orders",messaging_system="activemq",outcome="rejected"} 0
 amqpsub_settlements_total{error_type="failed",messaging_destination_name="orders",messaging_system="activemq",outcome="released"} 0
-amqpsub_settlements_total{error_type="not_sent",messaging_destination_name="orders",messaging_system="activemq",outcome="accepted"} 0
-amqpsub_settlements_total{error_type="not_sent",messaging_destination_name="orders",messaging_system="activemq",outcome="modified"} 0
-amqpsub_settlements_total{error_type="not_sent",messaging_destination_name="orders",messaging_system="activemq",outcome="rejected"} 0
-amqpsub_settlements_total{error_type="not_sent",messaging_destination_name="orders",messaging_system="activemq",outcome="released"} 0
+amqpsub_settlements_total{error_type="not_settled",messaging_destination_name="orders",messaging_system="activemq",outcome="accepted"} 0
+amqpsub_settlements_total{error_type="not_settled",messaging_destination_name="orders",messaging_system="activemq",outcome="modified"} 0
+amqpsub_settlements_total{error_type="not_settled",messaging_destination_name="orders",messaging_system="activemq",outcome="rejected"} 0
+amqpsub_settlements_total{error_type="not_settled",messaging_destination_name="orders",messaging_system="activemq",outcome="released"} 0
 # HELP messaging_client_consumed_messages_total Deliveries received from the broker.
 # TYPE messaging_client_consumed_messages_total counter
 messaging_client_consumed_messages_total{messaging_destination_name="orders",messaging_operation_name="receive",messaging_system="activemq"} 28

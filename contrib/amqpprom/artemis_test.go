@@ -89,8 +89,8 @@ func TestScrapeAfterArtemisRun(t *testing.T) {
 		{`amqpsub_settlements_total{` + labels + `,outcome="rejected",error_type=""}`, n / rejectEvery},
 		{`amqpsub_settlements_total{` + labels + `,outcome="released",error_type=""}`, 0},
 		{`amqpsub_settlements_total{` + labels + `,outcome="accepted",error_type="failed"}`, 0},
-		{`messaging_process_duration_seconds_count{` + labels + `,messaging_operation_name="process",error_type=""}`, n - n/rejectEvery},
-		{`messaging_process_duration_seconds_count{` + labels + `,messaging_operation_name="process",error_type="reject"}`, n / rejectEvery},
+		{`messaging_process_duration_seconds_count{` + labels + `,messaging_operation_name="process",result="accept",error_type=""}`, n - n/rejectEvery},
+		{`messaging_process_duration_seconds_count{` + labels + `,messaging_operation_name="process",result="reject",error_type="reject"}`, n / rejectEvery},
 		{`amqpsub_held_deliveries{` + labels + `}`, 0},
 		{`amqpsub_credit{` + labels + `}`, 256},
 	} {

@@ -17,14 +17,16 @@
 //
 //	messaging_client_consumed_messages_total{messaging_operation_name="receive"}
 //	    counter: deliveries received from the broker.
-//	messaging_process_duration_seconds{messaging_operation_name="process", error_type}
+//	messaging_process_duration_seconds{messaging_operation_name="process", result, error_type}
 //	    histogram: handler calls (retries in the lane included) and how long
-//	    they ran; error_type is "" for accept and release, else "reject",
-//	    "retry" or "panic".
+//	    they ran; result is "accept", "release", "reject" or "retry";
+//	    error_type is "" for accept and release, else "reject", "retry" or
+//	    "panic" (as in contrib/amqpotel).
 //	amqpsub_settlements_total{outcome, error_type}
 //	    counter: settlements applied, by outcome ("accepted", "released",
 //	    "modified", "rejected"); error_type is "" when the broker took
-//	    it, "not_sent" when the delivery's link or lock was lost first,
+//	    it, "not_settled" when the delivery's link or lock was lost first
+//	    (amqpsub.ErrNotSettled; contrib/amqpotel says the same),
 //	    else "failed".
 //	amqpsub_batch_size
 //	    histogram: deliveries per BatchHandler call (BatchHandler only).

@@ -16,7 +16,7 @@ INTEGRATION_ENV := AMQPSUB_ARTEMIS_URL=$(AMQPSUB_ARTEMIS_URL) \
 	AMQPSUB_RABBITMQ_CTL=$(RABBITMQ_CTL) \
 	AMQPSUB_CLUSTER_CTL=$(CLUSTER_CTL)
 
-.PHONY: golangci all prereqs prereqs-demo brokers brokers-stop artemis rabbitmq unit integration test artemistest demo bench fuzz fmt vet lint check
+.PHONY: scaling golangci all prereqs prereqs-demo brokers brokers-stop artemis rabbitmq unit integration test artemistest demo bench fuzz fmt vet lint check
 
 # Modules of their own (own go.mod) that `make lint` checks like the root
 # one, with the root's .golangci.yml: the Artemis test helper and the
@@ -72,6 +72,11 @@ demo: artemis
 bench: brokers
 	bash integration/prereqs.sh bench
 	$(INTEGRATION_ENV) $(GO) run ./integration/bench
+
+## scaling: what replicas and a second cluster node give (docs/scaling.md);
+## starts and stops the two-node cluster itself; a few minutes
+scaling: prereqs
+	AMQPSUB_SCALING=1 AMQPSUB_CLUSTER_CTL=$(CLUSTER_CTL) $(GO) test -count=1 -run TestArtemisScalingThroughput -v -timeout 30m ./integration
 
 ## fuzz: every fuzz target for FUZZTIME each (default 1m); CI runs them for 8s
 fuzz:

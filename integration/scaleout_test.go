@@ -18,15 +18,17 @@ import (
 
 // publishSplit publishes msgs, each group to one node: groups whose number
 // is even to urls[0], odd ones to urls[1], so half the groups enter through
-// each node. A group's messages all enter through one node, so they reach
+// each node (ungrouped messages: every other one). A group's messages all enter through one node, so they reach
 // the node that owns the group in order (through the cluster bridge if need
 // be); two nodes would make two routes, with no order between them.
 func publishSplit(t *testing.T, urls [2]string, q string, msgs []msgSpec) {
 	t.Helper()
 	var parts [2][]msgSpec
 	for _, m := range msgs {
-		var g int
-		fmt.Sscanf(m.group, "g%d", &g)
+		g := m.seq // ungrouped: every other message
+		if m.group != "" {
+			fmt.Sscanf(m.group, "g%d", &g)
+		}
 		parts[g%2] = append(parts[g%2], m)
 	}
 	for i, u := range urls {

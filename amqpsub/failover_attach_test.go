@@ -14,45 +14,22 @@ import (
 // overloaded, or a node that takes connections but cannot serve the queue.
 func muteAfterOpen(t *testing.T) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		var conns []net.Conn
-		defer func() {
-			for _, c := range conns {
-				c.Close()
-			}
-		}()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			conns = append(conns, c)
-			go func() {
-				hdr := make([]byte, 8)
-				if _, err := io.ReadFull(c, hdr); err != nil {
-					return
-				}
-				if write(c, peerAMQPHeader) != nil {
-					return
-				}
-				if _, _, err := readPeerFrame(c); err != nil { // open
-					return
-				}
-				if write(c, peerFrame(0, 0, described(0x10, list8(str8("mute"))))) != nil {
-					return
-				}
-				_, _ = io.Copy(io.Discard, c)
-			}()
+	return acceptAll(t, func(c net.Conn) {
+		hdr := make([]byte, 8)
+		if _, err := io.ReadFull(c, hdr); err != nil {
+			return
 		}
-	}()
-	t.Cleanup(func() { ln.Close(); <-done })
-	return ln.Addr().String()
+		if write(c, peerAMQPHeader) != nil {
+			return
+		}
+		if _, _, err := readPeerFrame(c); err != nil { // open
+			return
+		}
+		if write(c, peerFrame(0, 0, described(0x10, list8(str8("mute"))))) != nil {
+			return
+		}
+		_, _ = io.Copy(io.Discard, c)
+	})
 }
 
 // On the first connect, an address that opens the connection but never

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -33,15 +34,19 @@ func closedAddr(t *testing.T) string {
 
 // silentAddr returns a local address that accepts connections and never
 // answers.
-func silentAddr(t *testing.T) string {
+func silentAddr(t *testing.T) string { return acceptAll(t, nil) }
+
+// acceptAll returns a local address that accepts every connection and
+// hands each to serve on a goroutine of its own (none: it holds them); the
+// connections are closed, and the goroutines waited for, when the test ends.
+func acceptAll(t *testing.T, serve func(net.Conn)) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
+	var wg sync.WaitGroup
+	wg.Go(func() {
 		var held []net.Conn
 		defer func() {
 			for _, c := range held {
@@ -54,9 +59,12 @@ func silentAddr(t *testing.T) string {
 				return
 			}
 			held = append(held, c)
+			if serve != nil {
+				wg.Go(func() { serve(c) })
+			}
 		}
-	}()
-	t.Cleanup(func() { ln.Close(); <-done })
+	})
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
 	return ln.Addr().String()
 }
 

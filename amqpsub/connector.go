@@ -34,6 +34,9 @@ type connectRequest struct {
 	// from is where a connector with several addresses (DialFailover)
 	// starts its pass, an index into its list taken modulo its length.
 	from int
+	// noWrap ends the pass at the end of the list instead of wrapping
+	// round: on the first attach, the addresses before from were tried.
+	noWrap bool
 	// timeout is DialTimeout. A connector with several addresses gives
 	// each this long; the others are given a ctx bound by it.
 	timeout time.Duration
@@ -90,6 +93,9 @@ func (d *dialer) dial(ctx context.Context, idle time.Duration) (*connection, err
 		// url.Parse's error quotes the address, password included, and
 		// partly decoded, where scrub cannot find it.
 		return nil, errors.New("amqpsub: the address is not a URL (amqp://[user:password@]host[:port])")
+	}
+	if u.Host == "" || u.Opaque != "" {
+		return nil, errors.New("amqpsub: the address has no host (amqp://[user:password@]host[:port])")
 	}
 	if misparsed(u) {
 		return nil, errors.New("amqpsub: the address has an '@' after its host: a password with '/', '?' or '#' must be percent-encoded")
@@ -188,13 +194,11 @@ func (given) String() string { return "the given connection" }
 // redact returns the URL without its password.
 func redact(raw string) string {
 	u, err := url.Parse(raw)
-	if err != nil {
-		return "(unparsable address)"
-	}
-	if misparsed(u) {
-		// user:pass@ parsed as host:port and path: keep what follows the
-		// last '@', which is where the broker is.
-		return u.Scheme + "://xxxxx@" + raw[strings.LastIndex(raw, "@")+1:]
+	if err != nil || u.Opaque != "" || u.Host == "" || misparsed(u) {
+		// Not an address Dial can use, and where the credentials are is
+		// anybody's guess (user:pass@ taken for a scheme, host:port or a
+		// path): hide everything before the last '@'.
+		return mask(raw)
 	}
 	if u.User != nil {
 		u.User = url.User(u.User.Username())
@@ -202,11 +206,32 @@ func redact(raw string) string {
 	return u.String()
 }
 
+// mask hides the credentials of raw, taken to be what lies before its last
+// '@': with a "scheme://" before them, all but the user name; without, all
+// of it. raw without an '@' is returned as it is.
+func mask(raw string) string {
+	at := strings.LastIndex(raw, "@")
+	if at < 0 {
+		return raw
+	}
+	creds, host := raw[:at], raw[at+1:]
+	if i := strings.Index(creds, "://"); i >= 0 {
+		scheme, userinfo := creds[:i+3], creds[i+3:]
+		if user, _, ok := strings.Cut(userinfo, ":"); ok {
+			return scheme + user + ":xxxxx@" + host
+		}
+		return scheme + "xxxxx@" + host
+	}
+	return "xxxxx@" + host
+}
+
 // misparsed reports a URL whose credentials were taken for its host: an
 // unescaped '/', '?' or '#' in a password ends the authority early, so the
 // '@' lands in the path, query or fragment.
 func misparsed(u *url.URL) bool {
-	return strings.Contains(u.Path, "@") || strings.Contains(u.RawQuery, "@") || strings.Contains(u.Fragment, "@")
+	// Escaped forms: an '@' written %40 in a path is a path's, not a lost
+	// credential's.
+	return strings.Contains(u.EscapedPath(), "@") || strings.Contains(u.RawQuery, "@") || strings.Contains(u.EscapedFragment(), "@")
 }
 
 // scrub replaces err by one whose text does not hold the URL's password, if

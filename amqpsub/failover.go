@@ -79,6 +79,9 @@ func checkURL(raw string) string {
 	if misparsed(u) {
 		return "an '@' after the host: a password with '/', '?' or '#' must be percent-encoded"
 	}
+	if u.Opaque != "" || u.Host == "" {
+		return "no host: want amqp://host:port or amqps://host:port"
+	}
 	switch u.Scheme {
 	case "amqp", "amqps", "amqp+ssl", "":
 	default:
@@ -92,15 +95,7 @@ func checkURL(raw string) string {
 
 // quoteRedacted quotes raw without its password, even when it does not
 // parse.
-func quoteRedacted(raw string) string {
-	if _, err := url.Parse(raw); err == nil {
-		return fmt.Sprintf("%q", redact(raw))
-	}
-	if pw := password(raw); pw != "" {
-		raw = strings.ReplaceAll(raw, pw, "xxxxx")
-	}
-	return fmt.Sprintf("%q", raw)
-}
+func quoteRedacted(raw string) string { return fmt.Sprintf("%q", redact(raw)) }
 
 // failover is DialFailover's Connector. It keeps no state between connects:
 // where a pass starts comes with each request (the attacher's), so one
@@ -126,8 +121,13 @@ func (f *failover) connect(ctx context.Context, req connectRequest) (*connection
 func (f *failover) pass(ctx context.Context, req connectRequest) (c *connection, by time.Time, err error) {
 	n := len(f.addrs)
 	tried := make([]addrError, 0, n)
-	for k := range n {
-		i := (req.from%n + n + k) % n
+	start := (req.from%n + n) % n
+	limit := n // addresses in this pass
+	if req.noWrap {
+		limit = n - start
+	}
+	for k := range limit {
+		i := (start + k) % n
 		actx, cancel := ctx, context.CancelFunc(func() {})
 		if req.timeout > 0 {
 			by = time.Now().Add(req.timeout)
@@ -157,7 +157,7 @@ func (f *failover) pass(ctx context.Context, req connectRequest) (c *connection,
 			break // stopping; or the credentials or configuration are wrong
 		}
 	}
-	return nil, time.Time{}, &failoverError{tried: tried, untried: n - len(tried)}
+	return nil, time.Time{}, &failoverError{tried: tried, untried: limit - len(tried)}
 }
 
 // String names the addresses, without credentials.

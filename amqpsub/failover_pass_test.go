@@ -24,6 +24,7 @@ func TestFailoverPass(t *testing.T) {
 		name   string
 		script []string
 		from   int
+		noWrap bool          // the first attach's passes
 		tried  string        // the indices dialed, in order
 		got    int           // the index connected to; -1 for none
 		took   time.Duration // how long the pass took
@@ -40,6 +41,8 @@ func TestFailoverPass(t *testing.T) {
 			text: []string{"amqp://h1:5672: context deadline exceeded", "amqp://h2:5672: connection refused", "amqp://alice@h0:5672: connection refused"}},
 		{name: "a fatal error ends the pass", script: []string{"refused", "fatal", "ok"}, tried: "[0 1]", got: -1,
 			text: []string{"amqp://alice@h0:5672: connection refused; amqp://h1:5672: sasl: authentication refused", "(1 more not tried)"}},
+		{name: "on the first attach, no wrap round to the addresses tried", script: []string{"ok", "refused", "refused"}, from: 1, noWrap: true,
+			tried: "[1 2]", got: -1, text: []string{"amqp://h1:5672: connection refused; amqp://h2:5672: connection refused"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
@@ -71,7 +74,7 @@ func TestFailoverPass(t *testing.T) {
 					return nil, ctx.Err()
 				}
 				start := time.Now()
-				conn, by, err := f.pass(context.Background(), connectRequest{from: tc.from, timeout: timeout, fatal: IsFatal})
+				conn, by, err := f.pass(context.Background(), connectRequest{from: tc.from, noWrap: tc.noWrap, timeout: timeout, fatal: IsFatal})
 				if got := fmt.Sprint(tried); got != tc.tried {
 					t.Errorf("tried %s, want %s", got, tc.tried)
 				}

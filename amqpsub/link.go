@@ -29,7 +29,7 @@ type link struct {
 // DialFailover, within the DialTimeout of the address that answered, each
 // address tried having its own.
 func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
-	c, by, err := s.connect(ctx, p.att.from)
+	c, by, err := s.connect(ctx, p.att.from, !p.att.before)
 	if err != nil {
 		return nil, fmt.Errorf("amqpsub: connect to %s: %w", s.connector, err)
 	}
@@ -89,9 +89,9 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 // on for a DialFailover connector, each address within DialTimeout (see
 // failover.pass), or else within DialTimeout; by is when the DialTimeout of
 // the address that answered ends.
-func (s *Subscriber) connect(ctx context.Context, from int) (c *connection, by time.Time, err error) {
+func (s *Subscriber) connect(ctx context.Context, from int, first bool) (c *connection, by time.Time, err error) {
 	req := connectRequest{idle: s.cfg.idleTimeout, entity: s.cfg.profile.address(s.queue), log: s.log,
-		from: from, timeout: s.cfg.dialTimeout, fatal: s.cfg.isFatal}
+		from: from, noWrap: first, timeout: s.cfg.dialTimeout, fatal: s.cfg.isFatal}
 	if f, ok := s.connector.(*failover); ok {
 		return f.pass(ctx, req)
 	}

@@ -59,11 +59,12 @@ type Recorder interface {
 	// is nil when the broker took it, ErrNotSettled when it was not sent,
 	// or the broker's or link's error.
 	Settled(o Outcome, err error)
-	// Dropped is called for deliveries freed without a settlement before
-	// any handler saw them, n at a time: their link (or, on Service Bus,
-	// their lock) was lost; the broker delivers them again. With Settled,
-	// it accounts for every delivery Received. (Stats.Dropped and
-	// Stats.Locks.Dropped count them.)
+	// Dropped is called for deliveries given up without a settlement, n at
+	// a time: before any handler saw them, when their link (or, on Service
+	// Bus, their lock) was lost (Stats.Dropped, Stats.Locks.Dropped); and,
+	// as Run returns, those still held, whose handlers a stop cut short or
+	// abandoned. The broker delivers them again. With Settled, it accounts
+	// for every delivery Received once Run has returned.
 	Dropped(n int)
 	// Event is called for every Event, as OnEvent's function would be,
 	// but on the goroutine that raised it (so it must not block): links

@@ -122,7 +122,8 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			a.quick = 0
 		}
 	}
-	passes := 0 // first attach with DialFailover: addresses that connected but failed
+	passes := 0        // first attach with DialFailover: addresses that connected but failed
+	var failed []error // their errors, for the one Run returns
 	for attempt := first; ; attempt++ {
 		a.connected = false
 		src, l, err := s.attachOnce(ctx, a.p)
@@ -184,11 +185,13 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			// The first connection, on an address that answered but could
 			// not serve the queue: try the others before giving up.
 			s.log.Warn("attach failed on an address that answered; trying the next", zap.Error(err))
+			failed = append(failed, err)
 			attempt = first - 1
 			continue
 		case !a.before:
-			// The first connection: report it rather than wait.
-			return nil, err
+			// The first connection: report it rather than wait, with what
+			// the addresses passed over said.
+			return nil, errors.Join(append(failed, err)...)
 		case s.cfg.isFatal(err):
 			// Run logs it as it stops ("stopping after a fatal error").
 			if errors.Is(err, ErrLinkLost) {

@@ -18,7 +18,7 @@ import (
 // by a stop: the grace period ran out, Close was called, or attaching failed
 // for good. A handler tells it from a lost lock (lease.ErrLockLost, on
 // Service Bus) this way; its result is ignored.
-var ErrStopping = errors.New("amqpsub: the subscriber is stopping: the grace period is over")
+var ErrStopping = errors.New("amqpsub: the subscriber is stopping")
 
 // Errors Run returns.
 var (
@@ -213,12 +213,34 @@ func (s *Subscriber) Run(ctx context.Context) error {
 			break
 		}
 	}
+	if s.rec != nil {
+		// What is still held now is settled by nobody (handlers cut short
+		// or abandoned): the broker delivers it again. The Recorder hears
+		// of it as dropped, so that received = settled + dropped there.
+		held := 0
+		for _, p := range s.pipes {
+			held += p.pump.Held()
+		}
+		if held > 0 {
+			s.rec.Dropped(held)
+		}
+	}
 	if !s.events.close(closeBy) {
 		s.log.Warn("the OnEvent function had not returned by the end of Run; leaving it")
 	}
 	err := errors.Join(errs...)
 	s.log.Info("stopped", zap.Duration("elapsed", time.Since(stopAt)), zap.Error(err), zap.Object("stats", s.Stats()))
 	return err
+}
+
+// endUnrun ends a subscriber stopped before it ran: a later Run returns
+// ErrClosed at once, so Done is closed now (an adapter of WithMetrics stops
+// reporting it). s.mu is held.
+func (s *Subscriber) endUnrun() {
+	if !s.started {
+		s.started = true
+		close(s.done)
+	}
 }
 
 // running is a pipe while Run runs it.
@@ -345,6 +367,7 @@ func (s *Subscriber) Shutdown(ctx context.Context) error {
 		close(s.stopReq)
 	}
 	started := s.started
+	s.endUnrun()
 	s.mu.Unlock()
 	if !started {
 		return nil
@@ -365,6 +388,7 @@ func (s *Subscriber) Close() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.closed = true
+	s.endUnrun()
 	select {
 	case <-s.closeReq:
 	default:

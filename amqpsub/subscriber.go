@@ -209,5 +209,6 @@ func (s *Subscriber) pumpEvent(e pump.Event) {
 	s.events.send(ev)
 }
 
-// Done returns a channel closed when Run has returned.
+// Done returns a channel closed when Run has returned, or, for a subscriber
+// stopped (Close, Shutdown) before it ran, at the stop.
 func (s *Subscriber) Done() <-chan struct{} { return s.done }

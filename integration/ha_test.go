@@ -201,6 +201,9 @@ func TestArtemisSharedStoreHA(t *testing.T) {
 	if dups > 256 {
 		t.Errorf("%d duplicates, want at most the credit (256)", dups)
 	}
+	if firstOnBackup == 0 {
+		t.Errorf("no message was handled on the backup: the kill came after the last one, and the failover was not tested")
+	}
 	if reconnectedTo != backup && reconnectedTo != redactURL(backup) {
 		t.Errorf("the subscriber reconnected to %q, want the backup %s", reconnectedTo, redactURL(backup))
 	}

@@ -101,6 +101,9 @@ func TestArtemisClusterReplicas(t *testing.T) {
 			t.Errorf("accepted %d in all; want %d, each message once", accepted, n+2)
 		}
 		t.Logf("handled through node 1: %d, through node 2: %d", perNode[0], perNode[1])
+		if perNode[0] == 0 || perNode[1] == 0 {
+			t.Errorf("a node's replicas handled nothing: %v", perNode)
+		}
 		for i, u := range urls {
 			if d := queueDepth(t, u, q); d != "0" {
 				t.Errorf("node %d still has %s messages on %s", i+1, d, q)
@@ -268,6 +271,10 @@ func TestArtemisHAReplicas(t *testing.T) {
 				first = e.at
 				break
 			}
+		}
+		if first == 0 {
+			t.Errorf("replica %s handled nothing on the backup", id)
+			continue
 		}
 		t.Logf("replica %s: reconnected to the backup %v after the kill, first delivery handled there %v after the kill",
 			id, time.Duration(at-killed.UnixNano()).Round(time.Millisecond), time.Duration(first-killed.UnixNano()).Round(time.Millisecond))

@@ -74,8 +74,10 @@ func TestOnLostNamesTheMessageThatLostItsLock(t *testing.T) {
 		mu.Lock()
 		defer mu.Unlock()
 		t.Logf("lock lost reported for messages %v; book stats %+v", reported, book.Stats())
-		if len(reported) == 0 {
-			t.Fatal("no lock loss reported")
+		// Two locks lost; the second's entry was reused before the book
+		// reported it, so only the first is reported.
+		if len(reported) != 1 {
+			t.Fatalf("lock losses reported for %v; want only the first of the two", reported)
 		}
 		for _, r := range reported {
 			if r != "0" && r != "1" {

@@ -161,8 +161,9 @@ func (t Ticket) OnSettled(f func(k Kind, err error)) bool {
 	}
 	// Settling began between the check and the store (a goroutine the
 	// handler left behind): put back what was there, so that the handler's
-	// own function is not lost. If the slot changed meanwhile, the pump
-	// has taken f (and calls it), or a later call replaced it.
+	// own function is kept. If the slot changed meanwhile, the pump has
+	// taken f and calls it in place of the one it replaced (the call came
+	// in time, just), or a later call replaced it.
 	if s := t.State(); s != Buffered && s != Handling && t.d.after.CompareAndSwap(mine, prev) {
 		return false
 	}

@@ -318,8 +318,7 @@ func (p *Pump) serve(ctx context.Context, src Source, toSettlers chan<- settleme
 	stopping := isClosed(stop)
 	if stopping {
 		stop = nil
-		wg.Go(func() { drainCredit(rctx, src) })
-		p.releaseBuffered(ctx)
+		p.drainThenRelease(ctx, rctx, src, &wg)
 	}
 	for {
 		if stopping {
@@ -375,12 +374,38 @@ func (p *Pump) serve(ctx context.Context, src Source, toSettlers chan<- settleme
 			p.applyQueued(ctx)
 		case <-stop:
 			stop, stopping = nil, true
-			wg.Go(func() { drainCredit(rctx, src) })
-			p.releaseBuffered(ctx)
+			p.drainThenRelease(ctx, rctx, src, &wg)
 		case <-ctx.Done():
 			return ctx.Err()
 		}
 	}
+}
+
+// drainWait bounds how long a stop waits for the broker to answer its
+// drain before it releases the buffered deliveries anyway.
+const drainWait = 250 * time.Millisecond
+
+// drainThenRelease, on Stop, drains the link's credit and releases the
+// buffered deliveries once the broker has answered the drain (or drainWait
+// has passed): released on a link that still has credit, they would come
+// straight back to it. The drain goes on, on wg, if it takes longer; rctx
+// ends it with serve.
+func (p *Pump) drainThenRelease(ctx, rctx context.Context, src Source, wg *sync.WaitGroup) {
+	if _, ok := src.(drainer); ok {
+		drained := make(chan struct{})
+		wg.Go(func() {
+			defer close(drained)
+			drainCredit(rctx, src)
+		})
+		t := time.NewTimer(drainWait)
+		select {
+		case <-drained:
+		case <-t.C:
+		case <-ctx.Done():
+		}
+		t.Stop()
+	}
+	p.releaseBuffered(ctx)
 }
 
 // drainer is a source that can take its credit back (*amqp.Receiver).

@@ -31,10 +31,11 @@
 //     handler-failed...).
 //   - amqpsub.locks.renewed, counter, {lock}: Service Bus message locks
 //     renewed.
-//   - amqpsub.deliveries.dropped, counter, {message}: deliveries freed
-//     unsettled before a handler saw them (their link or lock was lost;
-//     the broker delivers them again). Consumed = settlements + dropped,
-//     once nothing is held.
+//   - amqpsub.deliveries.dropped, counter, {message}: deliveries given up
+//     unsettled: before a handler saw them (their link or lock was lost),
+//     or still held when Run returned (handlers a stop cut short); the
+//     broker delivers them again. Consumed = settlements + dropped, once
+//     the subscriber's Run has returned.
 //
 // And, read from amqpsub.MetricsInfo.Stats in one callback per collection,
 // summed over the running subscribers of a queue (one whose Run returned

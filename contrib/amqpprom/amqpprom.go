@@ -4,6 +4,7 @@ import (
 	"errors"
 	"strconv"
 	"sync"
+	"weak"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -148,7 +149,8 @@ func (m *Metrics) Recorder(info amqpsub.MetricsInfo) amqpsub.Recorder {
 		r.batch = m.batch.WithLabelValues(sys, q)
 	}
 	if info.Stats != nil {
-		m.gauges.add(subscriber{system: sys, queue: q, credit: info.Credit, stats: info.Stats, done: info.Done})
+		r.sub = subscriber{system: sys, queue: q, credit: info.Credit, stats: info.Stats, done: info.Done}
+		m.gauges.add(r)
 	}
 	return r
 }
@@ -169,6 +171,7 @@ type recorder struct {
 	other    prometheus.Counter
 	renewed  prometheus.Counter
 	dropped  prometheus.Counter
+	sub      subscriber // what the gauges read
 }
 
 func (r *recorder) Received() { r.consumed.Inc() }
@@ -236,8 +239,11 @@ func (s subscriber) ended() bool {
 type gauges struct {
 	held, credit, bytes, groups, locks, lane *prometheus.Desc
 
-	mu   sync.Mutex
-	subs []subscriber
+	mu sync.Mutex
+	// recs are the recorders of the subscribers, held weakly: one that is
+	// garbage collected (never run, say) drops out without being told to,
+	// and one whose Run returned is forgotten at the next scrape.
+	recs []weak.Pointer[recorder]
 }
 
 func newGauges(constLabels prometheus.Labels) *gauges {
@@ -255,9 +261,9 @@ func newGauges(constLabels prometheus.Labels) *gauges {
 	}
 }
 
-func (g *gauges) add(s subscriber) {
+func (g *gauges) add(r *recorder) {
 	g.mu.Lock()
-	g.subs = append(g.subs, s)
+	g.recs = append(g.recs, weak.Make(r))
 	g.mu.Unlock()
 }
 
@@ -274,15 +280,16 @@ func (g *gauges) Describe(ch chan<- *prometheus.Desc) {
 // that each series is collected once.
 func (g *gauges) Collect(ch chan<- prometheus.Metric) {
 	g.mu.Lock()
-	live := g.subs[:0]
-	for _, s := range g.subs {
-		if !s.ended() {
-			live = append(live, s)
+	var subs []subscriber
+	kept := g.recs[:0]
+	for _, w := range g.recs {
+		if r := w.Value(); r != nil && !r.sub.ended() {
+			subs = append(subs, r.sub)
+			kept = append(kept, w)
 		}
 	}
-	clear(g.subs[len(live):])
-	g.subs = live
-	subs := append([]subscriber(nil), live...)
+	clear(g.recs[len(kept):])
+	g.recs = kept
 	g.mu.Unlock()
 	type key struct{ system, queue string }
 	type sums struct {

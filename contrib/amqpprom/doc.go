@@ -36,9 +36,11 @@
 //	amqpsub_locks_renewed_total
 //	    counter: Service Bus message locks renewed.
 //	amqpsub_dropped_total
-//	    counter: deliveries freed unsettled before a handler saw them
-//	    (their link or lock was lost; the broker delivers them again).
-//	    Consumed = settlements + dropped, once nothing is held.
+//	    counter: deliveries given up unsettled: before a handler saw them
+//	    (their link or lock was lost), or still held when Run returned
+//	    (handlers a stop cut short); the broker delivers them again.
+//	    Consumed = settlements + dropped once the subscriber's Run has
+//	    returned.
 //
 // and gauges read from Subscriber.Stats at each scrape, summed over the
 // Subscribers of one queue and broker (replicas in one process); a

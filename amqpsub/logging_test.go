@@ -543,7 +543,15 @@ func TestLifecycleLogLines(t *testing.T) {
 			core, logs := observer.New(zapcore.DebugLevel)
 			src := fake.New(true, fake.Messages(40, "a", "b")...)
 			src.Overshoot(3)
-			sub, _ := amqpsub.New(amqpsub.Dial("amqp://app:s3cret@127.0.0.1:1", nil), "orders", accept,
+			// The handler holds its delivery until the stop, so that no
+			// credit is granted back before the source has sent its 4 and
+			// the 3 past them: the overshoot is seen, whatever the order
+			// the goroutines run in.
+			hold := amqpsub.HandlerFunc(func(ctx context.Context, _ *amqpsub.Delivery) error {
+				<-ctx.Done()
+				return ctx.Err()
+			})
+			sub, _ := amqpsub.New(amqpsub.Dial("amqp://app:s3cret@127.0.0.1:1", nil), "orders", hold,
 				amqpsub.Logger(zap.New(core)), amqpsub.Credit(4), amqpsub.WithSource(src))
 			errc := make(chan error, 1)
 			go func() { errc <- sub.Run(context.Background()) }()

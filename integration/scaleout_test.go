@@ -250,6 +250,7 @@ func TestArtemisHAReplicas(t *testing.T) {
 	run.log.mu.Lock()
 	reconnects := slices.Clone(run.log.reconnects)
 	run.log.mu.Unlock()
+	onBackup := 0 // replicas that handled a delivery from the backup
 	for _, id := range ids {
 		var at int64
 		for _, r := range reconnects {
@@ -273,13 +274,21 @@ func TestArtemisHAReplicas(t *testing.T) {
 			}
 		}
 		if first == 0 {
-			t.Errorf("replica %s handled nothing on the backup", id)
+			// Preloaded, the groups may all be bound to the replica that
+			// attached first (docs/scaling.md); the other then has nothing
+			// to do on either broker.
+			t.Logf("replica %s: reconnected to the backup %v after the kill, handled nothing there", id,
+				time.Duration(at-killed.UnixNano()).Round(time.Millisecond))
 			continue
 		}
+		onBackup++
 		t.Logf("replica %s: reconnected to the backup %v after the kill, first delivery handled there %v after the kill",
 			id, time.Duration(at-killed.UnixNano()).Round(time.Millisecond), time.Duration(first-killed.UnixNano()).Round(time.Millisecond))
 	}
 
+	if onBackup == 0 {
+		t.Errorf("no replica handled a delivery from the backup: the failover was not tested")
+	}
 	if len(f.lost) != 0 {
 		t.Errorf("lost %d: %v", len(f.lost), f.lost[:min(len(f.lost), 10)])
 	}

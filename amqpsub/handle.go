@@ -35,7 +35,7 @@ func (s *Subscriber) laneConfig(ctx context.Context, p *pipe) lanes.Config[pump.
 			if t.Stale() {
 				kind = pump.Drop
 			}
-			p.pump.Settle(t, pump.Outcome{Kind: kind})
+			p.settle(t, pump.Outcome{Kind: kind}, -1)
 		},
 	}
 	if s.cfg.byKey {
@@ -108,12 +108,19 @@ func (s *Subscriber) handle(ctx context.Context, d *Delivery) error {
 	}
 	err := s.call(ctx, d)
 	r := s.retrier()
-	for attempt := 1; isRetry(err) && r.allows(attempt); attempt++ {
+	for attempt := 1; isRetry(err) && r.allows(attempt) && !d.t.Stale(); attempt++ {
 		s.failed(d, err, attempt)
 		if !s.pause(ctx, d.p, r.wait(attempt)) {
 			// Stopping: the delivery goes back uncounted, since the stop
 			// and not the message ended its retries.
 			return Release()
+		}
+		if d.t.Stale() {
+			// Its link was lost while it waited: no result of it can be
+			// settled, and the broker delivers it again (to this lane,
+			// behind it, or elsewhere). Retrying would only run the
+			// handler beside that copy.
+			return err
 		}
 		s.results.localRetries.Add(1)
 		err = s.call(ctx, d)
@@ -131,7 +138,8 @@ func (s *Subscriber) handleBatch(ctx context.Context, lane int, batch []*Deliver
 		var failed []*Delivery
 		var firstErr error
 		for i, d := range batch {
-			if isRetry(results[i]) && r.allows(attempt) {
+			// A stale delivery is not retried (see handle).
+			if isRetry(results[i]) && r.allows(attempt) && !d.t.Stale() {
 				if firstErr == nil {
 					firstErr = results[i]
 				}
@@ -198,11 +206,20 @@ func (r retry) wait(attempt int) time.Duration {
 
 // pause waits d before a retry in the lane; false means the subscriber is
 // stopping and the retry goes to the broker instead.
+//
+// It returns true early when the link is lost meanwhile: the caller then
+// finds its delivery stale.
 func (s *Subscriber) pause(ctx context.Context, p *pipe, d time.Duration) bool {
+	var down <-chan struct{}
+	if p.fallback == nil { // a lost link leaves nothing stale under fallback
+		down = *p.linkDown.Load()
+	}
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-t.C:
+		return true
+	case <-down:
 		return true
 	case <-ctx.Done():
 	case <-p.pump.Stopping():
@@ -377,17 +394,17 @@ func (s *Subscriber) settle(d *Delivery, err error) {
 			s.results.retry.Add(1)
 			o = s.cfg.profile.retry
 		}
-		d.p.pump.Settle(d.t, o)
+		d.p.settle(d.t, o, d.lane)
 		return
 	}
 	kind, oe := decide(err)
 	switch kind {
 	case outcomeAccept:
 		s.results.accept.Add(1)
-		d.p.pump.Settle(d.t, pump.Outcome{Kind: pump.Accept})
+		d.p.settle(d.t, pump.Outcome{Kind: pump.Accept}, d.lane)
 	case outcomeRelease:
 		s.results.release.Add(1)
-		d.p.pump.Settle(d.t, pump.Outcome{Kind: pump.Release})
+		d.p.settle(d.t, pump.Outcome{Kind: pump.Release}, d.lane)
 	case outcomeReject:
 		if !oe.poisoned {
 			s.results.reject.Add(1)
@@ -396,7 +413,7 @@ func (s *Subscriber) settle(d *Delivery, err error) {
 			err := s.copyToDeadLetter(d, oe)
 			if err == nil {
 				s.deadLetterCopies.Add(1)
-				d.p.pump.Settle(d.t, pump.Outcome{Kind: pump.Accept})
+				d.p.settle(d.t, pump.Outcome{Kind: pump.Accept}, d.lane)
 				return
 			}
 			if err != errNoDeadLetterLink && !s.cut.Load() {
@@ -409,7 +426,7 @@ func (s *Subscriber) settle(d *Delivery, err error) {
 		if oe.cond != "" {
 			cond = oe.cond
 		}
-		d.p.pump.Settle(d.t, pump.Outcome{Kind: pump.Reject, Error: oe.rejectError(cond)})
+		d.p.settle(d.t, pump.Outcome{Kind: pump.Reject, Error: oe.rejectError(cond)}, d.lane)
 	default:
 		s.results.retry.Add(1)
 		if !errors.Is(err, ErrHandlerPanic) && s.debug() {
@@ -418,7 +435,7 @@ func (s *Subscriber) settle(d *Delivery, err error) {
 			s.log.Debug("handler failed; the delivery goes back to the broker as a failed attempt", s.fields(d, err)...)
 		}
 		s.events.send(s.event(d, EventHandlerFailed, err))
-		d.p.pump.Settle(d.t, s.cfg.profile.retry)
+		d.p.settle(d.t, s.cfg.profile.retry, d.lane)
 	}
 }
 

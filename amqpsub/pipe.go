@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
+	"github.com/cespare/xxhash/v2"
 	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/lanes"
@@ -34,10 +35,26 @@ type pipe struct {
 	// session is the session id this pipe asks for ("" for the next
 	// available one); used by session consumers only.
 	session string
+	// linkUp is closed, and replaced, each time a link attaches (see
+	// attachedLink): what waits for a link waits on it.
+	linkUp atomic.Pointer[chan struct{}]
+	// linkDown is closed when the link attached now is lost, and replaced
+	// when the next attaches (see attachedLink and lostLink): a LocalRetry
+	// waits on it, to end the retries of a delivery that became stale.
+	linkDown atomic.Pointer[chan struct{}]
+	// fallback settles, by lock token, the deliveries of a lost link (a
+	// Service Bus queue or subscription without sessions); nil elsewhere.
+	fallback *dispositions
+	// ordered: the pump sends settlements concurrently (Settlers), so
+	// settle orders those of a group.
+	ordered bool
 }
 
 func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
 	p := &pipe{s: s, index: index, session: session, gauge: lanes.NewGauge(s.cfg.workers)}
+	up, down := make(chan struct{}), make(chan struct{})
+	p.linkUp.Store(&up)
+	p.linkDown.Store(&down)
 	p.att = &attacher{s: s, p: p}
 	pc := pump.Config{
 		Credit:  credit,
@@ -72,9 +89,39 @@ func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
 		// milliseconds does not cap the rate (32 at 5 ms: 6,400/s).
 		pc.Settlers = max(1, min(credit, 64))
 		pc.SettleTimeout = s.cfg.settleTimeout
+		if !s.cfg.sessions() {
+			// A message's lock outlives its link (see sbReceiver): what a
+			// lost link held is kept, and settled by lock token.
+			pc.KeepAcrossLinks = true
+			p.fallback = newDispositions(p)
+		}
 	}
+	p.ordered = pc.Settlers > 0
 	p.pump = pump.New(pc)
 	return p
+}
+
+// settle hands t's settlement to the pump. Where settlements are sent
+// concurrently (Settlers: Service Bus), those of one group go out in the
+// order they were decided, each once the one before was answered, so that
+// a lost link cannot leave a group's earlier message to come back after a
+// later one was settled; keyless deliveries under WorkersByKey are ordered
+// by lane, the others not at all.
+// lane is the delivery's lane, -1 when it is not known (a release at a
+// stop).
+func (p *pipe) settle(t pump.Ticket, o pump.Outcome, lane int) {
+	if !p.ordered {
+		p.pump.Settle(t, o)
+		return
+	}
+	switch g := groupID(t.Message()); {
+	case g != "":
+		p.pump.SettleInOrder(t, o, xxhash.Sum64String(g))
+	case p.s.cfg.byKey && lane >= 0:
+		p.pump.SettleInOrder(t, o, uint64(lane))
+	default:
+		p.pump.Settle(t, o)
+	}
 }
 
 // lockLost is told by the lease book of a lost lock, and why (wrapping

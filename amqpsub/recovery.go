@@ -89,12 +89,32 @@ type attacher struct {
 	connected bool
 }
 
+// attachedLink records l (nil under a test source) as the pipe's current
+// link, wakes what waits for one (management), and arms linkDown for it.
+func (p *pipe) attachedLink(l *link) {
+	down := make(chan struct{})
+	p.linkDown.Store(&down)
+	p.current.Store(l)
+	up := make(chan struct{})
+	close(*p.linkUp.Swap(&up))
+}
+
+// lostLink closes linkDown: the link attached last, if any, is gone.
+func (p *pipe) lostLink() {
+	closed := make(chan struct{})
+	close(closed)
+	if old := p.linkDown.Swap(&closed); !isClosed(*old) {
+		close(*old)
+	}
+}
+
 // healthy is how long a link must have lived for its loss to count as
 // unrelated to the one before.
 const healthy = 10 * time.Second
 
 func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) {
 	s := a.s
+	a.p.lostLink()
 	a.p.sourceRenewer.Store(nil)
 	first := 0
 	moveOn := errors.Is(lost, pump.ErrSourceDone) // a session consumer's next session
@@ -129,7 +149,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 		src, l, err := s.attachOnce(ctx, a.p)
 		if err == nil {
 			a.current, a.attachedAt = l, time.Now()
-			a.p.current.Store(l)
+			a.p.attachedLink(l)
 			s.attached(a.p, l)
 			if l == nil {
 				if rn, ok := src.(lease.Renewer); ok {
@@ -250,6 +270,9 @@ func (s *Subscriber) attachOnce(ctx context.Context, p *pipe) (pump.Source, *lin
 	}
 	if l.session != nil {
 		return l.session, l, nil
+	}
+	if p.fallback != nil {
+		return sbReceiver{Receiver: l.rcv, fb: p.fallback}, l, nil
 	}
 	return l.rcv, l, nil
 }

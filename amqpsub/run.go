@@ -108,6 +108,14 @@ func (s *Subscriber) Run(ctx context.Context) error {
 			go func() { defer close(bookDone); p.book.Run(bctx) }()
 			defer func() { stopBook(); <-bookDone }()
 		}
+		if p.fallback != nil {
+			// Ended after the pumps: their settlers use it until they
+			// have returned.
+			fctx, stopFallback := context.WithCancel(context.WithoutCancel(ctx))
+			fallbackDone := make(chan struct{})
+			go func() { defer close(fallbackDone); p.fallback.run(fctx) }()
+			defer func() { stopFallback(); <-fallbackDone }()
+		}
 		go func() {
 			r.err = p.pump.Run(pctx, p.att.attach)
 			close(r.done)
@@ -168,15 +176,26 @@ func (s *Subscriber) Run(ctx context.Context) error {
 		s.graceful(runs)
 	}
 
-	// Nothing more is settled: the results of handlers still running are
-	// ignored from here on, and they are told to stop.
+	// Nothing more is decided: the results of handlers still running are
+	// ignored from here on, and they are told to stop. What was decided
+	// goes on being sent (FlushBy) for up to half the time left to close,
+	// but after Close: Close sends nothing more.
 	s.cut.Store(true)
+	closeBy := time.Now().Add(s.cfg.closeTimeout)
+	if grace := s.cfg.grace; !closing && fatal == nil {
+		// The stop's bound holds, whatever graceful waited.
+		closeBy = minTime(closeBy, stopAt.Add(grace+s.cfg.closeTimeout))
+	}
+	if !closing {
+		for _, r := range runs {
+			r.p.pump.FlushBy(closeBy.Add(-s.cfg.closeTimeout / 4))
+		}
+	}
 	cancelPump()
 	cancelHandlers(ErrStopping)
 	for _, r := range runs {
 		r.p.pump.Stop() // after Close: lanes drop what they hold
 	}
-	closeBy := time.Now().Add(s.cfg.closeTimeout)
 	var errs []error
 	if fatal != nil {
 		errs = append(errs, fatal)
@@ -253,14 +272,21 @@ type running struct {
 
 // graceful waits for the pumps to settle everything held, up to the grace
 // period. GracePeriod(0) waits only until each pump holds nothing but what
-// handlers have: what waited in the pump, Out, a lane's queue or an open
-// batch was released. Close cuts the wait short.
+// handlers and settlers have: what waited in the pump, Out, a lane's queue
+// or an open batch was released (or handed to a settler, which sends it
+// after: see Run); and that for a quarter of CloseTimeout at most, so that
+// a pump stuck on a settlement the broker does not take (a peer that
+// stopped reading) cannot hold the stop past its bound. Close cuts the
+// wait short.
 func (s *Subscriber) graceful(runs []*running) {
 	if s.cfg.grace == 0 {
+		by := time.Now().Add(s.cfg.closeTimeout / 4)
 		for _, r := range runs {
-			select {
-			case <-r.p.pump.Quiet():
-			case <-s.closeReq:
+			if !waitClosedOr(r.p.pump.Quiet(), by, s.closeReq) {
+				if !isClosed(s.closeReq) {
+					s.log.Warn("the receiver did not release what it held within a quarter of CloseTimeout; closing anyway",
+						zap.Int("slot", r.p.index))
+				}
 				return
 			}
 		}

@@ -463,7 +463,42 @@ func (m *management) request(ctx context.Context, operation string, body map[str
 	case code == lockLostStatus:
 		return nil, fmt.Errorf("amqpsub: %s: status %d: %s: %w", operation, code, desc, errLockLost)
 	}
-	return nil, fmt.Errorf("amqpsub: %s: status %d: %s", operation, code, desc)
+	return nil, &statusError{op: operation, code: code, desc: desc}
+}
+
+// statusError is a $management answer with a status that is neither
+// success nor lock-lost.
+type statusError struct {
+	op   string
+	code int
+	desc string
+}
+
+func (e *statusError) Error() string {
+	return fmt.Sprintf("amqpsub: %s: status %d: %s", e.op, e.code, e.desc)
+}
+
+// Is makes a 503 answer match errServerBusy.
+func (e *statusError) Is(target error) bool { return target == errServerBusy && e.code == 503 }
+
+// errServerBusy matches a $management answer of status 503: the service
+// is throttling (com.microsoft:server-busy).
+var errServerBusy = errors.New("amqpsub: Service Bus is busy (status 503)")
+
+// transientStatus reports whether a $management request that failed with
+// err may succeed if sent again: the service was busy (503), failed
+// inside (500), or timed out (408), as azservicebus retries them
+// (internal/errors.go).
+func transientStatus(err error) bool {
+	var se *statusError
+	if !errors.As(err, &se) {
+		return false
+	}
+	switch se.code {
+	case 408, 500, 503:
+		return true
+	}
+	return false
 }
 
 // abandonLink closes rcv, the receive link the node serves, once its

@@ -55,6 +55,11 @@ type Stats struct {
 	// Dropped counts deliveries of a lost link dropped before a handler saw
 	// them; the broker redelivers those deliveries.
 	Dropped uint64
+	// Unsent counts settlements decided (a handler's result, or a release
+	// at a stop) but never sent, because the stop's bound came first: a
+	// broker slow to answer, or Close. The broker redelivers those
+	// deliveries.
+	Unsent uint64
 	// Overshoot counts deliveries the broker sent past the credit.
 	Overshoot int64
 	// Links counts links attached; LinksLost those lost; Reconnects the
@@ -167,6 +172,7 @@ func (s *Subscriber) Stats() Stats {
 		p.Rejected += q.Rejected
 		p.SettleErrors += q.SettleErrors
 		p.Stale += q.Stale
+		p.Unsent += q.Unsent
 		p.Dropped += q.Dropped
 		p.Overshoot += q.Overshoot
 		p.Links += q.Links
@@ -215,6 +221,7 @@ func (s *Subscriber) Stats() Stats {
 		},
 		SettleErrors:           p.SettleErrors,
 		Stale:                  p.Stale,
+		Unsent:                 p.Unsent,
 		Dropped:                p.Dropped,
 		Overshoot:              p.Overshoot,
 		Links:                  p.Links,
@@ -242,7 +249,7 @@ func (st Stats) String() string {
 		n    uint64
 	}{
 		{"bytes_held", count(st.BytesHeld)}, {"groups_held", count(int64(st.GroupsHeld))}, {"panics", st.Results.Panics}, {"local_retries", st.Results.LocalRetries}, {"poisoned", st.Results.Poisoned}, {"oversize", st.Results.Oversize},
-		{"settle_errors", st.SettleErrors}, {"stale", st.Stale}, {"dropped", st.Dropped},
+		{"settle_errors", st.SettleErrors}, {"stale", st.Stale}, {"unsent", st.Unsent}, {"dropped", st.Dropped},
 		{"overshoot", count(st.Overshoot)}, {"links_lost", st.LinksLost}, {"reconnects", st.Reconnects},
 		{"locks_renewed", st.Locks.Renewed}, {"lock_renew_requests", st.Locks.RenewRequests},
 		{"lock_renew_failures", st.Locks.RenewFailures}, {"locks_lost", st.Locks.Lost}, {"locks_dropped", st.Locks.Dropped},
@@ -286,6 +293,7 @@ func (st Stats) MarshalLogObject(enc zapcore.ObjectEncoder) error {
 	enc.AddUint64("oversize", st.Results.Oversize)
 	enc.AddUint64("settle_errors", st.SettleErrors)
 	enc.AddUint64("stale", st.Stale)
+	enc.AddUint64("unsent", st.Unsent)
 	enc.AddUint64("dropped", st.Dropped)
 	enc.AddInt64("overshoot", st.Overshoot)
 	enc.AddUint64("links", st.Links)

@@ -41,7 +41,8 @@ func (p *Pump) attach(ctx context.Context, attach AttachFunc, lost error) (Sourc
 			p.applyQueued(ctx)
 		case <-stop:
 			// Without a link there is nothing to release: what Out holds
-			// is stale, and is dropped by waitIdle.
+			// is stale, and is dropped by waitIdle (under KeepAcrossLinks,
+			// released through its source by waitIdle).
 			stop = nil
 			cancel()
 			p.markReleased()
@@ -53,13 +54,21 @@ func (p *Pump) attach(ctx context.Context, attach AttachFunc, lost error) (Sourc
 	}
 }
 
-// waitIdle applies settlements until nothing is held.
+// waitIdle applies settlements until nothing is held. What waits in the
+// pump and Out is dropped, or, under KeepAcrossLinks, released through
+// the source it came from.
 func (p *Pump) waitIdle(ctx context.Context) error {
-	p.dropBacklog()
+	kind := Drop
+	if p.cfg.KeepAcrossLinks {
+		kind = Release
+		p.releaseBuffered(ctx)
+	} else {
+		p.dropBacklog()
+	}
 	for p.acct.Held() > 0 {
 		select {
 		case t := <-p.out:
-			p.Settle(t, Outcome{Kind: Drop})
+			p.Settle(t, Outcome{Kind: kind})
 			p.applyQueued(ctx)
 		case <-p.settle.wake:
 			p.applyQueued(ctx)

@@ -130,11 +130,14 @@ func (t Ticket) State() State {
 // Entry returns the book entry the ticket names.
 func (t Ticket) Entry() *Delivery { return t.d }
 
-// Stale reports whether the link the delivery came on was lost. A stale
-// delivery cannot be settled; the broker redelivers it.
+// Stale reports whether the link the delivery came on was lost, so that
+// it cannot be settled any more: the broker redelivers it. Under
+// KeepAcrossLinks no delivery is ever stale.
 // It reads nothing the pump rewrites for the entry's next delivery, so it
 // may be called at any time from any goroutine.
-func (t Ticket) Stale() bool { return t.link != t.d.p.link.Load() }
+func (t Ticket) Stale() bool {
+	return t.link != t.d.p.link.Load() && !t.d.p.cfg.KeepAcrossLinks
+}
 
 // OnSettled asks the pump to call f once it has applied the delivery's
 // settlement: with the outcome's kind, and nil when the broker took it,

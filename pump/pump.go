@@ -53,9 +53,23 @@ type Config struct {
 	// Bus has it): go-amqp then waits a round trip per settlement, which on
 	// the pump's goroutine would cap the rate at one per round trip. A
 	// delivery stays held until its answer came or SettleTimeout passed.
-	// 0 settles on the pump's goroutine, for brokers that do not answer
-	// (Artemis, RabbitMQ).
+	// Each settler sends its settlements one after another, in the order
+	// it was given them: those of one key (SettleInOrder) all go to the
+	// same one, the others in turn to each. 0 settles on the pump's
+	// goroutine, in order, for brokers that do not answer (Artemis,
+	// RabbitMQ).
 	Settlers int
+	// KeepAcrossLinks says that the broker's hold on a delivery outlives
+	// the link it came on, and that its Source can still settle it once
+	// that link is gone: Service Bus keeps a message's lock until it
+	// expires, and takes its settlement by lock token on the entity's
+	// $management node (the source falls back to that). A lost link then
+	// leaves its deliveries held: those buffered still go to handlers,
+	// their leases stay in the book, and every settlement is sent through
+	// the source the delivery came from. Requires Settlers > 0. false (the
+	// default) drops what a lost link held, and skips the settlements of
+	// its deliveries (Stats.Stale): the broker redelivers them.
+	KeepAcrossLinks bool
 	// SettleTimeout bounds each settlement sent by a settler; 0 means 30 s.
 	SettleTimeout time.Duration
 	// Leases, when set, hears of every delivery entering and leaving the
@@ -112,12 +126,18 @@ type Pump struct {
 
 	link atomic.Uint64 // generation of the current link; 0 before the first
 
+	// flushBy is when, once Run's ctx has ended, the settlers stop sending
+	// what was decided (Unix ns; 0: at once). See FlushBy.
+	flushBy atomic.Int64
+
 	// Owned by the Run goroutine.
 	acct     *credit.Account
 	free     []*Delivery
-	backlog  []Ticket     // received, waiting for room in out
-	jobs     []settlement // waiting for a settler (Settlers > 0)
-	inFlight int          // settlements with a settler
+	backlog  []Ticket             // received, waiting for room in out
+	shards   []*burst[settlement] // one queue per settler (Settlers > 0)
+	next     int                  // the settler the next unordered settlement goes to
+	inFlight int                  // settlements with a settler
+	ended    bool                 // Run is returning: nothing more is sent
 
 	bookMu sync.RWMutex
 	book   []*Delivery // every entry ever made; written by the Run goroutine only
@@ -146,6 +166,12 @@ func New(cfg Config) *Pump {
 	p.stats.windowed.Store(cfg.Mode == credit.Windowed)
 	if cfg.MaxHeldBytes > 0 {
 		p.acct.SetByteBudget(cfg.MaxHeldBytes)
+	}
+	if cfg.KeepAcrossLinks && cfg.Settlers <= 0 {
+		panic("pump: KeepAcrossLinks needs Settlers")
+	}
+	for range max(0, cfg.Settlers) {
+		p.shards = append(p.shards, newBurst[settlement](64))
 	}
 	p.book = make([]*Delivery, cfg.Credit)
 	p.free = make([]*Delivery, cfg.Credit)
@@ -184,9 +210,9 @@ func (p *Pump) Quiet() <-chan struct{} { return p.quiet }
 
 func (p *Pump) markQuiet() { p.quietOnce.Do(func() { close(p.quiet) }) }
 
-// checkQuiet closes Quiet when no delivery is buffered, queued for
-// settlement or waiting for a settler. Called on the Run goroutine while
-// stopping; it scans the book until Quiet is closed.
+// checkQuiet closes Quiet when no delivery is buffered or queued for
+// settlement: only handlers and settlers have any. Called on the Run
+// goroutine while stopping; it scans the book until Quiet is closed.
 func (p *Pump) checkQuiet() {
 	if isClosed(p.quiet) || len(p.backlog) > 0 || p.settle.pending() {
 		return
@@ -200,11 +226,12 @@ func (p *Pump) checkQuiet() {
 			settling++
 		}
 	}
-	// What is settling is with a settler (being sent), waiting for one
-	// (jobs: decided and queued; a peer that does not answer would make
-	// waiting for those take SettleTimeout per round of settlers), or about
-	// to reach the queue (Settle has moved it, not yet pushed it).
-	if settling > p.inFlight+len(p.jobs) {
+	// What is settling is with a settler (queued on one or being sent: a
+	// peer that does not answer would make waiting for those take
+	// SettleTimeout per settlement of a key; they are sent at the end of
+	// Run, see FlushBy), or about to reach the queue (Settle has moved it,
+	// not yet pushed it).
+	if settling > p.inFlight {
 		return
 	}
 	p.markQuiet()
@@ -229,6 +256,14 @@ func (p *Pump) Stop() { p.stopOnce.Do(func() { close(p.stop) }) }
 
 func (p *Pump) markReleased() { p.releasedOnce.Do(func() { close(p.released) }) }
 
+// FlushBy sets how long, once Run's ctx has ended, the settlers go on
+// sending the settlements they were given (Settlers > 0): until t. Run
+// waits for them until then, and reports each one not sent by then as not
+// sent (Stats.Unsent, ErrNotSent). Without it, or with t past, what the
+// settlers still hold when ctx ends is not sent. Call it before cancelling
+// ctx; it may be called from any goroutine.
+func (p *Pump) FlushBy(t time.Time) { p.flushBy.Store(t.UnixNano()) }
+
 // ErrStopped is returned by Run after Stop once every held delivery was
 // settled.
 var ErrStopped = errors.New("pump: stopped")
@@ -252,15 +287,27 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 	defer p.markQuiet()
 	defer p.markReleased()
 	defer close(p.out)
-	var toSettlers chan settlement
-	if p.cfg.Settlers > 0 {
-		toSettlers = make(chan settlement)
+	if len(p.shards) > 0 {
+		// The settlers outlive ctx until FlushBy's time, so that what was
+		// decided before a stop is sent.
+		sctx, cancelSettlers := context.WithCancel(context.WithoutCancel(ctx))
+		quit := make(chan struct{})
 		var settlers sync.WaitGroup
-		for range p.cfg.Settlers {
-			settlers.Go(func() { p.settler(ctx, toSettlers) })
+		for _, q := range p.shards {
+			settlers.Go(func() { p.settler(sctx, q, quit) })
 		}
-		defer settlers.Wait()
-		defer close(toSettlers)
+		defer func() {
+			p.ended = true
+			close(quit)
+			if ctx.Err() != nil {
+				p.waitSettlers(&settlers, time.Unix(0, p.flushBy.Load()))
+			}
+			cancelSettlers()
+			settlers.Wait()
+			// The settlers' reports, and what was decided meanwhile
+			// (counted unsent): on this goroutine, like every other.
+			p.applyQueued(context.Background())
+		}()
 	}
 	var lost error
 	for {
@@ -268,7 +315,7 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 		if err != nil {
 			return err
 		}
-		err = p.serve(ctx, src, toSettlers)
+		err = p.serve(ctx, src)
 		if errors.Is(err, ErrStopped) {
 			return ErrStopped
 		}
@@ -283,21 +330,34 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 			p.event(Event{Kind: LinkLost, Err: err})
 		}
 		lost = err
-		// Deliveries of the lost link are stale from here on.
 		p.link.Add(1)
-		p.dropBacklog()
-		p.dropStale()
-		for _, s := range p.jobs {
-			p.apply(ctx, s) // stale now: skipped and freed
+		if !p.cfg.KeepAcrossLinks {
+			// Deliveries of the lost link are stale from here on.
+			p.dropBacklog()
+			p.dropStale()
 		}
-		clear(p.jobs)
-		p.jobs = p.jobs[:0]
+	}
+}
+
+// waitSettlers waits for the settlers to return, until by at the latest.
+func (p *Pump) waitSettlers(settlers *sync.WaitGroup, by time.Time) {
+	d := time.Until(by)
+	if d <= 0 {
+		return
+	}
+	done := make(chan struct{})
+	go func() { settlers.Wait(); close(done) }()
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
 	}
 }
 
 // serve runs one link until it fails (its error), Stop took effect
 // (ErrStopped) or ctx ended.
-func (p *Pump) serve(ctx context.Context, src Source, toSettlers chan<- settlement) error {
+func (p *Pump) serve(ctx context.Context, src Source) error {
 	gen := p.link.Load()
 	rctx, cancelReceive := context.WithCancel(ctx)
 	in := newBurst[*amqp.Message](min(p.cfg.Credit, 1024))
@@ -339,19 +399,7 @@ func (p *Pump) serve(ctx context.Context, src Source, toSettlers chan<- settleme
 		if len(p.backlog) > 0 {
 			head, out = p.backlog[0], p.out
 		}
-		var job settlement
-		var jobs chan<- settlement
-		if len(p.jobs) > 0 {
-			job, jobs = p.jobs[0], toSettlers
-		}
 		select {
-		case jobs <- job:
-			p.inFlight++
-			p.jobs[0] = settlement{}
-			p.jobs = p.jobs[1:]
-			if len(p.jobs) == 0 {
-				p.jobs = p.jobs[:0:0]
-			}
 		case <-in.wake:
 			msgs, err := in.take()
 			for _, m := range msgs {

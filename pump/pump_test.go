@@ -3,8 +3,10 @@ package pump_test
 import (
 	"context"
 	"errors"
+	"sync"
 	"testing"
 	"testing/synctest"
+	"time"
 
 	"github.com/Azure/go-amqp"
 	"go.uber.org/goleak"
@@ -285,6 +287,106 @@ func TestByteBudgetBoundsWhatIsHeld(t *testing.T) {
 		synctest.Wait()
 		if st := p.Stats(); st.Accepted != 40 || st.MaxHeld > 4 || st.BytesHeld != 0 {
 			t.Fatalf("stats %+v", st)
+		}
+	})
+}
+
+// KeepAcrossLinks: a lost link leaves its deliveries held. Those buffered
+// still go out (Begin takes them), the one in a handler is settled when
+// its handler is done, and every settlement goes to the source the
+// delivery came from; the next link gets only the credit they leave.
+func TestKeepAcrossLinksSettlesWhatALostLinkHeld(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		first := fake.New(true, fake.Messages(3)...)
+		first.KeepLocks = true
+		second := fake.New(true, fake.Messages(3)...)
+		p := pump.New(pump.Config{Credit: 4, Settlers: 2, KeepAcrossLinks: true})
+		_, errc := start(t, p, attachTo(first, second))
+		old := <-p.Out()
+		old.Begin() // in a handler when the link is lost
+		synctest.Wait()
+		first.Fail(fake.ErrLinkLost)
+		synctest.Wait()
+		if old.Stale() {
+			t.Fatal("a delivery of the lost link is stale under KeepAcrossLinks")
+		}
+		// The new link was given the one credit the kept three left, and
+		// has sent one delivery with it.
+		if st := p.Stats(); st.Held != 4 || st.Dropped != 0 || second.Credit() != 0 || second.Queued() != 2 {
+			t.Fatalf("after the loss: held %d, dropped %d, the new link's credit %d, queued %d; want 4, 0, 0, 2",
+				st.Held, st.Dropped, second.Credit(), second.Queued())
+		}
+		p.Settle(old, pump.Outcome{Kind: pump.Accept})
+		n := 0
+		for d := range p.Out() {
+			if !d.Begin() {
+				t.Fatalf("Begin refused a delivery under KeepAcrossLinks")
+			}
+			p.Settle(d, pump.Outcome{Kind: pump.Accept})
+			if n++; n == 5 {
+				p.Stop()
+			}
+		}
+		if err := <-errc; !errors.Is(err, pump.ErrStopped) {
+			t.Fatalf("Run = %v", err)
+		}
+		st := p.Stats()
+		if st.Held != 0 || st.Accepted != 6 || st.Stale != 0 || st.Dropped != 0 {
+			t.Fatalf("stats %+v", st)
+		}
+		if first.Count(fake.Accepted) != 3 || second.Count(fake.Accepted) != 3 {
+			t.Fatalf("accepted by the first link's broker %d, the second's %d; want 3 and 3",
+				first.Count(fake.Accepted), second.Count(fake.Accepted))
+		}
+	})
+}
+
+// SettleInOrder: the settlements of one key reach the broker in the order
+// they were given, each after the one before was answered, while other
+// keys' go out beside them.
+func TestSettleInOrderKeepsAKeysOrder(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const n = 32
+		src := fake.New(true, fake.Messages(n)...)
+		var mu sync.Mutex
+		outstanding, most := 0, 0
+		src.SettleErr = func(ctx context.Context, m *amqp.Message) error {
+			mu.Lock()
+			outstanding++
+			most = max(most, outstanding)
+			mu.Unlock()
+			defer func() { mu.Lock(); outstanding--; mu.Unlock() }()
+			// The earlier a message, the longer its answer takes.
+			timer := time.NewTimer(time.Duration(n-m.Value.(int)) * time.Millisecond)
+			defer timer.Stop()
+			select {
+			case <-timer.C:
+				return nil
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		p := pump.New(pump.Config{Credit: n, Settlers: 8})
+		cancel, errc := start(t, p, attachTo(src))
+		for range n {
+			d := <-p.Out()
+			p.SettleInOrder(d, pump.Outcome{Kind: pump.Accept}, uint64(d.Message().Value.(int)%2))
+		}
+		for src.Count(fake.Accepted) < n {
+			time.Sleep(time.Millisecond)
+		}
+		cancel()
+		<-errc
+		last := [2]int{-1, -1}
+		for _, s := range src.Settlements() {
+			i := s.Msg.Value.(int)
+			if i < last[i%2] {
+				t.Fatalf("key %d: message %d settled after message %d", i%2, i, last[i%2])
+			}
+			last[i%2] = i
+		}
+		if most != 2 {
+			t.Fatalf("at most %d settlements outstanding at once; want 2 (one per key)", most)
 		}
 	})
 }

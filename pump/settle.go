@@ -54,6 +54,10 @@ type Outcome struct {
 
 type settlement struct {
 	d *Delivery
+	// key orders the settlement behind the earlier ones of the same key
+	// (ordered): they go out one after another on one settler.
+	key     uint64
+	ordered bool
 	// gen is the entry's generation when LoseLock queued a lostLock: the
 	// entry may be reclaimed and reused before the pump applies it.
 	gen  uint32
@@ -73,6 +77,22 @@ type settlement struct {
 // returned are not applied; the broker redelivers those deliveries once the
 // link is closed.
 func (p *Pump) Settle(t Ticket, o Outcome) bool {
+	return p.settleAs(t, settlement{d: t.d, o: o})
+}
+
+// SettleInOrder is Settle for a settlement that must reach the broker
+// after every earlier one of the same key, which the caller gives in the
+// order it decided them: with Settlers, the settlements of one key go out
+// one after another, each once the broker answered the one before, while
+// those of other keys go out beside them. A key is a group's (its
+// group-id's hash, say), so that a group's later settlement never reaches
+// the broker before an earlier one. Without Settlers every settlement is
+// sent in order on the pump's goroutine, and SettleInOrder is Settle.
+func (p *Pump) SettleInOrder(t Ticket, o Outcome, key uint64) bool {
+	return p.settleAs(t, settlement{d: t.d, o: o, key: key, ordered: true})
+}
+
+func (p *Pump) settleAs(t Ticket, st settlement) bool {
 	for {
 		w := t.d.word.Load()
 		gen, s := unpack(w)
@@ -83,7 +103,7 @@ func (p *Pump) Settle(t Ticket, o Outcome) bool {
 		switch s {
 		case Buffered, Handling:
 			if t.d.word.CompareAndSwap(w, next) {
-				p.settle.push(settlement{d: t.d, o: o})
+				p.settle.push(st)
 				return true
 			}
 		case Dropped:
@@ -131,13 +151,17 @@ func (p *Pump) apply(ctx context.Context, s settlement) {
 		return
 	case s.done:
 		p.inFlight--
-		p.settled(d, s.o.Kind, s.err)
+		if errors.Is(s.err, errUnsent) {
+			p.unsent(d, s.o.Kind)
+		} else {
+			p.settled(d, s.o.Kind, s.err)
+		}
 	case s.o.Kind == Drop:
 		p.stats.settled[Drop].Add(1)
 		if p.cfg.Meter != nil {
 			p.cfg.Meter.Dropped(1)
 		}
-	case d.link != p.link.Load():
+	case d.link != p.link.Load() && !p.cfg.KeepAcrossLinks:
 		p.log.Debug("settlement of a delivery from a lost link skipped; the broker redelivers it",
 			zap.Stringer("outcome", s.o.Kind))
 		p.stats.stale.Add(1)
@@ -147,10 +171,13 @@ func (p *Pump) apply(ctx context.Context, s settlement) {
 			zap.Stringer("outcome", s.o.Kind))
 		p.stats.lockLostSkipped.Add(1)
 		p.notSent(d, s.o.Kind)
-	case p.cfg.Settlers > 0:
+	case p.ended:
+		// Run is returning and its settlers are gone: decided, never sent.
+		p.unsent(d, s.o.Kind)
+	case len(p.shards) > 0:
 		// A settler sends it and reports back (done); the entry stays held
 		// until then.
-		p.jobs = append(p.jobs, s)
+		p.dispatch(s)
 		return
 	default:
 		p.settled(d, s.o.Kind, settleOn(ctx, d.src, d.msg.Load(), s.o))
@@ -160,9 +187,36 @@ func (p *Pump) apply(ctx context.Context, s settlement) {
 	p.freed(1, size)
 }
 
+// dispatch hands s to a settler: the one its key names, behind the
+// settlements of the same key, or, unordered, the next one in turn.
+func (p *Pump) dispatch(s settlement) {
+	i := p.next
+	if s.ordered {
+		i = int(s.key % uint64(len(p.shards)))
+	} else {
+		p.next = (p.next + 1) % len(p.shards)
+	}
+	p.inFlight++
+	p.shards[i].push(s)
+}
+
+// errUnsent is a settler's report of a settlement it did not send: Run
+// was ending, and its time to send what was decided ran out (FlushBy).
+var errUnsent = errors.New("pump: settlement not sent: Run ended first")
+
+// unsent counts a settlement decided but never sent, because Run ended
+// first; the broker delivers the message again.
+func (p *Pump) unsent(d *Delivery, kind Kind) {
+	p.stats.unsent.Add(1)
+	p.log.Debug("settlement not sent: the stop's time ran out; the broker redelivers the delivery",
+		zap.Stringer("outcome", kind))
+	p.notSent(d, kind)
+}
+
 // ErrNotSent is what Meter.Settled and a Ticket's OnSettled function hear
 // of a settlement that was not sent: the delivery's link was lost, or its
-// lock (Service Bus), while a handler had it. The broker delivers it again.
+// lock (Service Bus), while a handler had it, or Run ended before it could
+// be sent (Stats.Unsent). The broker delivers it again.
 var ErrNotSent = errors.New("pump: settlement not sent: the delivery's link or lock was lost; the broker delivers it again")
 
 // notSent reports a settlement that was skipped.
@@ -217,19 +271,46 @@ func (p *Pump) settleTimeout() time.Duration {
 	return 30 * time.Second
 }
 
-// settler sends the settlements of jobs until it is closed, each within
-// the settle timeout, and reports each back to the pump.
-func (p *Pump) settler(ctx context.Context, jobs <-chan settlement) {
-	for s := range jobs {
-		sctx, cancel := context.WithTimeout(ctx, p.settleTimeout())
-		err := settleOn(sctx, s.d.src, s.d.msg.Load(), s.o)
-		cancel()
-		if err != nil && ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) {
-			err = fmt.Errorf("pump: settlement not answered within %v: %w", p.settleTimeout(), context.DeadlineExceeded)
+// settler sends, in order, the settlements queued on q, each within the
+// settle timeout, and reports each back to the pump. Once quit is closed
+// it sends what is still queued and returns; a settlement it takes once
+// ctx has ended is reported unsent, not sent.
+func (p *Pump) settler(ctx context.Context, q *burst[settlement], quit <-chan struct{}) {
+	for {
+		select {
+		case <-q.wake:
+		case <-quit:
+			// Nothing more is queued after quit (Run's goroutine, the only
+			// one that queues, has stopped): send the rest.
+			p.sendAll(ctx, q)
+			return
+		}
+		p.sendAll(ctx, q)
+	}
+}
+
+// sendAll sends everything queued on q, in order.
+func (p *Pump) sendAll(ctx context.Context, q *burst[settlement]) {
+	items, _ := q.take()
+	for _, s := range items {
+		var err error
+		if ctx.Err() != nil {
+			err = errUnsent
+		} else {
+			sctx, cancel := context.WithTimeout(ctx, p.settleTimeout())
+			err = settleOn(sctx, s.d.src, s.d.msg.Load(), s.o)
+			cancel()
+			switch {
+			case err != nil && ctx.Err() != nil:
+				err = errUnsent // cut off by the end of Run, not answered
+			case err != nil && errors.Is(err, context.DeadlineExceeded):
+				err = fmt.Errorf("pump: settlement not answered within %v: %w", p.settleTimeout(), context.DeadlineExceeded)
+			}
 		}
 		s.done, s.err = true, err
 		p.settle.push(s)
 	}
+	q.recycle(items)
 }
 
 func settleOn(ctx context.Context, src Source, msg *amqp.Message, o Outcome) error {

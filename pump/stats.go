@@ -12,6 +12,7 @@ type counters struct {
 	settled         [Drop + 1]atomic.Uint64
 	settleErrors    atomic.Uint64
 	stale           atomic.Uint64
+	unsent          atomic.Uint64
 	doubleSettle    atomic.Uint64
 	lockLostDropped atomic.Uint64
 	lockLostSkipped atomic.Uint64
@@ -40,6 +41,9 @@ type Stats struct {
 	SettleErrors uint64
 	// Stale counts settlements skipped because their link was lost.
 	Stale uint64
+	// Unsent counts settlements decided but never sent because Run ended
+	// first: its ctx ended and FlushBy's time ran out.
+	Unsent uint64
 	// DoubleSettles counts Settle calls refused because the delivery was
 	// already settled.
 	DoubleSettles uint64
@@ -76,6 +80,7 @@ func (p *Pump) Stats() Stats {
 		Dropped:         p.stats.settled[Drop].Load(),
 		SettleErrors:    p.stats.settleErrors.Load(),
 		Stale:           p.stats.stale.Load(),
+		Unsent:          p.stats.unsent.Load(),
 		DoubleSettles:   p.stats.doubleSettle.Load(),
 		LockLostDropped: p.stats.lockLostDropped.Load(),
 		LockLostSkipped: p.stats.lockLostSkipped.Load(),

@@ -1,0 +1,326 @@
+package amqpsub
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/Azure/go-amqp"
+	"go.uber.org/zap"
+
+	"github.com/amqpsub/amqpsub/internal/backoff"
+	"github.com/amqpsub/amqpsub/lease"
+	"github.com/amqpsub/amqpsub/pump"
+)
+
+// Service Bus keeps a message's lock until it expires, whether or not the
+// link it came on is still attached, and settles a message by its lock
+// token on the entity's $management node (com.microsoft:update-disposition).
+// The official clients settle on the receive link and fall back to that
+// request when the link is gone: azservicebus (messageSettler.go,
+// shouldSettleOnMgmtLink; internal/mgmt.go, SettleOnMgmtLink), the
+// JavaScript SDK (azure-sdk-for-js PR #8340) and the Python SDK for
+// messages without sessions (azure-sdk-for-python #31187). A Service Bus
+// engineer confirms that the lock renewals of such messages keep
+// succeeding after a reconnect (azure-sdk-for-net #37676). So a link the
+// service detaches (an idle link after 10 minutes, or
+// amqp:link:detach-forced) costs no finished work: the pump keeps what the
+// link held (pump.Config.KeepAcrossLinks), and sbReceiver settles it this
+// way. Session messages are not settled so: their locks are the session's,
+// which ends with the session link.
+
+// sbReceiver is the receive link of a Service Bus queue or subscription
+// without sessions, as the pump sees it: a settlement goes out on the link
+// while it is up and, once the link is gone, as update-disposition through
+// the pipe's dispositions.
+type sbReceiver struct {
+	*amqp.Receiver
+	fb *dispositions
+}
+
+func (r sbReceiver) AcceptMessage(ctx context.Context, msg *amqp.Message) error {
+	return r.orFallback(ctx, msg, pump.Outcome{Kind: pump.Accept}, r.Receiver.AcceptMessage(ctx, msg))
+}
+
+func (r sbReceiver) ReleaseMessage(ctx context.Context, msg *amqp.Message) error {
+	return r.orFallback(ctx, msg, pump.Outcome{Kind: pump.Release}, r.Receiver.ReleaseMessage(ctx, msg))
+}
+
+func (r sbReceiver) RejectMessage(ctx context.Context, msg *amqp.Message, e *amqp.Error) error {
+	return r.orFallback(ctx, msg, pump.Outcome{Kind: pump.Reject, Error: e}, r.Receiver.RejectMessage(ctx, msg, e))
+}
+
+func (r sbReceiver) ModifyMessage(ctx context.Context, msg *amqp.Message, o *amqp.ModifyMessageOptions) error {
+	out := pump.Outcome{Kind: pump.Modify}
+	if o != nil {
+		out.DeliveryFailed, out.UndeliverableHere = o.DeliveryFailed, o.UndeliverableHere
+	}
+	return r.orFallback(ctx, msg, out, r.Receiver.ModifyMessage(ctx, msg, o))
+}
+
+// orFallback returns err, the link's answer to a settlement, or, when the
+// link is gone, the answer of the same settlement sent by lock token.
+func (r sbReceiver) orFallback(ctx context.Context, msg *amqp.Message, o pump.Outcome, err error) error {
+	if err == nil || !linkGone(err) || ctx.Err() != nil {
+		return err
+	}
+	return r.fb.settle(ctx, msg, o)
+}
+
+// linkGone reports whether err says that a settlement could not go out on
+// its link because the link (its session, or its connection) is gone.
+// azservicebus falls back on *amqp.LinkError; a lost connection ends the
+// link with a *amqp.ConnError here.
+func linkGone(err error) bool {
+	var le *amqp.LinkError
+	var se *amqp.SessionError
+	var ce *amqp.ConnError
+	return errors.As(err, &le) || errors.As(err, &se) || errors.As(err, &ce)
+}
+
+// Dispositions by lock token: what Run starts for a pipe of a Service Bus
+// queue or subscription without sessions.
+const (
+	// dispositionBatch is the most lock tokens in one update-disposition.
+	dispositionBatch = 256
+	// dispositionTimeout bounds one request.
+	dispositionTimeout = 10 * time.Second
+	// dispositionRetries is how often a request that failed transiently
+	// is sent again (azservicebus's RetryOptions default: 3).
+	dispositionRetries = 3
+	// serverBusyWait is the least wait after com.microsoft:server-busy
+	// (the .NET client's ServerBusyBaseSleepTime is 10 s).
+	serverBusyWait = 10 * time.Second
+)
+
+// dispositions sends the settlements of messages whose link is gone as
+// com.microsoft:update-disposition on the $management node of the pipe's
+// current link: all that are queued when it looks go in as few requests as
+// their outcomes allow (one per outcome and reason, at most
+// dispositionBatch tokens each). Its goroutine is Run's (run); settle is
+// called by the pump's settlers.
+type dispositions struct {
+	p    *pipe
+	log  *zap.Logger
+	wake chan struct{}
+
+	mu      sync.Mutex
+	queue   []*disposition
+	stopped bool
+}
+
+// disposition is one settlement waiting to be sent.
+type disposition struct {
+	token amqp.UUID
+	o     pump.Outcome
+	done  chan error // buffered: the sender never waits for the caller
+}
+
+func newDispositions(p *pipe) *dispositions {
+	return &dispositions{p: p, log: p.s.log, wake: make(chan struct{}, 1)}
+}
+
+// errNoLock is returned for a message without a lock token.
+var errNoLock = errors.New("amqpsub: the message has no lock token (a 16-byte delivery tag) to settle it by")
+
+// errNotRunning is returned once the dispositions' goroutine has ended.
+var errNotRunning = errors.New("amqpsub: the subscriber is no longer running")
+
+// settle sends o for msg by its lock token and returns the service's
+// answer: nil, an *amqp.Error of condition com.microsoft:message-lock-lost
+// (pump.ErrCondLockLost) when the service says the lock is gone, or
+// another error. It returns when ctx ends, with ctx's error; the
+// settlement is then in doubt.
+func (f *dispositions) settle(ctx context.Context, msg *amqp.Message, o pump.Outcome) error {
+	token, ok := lease.LockToken(msg.DeliveryTag)
+	if !ok {
+		return errNoLock
+	}
+	d := &disposition{token: token, o: o, done: make(chan error, 1)}
+	f.mu.Lock()
+	if f.stopped {
+		f.mu.Unlock()
+		return errNotRunning
+	}
+	f.queue = append(f.queue, d)
+	f.mu.Unlock()
+	select {
+	case f.wake <- struct{}{}:
+	default:
+	}
+	select {
+	case err := <-d.done:
+		return err
+	case <-ctx.Done():
+		return fmt.Errorf("amqpsub: update-disposition not answered: %w", ctx.Err())
+	}
+}
+
+// run sends what settle queues until ctx ends; what is queued then fails
+// with errNotRunning.
+func (f *dispositions) run(ctx context.Context) {
+	defer func() {
+		f.mu.Lock()
+		f.stopped = true
+		q := f.queue
+		f.queue = nil
+		f.mu.Unlock()
+		for _, d := range q {
+			d.done <- errNotRunning
+		}
+	}()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-f.wake:
+		}
+		for {
+			f.mu.Lock()
+			q := f.queue
+			f.queue = nil
+			f.mu.Unlock()
+			if len(q) == 0 {
+				break
+			}
+			for _, batch := range batches(q) {
+				f.send(ctx, batch)
+			}
+		}
+	}
+}
+
+// batches splits q, in order, into runs that one request can carry: the
+// same outcome, at most dispositionBatch tokens.
+func batches(q []*disposition) [][]*disposition {
+	var out [][]*disposition
+	for len(q) > 0 {
+		n := 1
+		for n < len(q) && n < dispositionBatch && sameDisposition(q[0].o, q[n].o) {
+			n++
+		}
+		out = append(out, q[:n])
+		q = q[n:]
+	}
+	return out
+}
+
+func sameDisposition(a, b pump.Outcome) bool {
+	sa, ra, da := dispositionOf(a)
+	sb, rb, db := dispositionOf(b)
+	return sa == sb && ra == rb && da == db
+}
+
+// dispositionOf maps an outcome to update-disposition's status and, for
+// a dead-letter, its reason and description. A release has no status of
+// its own there: it goes back as abandoned (counted), as it would when its
+// lock expired.
+func dispositionOf(o pump.Outcome) (status, reason, description string) {
+	switch o.Kind {
+	case pump.Accept:
+		return "completed", "", ""
+	case pump.Reject:
+		reason, description = deadLetterReason(o.Error)
+		return "suspended", reason, description
+	case pump.Modify:
+		if o.UndeliverableHere {
+			return "defered", "", "" // sic: what azservicebus sends
+		}
+		return "abandoned", "", ""
+	}
+	return "abandoned", "", ""
+}
+
+// deadLetterReason reads the reason and description of a dead-letter
+// outcome's error, as the link disposition carries them.
+func deadLetterReason(e *amqp.Error) (reason, description string) {
+	if e == nil {
+		return "", ""
+	}
+	reason, _ = e.Info["DeadLetterReason"].(string)
+	description, _ = e.Info["DeadLetterErrorDescription"].(string)
+	if reason == "" {
+		reason = e.Description
+	}
+	return reason, description
+}
+
+// send sends one batch, splitting it token by token when the service says
+// a lock of it is lost, so that one lost lock does not fail the others;
+// it retries transient failures. It answers every disposition in batch.
+func (f *dispositions) send(ctx context.Context, batch []*disposition) {
+	err := f.request(ctx, batch)
+	if errors.Is(err, lease.ErrLockLost) && len(batch) > 1 {
+		for _, d := range batch {
+			f.send(ctx, []*disposition{d})
+		}
+		return
+	}
+	if errors.Is(err, lease.ErrLockLost) {
+		err = &amqp.Error{Condition: pump.ErrCondLockLost, Description: err.Error()}
+	}
+	for _, d := range batch {
+		d.done <- err
+	}
+}
+
+// request sends batch as one update-disposition on the current link's
+// $management node, waiting for a link while none is attached (but not
+// once the pipe is stopping), and sends it again, up to
+// dispositionRetries times, when the service answers that it is busy or
+// timed out.
+func (f *dispositions) request(ctx context.Context, batch []*disposition) error {
+	status, reason, desc := dispositionOf(batch[0].o)
+	tokens := make([]amqp.UUID, len(batch))
+	for i, d := range batch {
+		tokens[i] = d.token
+	}
+	body := map[string]any{"disposition-status": status, "lock-tokens": tokens}
+	if status == "suspended" {
+		body["deadletter-reason"] = reason
+		body["deadletter-description"] = desc
+	}
+	var err error
+	for attempt := 0; ; attempt++ {
+		var m *management
+		if m, err = f.p.management(ctx); err != nil {
+			return err
+		}
+		rctx, cancel := context.WithTimeout(ctx, dispositionTimeout)
+		_, err = m.request(rctx, "com.microsoft:update-disposition", body)
+		cancel()
+		if err == nil || attempt == dispositionRetries || ctx.Err() != nil || !transientStatus(err) {
+			return err
+		}
+		wait := backoff.Jittered(attempt, 100*time.Millisecond, 2*time.Second)
+		if errors.Is(err, errServerBusy) {
+			wait = max(wait, serverBusyWait)
+		}
+		f.log.Debug("update-disposition failed; trying again", zap.Int("locks", len(batch)),
+			zap.Duration("wait", wait), zap.Error(err))
+		if !sleep(ctx, wait) {
+			return err
+		}
+	}
+}
+
+// management returns the $management node of the pipe's current link,
+// waiting, within ctx, for a link while none is attached; it fails at once
+// with errNoLink while the pipe stops.
+func (p *pipe) management(ctx context.Context) (*management, error) {
+	for {
+		up := p.linkUp.Load()
+		if l := p.current.Load(); l != nil && l.mgmt != nil {
+			return l.mgmt, nil
+		}
+		select {
+		case <-*up:
+		case <-p.pump.Stopping():
+			return nil, errNoLink
+		case <-ctx.Done():
+			return nil, fmt.Errorf("%w: %w", errNoLink, ctx.Err())
+		}
+	}
+}

@@ -82,7 +82,8 @@
 //     stops receiving from it (Run returning, whatever the stop). Its
 //     unsettled deliveries go back uncounted, recorded as Unsettled (Artemis
 //     closes an AMQP consumer as not failed), and settling them afterwards
-//     fails, as on a closed link. RefuseAttach makes attaches fail.
+//     fails, as on a closed link (under Service Bus they stay locked: see
+//     below). RefuseAttach makes attaches fail.
 //   - Message groups: the messages of a group-id go to the first link that
 //     got one of them, until that link ends; a group-sequence of 0xFFFFFFFF
 //     (-1 to Artemis) unbinds the group when it is delivered. A link's pass
@@ -184,11 +185,12 @@
 // number, deferral, update-disposition); scheduled messages, time to live,
 // duplicate detection and partitions; the properties-to-modify of a
 // modified outcome; connections, claims-based security and link detaches
-// by the service. A link that ends gives its unsettled messages back at
-// once, not counted (recorded as Unsettled), as amqpsub assumes when it
-// forgets the locks of a lost link; whether Service Bus does so, or leaves
-// them locked until they expire and counts them (docs/brokers.md, on a
-// consumer that is killed), our sources do not settle. Dead letters are a
+// by the service. A link that ends leaves its unsettled messages locked,
+// as Service Bus does for a queue without sessions: they are renewed and
+// settled as before (amqpsub settles them by lock token, on $management,
+// once their link is gone; here through the ended link), a release then
+// counting as an abandon; they go back, counted, only when their locks
+// expire. Dead letters are a
 // list to assert on, not a $DeadLetterQueue to consume. Test those parts
 // against the peer in integration/sbpeer, and remember that a test here
 // says what amqpsub does with your handler, not what Azure does.

@@ -161,16 +161,25 @@ func (l *link) ModifyMessage(_ context.Context, m *amqp.Message, o *amqp.ModifyM
 //
 // Under Service Bus, a settlement after the lock expired is refused with
 // com.microsoft:message-lock-lost; every modified outcome is an abandon,
-// counted, but for undeliverable-here (a defer), which is refused.
+// counted, but for undeliverable-here (a defer), which is refused. Once l
+// has ended, its deliveries still locked are settled as the service
+// settles them by lock token (com.microsoft:update-disposition): a release
+// then goes back as an abandon, counted; those no longer locked are
+// refused as lock-lost.
 func (l *link) settle(m *amqp.Message, o Outcome, e *amqp.Error, notHere bool) error {
 	q := l.q
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	q.expireLocks()
-	if l.err != nil {
+	if l.err != nil && !q.rules.peekLock {
 		return l.err
 	}
 	r, ok := l.unsettled[m]
+	if l.err != nil && ok && o == Released {
+		// By lock token, once the link is gone, there is no release: the
+		// message goes back as abandoned, counted.
+		o = Modified
+	}
 	if !ok {
 		if x, expired := l.expired[m]; expired {
 			delete(l.expired, m)

@@ -400,27 +400,39 @@ func TestServiceBusLocksAtTheLink(t *testing.T) {
 	})
 }
 
-// A link that ends takes its locks with it: its deliveries go back
-// uncounted, and their tokens can no longer be renewed.
-func TestServiceBusLostLinkEndsItsLocks(t *testing.T) {
+// A link that ends leaves its locks, as Service Bus does for a queue
+// without sessions: a lock of it can be renewed on another link, and its
+// delivery settled by lock token (here through the ended link); one that
+// is not goes back, counted, when its lock expires.
+func TestServiceBusLostLinkKeepsItsLocks(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		q := NewQueue(WithProfile(amqpsub.AzureServiceBus))
-		q.Publish(Message("", "a"))
+		q := NewQueue(WithProfile(amqpsub.AzureServiceBus), LockDuration(10*time.Second))
+		q.Publish(Message("", "a"), Message("", "b"))
 		l := open(t, q)
-		if err := l.IssueCredit(1); err != nil {
+		if err := l.IssueCredit(2); err != nil {
 			t.Fatal(err)
 		}
-		tok, _ := lease.LockToken(receive(t, l).DeliveryTag)
+		a, b := receive(t, l), receive(t, l)
+		tok, _ := lease.LockToken(a.DeliveryTag)
 		q.LoseLinks(nil)
-		var le *amqp.LinkError
-		if _, err := l.renewLocks(t.Context(), []amqp.UUID{tok}); !errors.As(err, &le) {
-			t.Fatalf("renew on the lost link: %v", err)
-		}
-		if _, err := open(t, q).renewLocks(t.Context(), []amqp.UUID{tok}); !errors.Is(err, lease.ErrLockLost) {
+		if _, err := open(t, q).renewLocks(t.Context(), []amqp.UUID{tok}); err != nil {
 			t.Fatalf("renew on another link: %v", err)
 		}
-		if got := history(q); got != "#0: 0 unsettled → queued\n" {
-			t.Fatal(got)
+		if err := l.AcceptMessage(t.Context(), a); err != nil {
+			t.Fatalf("accept after the link ended: %v", err)
+		}
+		time.Sleep(11 * time.Second) // b's lock expires
+		if err := l.AcceptMessage(t.Context(), b); !isCondLockLost(err) {
+			t.Fatalf("accept after the lock expired: %v", err)
+		}
+		want := "#0: 0 accepted → consumed\n#1: 0 lock expired (late accepted) → queued\n"
+		if got := history(q); got != want {
+			t.Fatalf("history:\n%swant:\n%s", got, want)
 		}
 	})
+}
+
+func isCondLockLost(err error) bool {
+	var ae *amqp.Error
+	return errors.As(err, &ae) && ae.Condition == pump.ErrCondLockLost
 }

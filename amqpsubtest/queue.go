@@ -145,7 +145,8 @@ func (q *Queue) Publish(msgs ...*amqp.Message) {
 // a link or loses the connection: their Receive and settlements fail with
 // err, and their unsettled deliveries go back to the queue with their
 // delivery count unchanged (Artemis closes an AMQP consumer as not failed),
-// recorded as Unsettled. A subscriber sees a lost link and attaches again,
+// recorded as Unsettled. Under Service Bus they stay locked instead, and
+// their settlements are taken (see the package documentation). A subscriber sees a lost link and attaches again,
 // through its Connector, to a new link. A nil err means an *amqp.LinkError
 // with condition amqp:link:detach-forced.
 func (q *Queue) LoseLinks(err error) {
@@ -365,7 +366,9 @@ func (q *Queue) deadLetter(r *record) {
 }
 
 // end ends l with err: its unsettled deliveries go back to the queue,
-// uncounted, and the groups it had are free. q.mu is held.
+// uncounted, and the groups it had are free. Under Service Bus they stay
+// locked instead, until their locks expire or they are settled by lock
+// token (see link.settle). q.mu is held.
 func (q *Queue) end(l *link, err error) {
 	if l.err != nil {
 		return
@@ -373,6 +376,9 @@ func (q *Queue) end(l *link, err error) {
 	l.err = err
 	q.links = slices.DeleteFunc(q.links, func(x *link) bool { return x == l })
 	for m, r := range l.unsettled {
+		if q.rules.peekLock {
+			continue // the lock outlives the link
+		}
 		r.last().Outcome = Unsettled
 		q.unlock(r)
 		q.requeue(r)

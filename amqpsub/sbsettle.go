@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/Azure/go-amqp"
@@ -109,6 +110,9 @@ type dispositions struct {
 	mu      sync.Mutex
 	queue   []*disposition
 	stopped bool
+
+	requests atomic.Uint64 // update-disposition requests sent
+	taken    atomic.Uint64 // settlements the service took by lock token
 }
 
 // disposition is one settlement waiting to be sent.
@@ -261,6 +265,9 @@ func (f *dispositions) send(ctx context.Context, batch []*disposition) {
 	if errors.Is(err, lease.ErrLockLost) {
 		err = &amqp.Error{Condition: pump.ErrCondLockLost, Description: err.Error()}
 	}
+	if err == nil {
+		f.taken.Add(uint64(len(batch)))
+	}
 	for _, d := range batch {
 		d.done <- err
 	}
@@ -289,6 +296,7 @@ func (f *dispositions) request(ctx context.Context, batch []*disposition) error 
 			return err
 		}
 		rctx, cancel := context.WithTimeout(ctx, dispositionTimeout)
+		f.requests.Add(1)
 		_, err = m.request(rctx, "com.microsoft:update-disposition", body)
 		cancel()
 		if err == nil || attempt == dispositionRetries || ctx.Err() != nil || !transientStatus(err) {

@@ -123,6 +123,11 @@ type Locks struct {
 	// Unrenewable counts deliveries without a lock token or expiry (never
 	// renewed).
 	Unrenewable uint64
+	// SettledByToken counts settlements the service took by lock token
+	// (com.microsoft:update-disposition on $management), in
+	// DispositionRequests requests: those of deliveries whose link was
+	// lost while they were held. They are in Settled too.
+	SettledByToken, DispositionRequests uint64
 }
 
 // Results count what handlers decided.
@@ -190,6 +195,10 @@ func (s *Subscriber) Stats() Stats {
 			locks.Lost += b.Lost
 			locks.Unrenewable += b.Unrenewable
 		}
+		if pp.fallback != nil {
+			locks.SettledByToken += pp.fallback.taken.Load()
+			locks.DispositionRequests += pp.fallback.requests.Load()
+		}
 	}
 	return Stats{
 		Lanes:        lanesSt,
@@ -254,7 +263,7 @@ func (st Stats) String() string {
 		{"locks_renewed", st.Locks.Renewed}, {"lock_renew_requests", st.Locks.RenewRequests},
 		{"lock_renew_failures", st.Locks.RenewFailures}, {"locks_lost", st.Locks.Lost}, {"locks_dropped", st.Locks.Dropped},
 		{"locks_skipped", st.Locks.Skipped}, {"locks_lost_at_settle", st.Locks.LostAtSettle}, {"settle_timeouts", st.Locks.SettleTimeouts},
-		{"locks_unrenewable", st.Locks.Unrenewable},
+		{"locks_unrenewable", st.Locks.Unrenewable}, {"settled_by_token", st.Locks.SettledByToken}, {"disposition_requests", st.Locks.DispositionRequests},
 		{"dead_letter_copies", st.DeadLetterCopies}, {"dead_letter_copy_failures", st.DeadLetterCopyFailures}, {"abandoned", st.Abandoned}, {"events_dropped", st.EventsDropped},
 	} {
 		if c.n != 0 {
@@ -307,6 +316,8 @@ func (st Stats) MarshalLogObject(enc zapcore.ObjectEncoder) error {
 	enc.AddUint64("locks_dropped", st.Locks.Dropped)
 	enc.AddUint64("locks_skipped", st.Locks.Skipped)
 	enc.AddUint64("locks_unrenewable", st.Locks.Unrenewable)
+	enc.AddUint64("settled_by_token", st.Locks.SettledByToken)
+	enc.AddUint64("disposition_requests", st.Locks.DispositionRequests)
 	enc.AddUint64("locks_lost_at_settle", st.Locks.LostAtSettle)
 	enc.AddUint64("settle_timeouts", st.Locks.SettleTimeouts)
 	enc.AddUint64("dead_letter_copies", st.DeadLetterCopies)

@@ -478,3 +478,43 @@ func TestServiceBusLostLinksLoseNoFinishedWork(t *testing.T) {
 		}
 	})
 }
+
+// A handler still running when its link is lost is not cut short: its
+// lock goes on being renewed from the next link, well past the lock
+// duration, and its result is settled.
+func TestServiceBusHandlerOutlivesItsLink(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		q := serviceBus(amqpsubtest.LockDuration(5 * time.Second))
+		q.Publish(amqpsubtest.Message("", "slow"))
+		started := make(chan struct{})
+		var cut error
+		sub := newSub(t, q, func(ctx context.Context, d *amqpsub.Delivery) error {
+			close(started)
+			select {
+			case <-time.After(30 * time.Second): // six lock durations
+			case <-ctx.Done():
+				cut = context.Cause(ctx)
+			}
+			return nil
+		})
+		stop := start(sub)
+		<-started
+		q.LoseLinks(nil)
+		ctx, cancel := context.WithTimeout(t.Context(), time.Hour)
+		defer cancel()
+		if err := q.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := stop(); err != nil {
+			t.Fatal(err)
+		}
+		rs := q.Records()
+		t.Logf("%s; renewals %d; stats %v", rs[0], renewals(rs), sub.Stats())
+		if cut != nil {
+			t.Fatalf("the handler was cut short: %v", cut)
+		}
+		if got := rs[0].String(); got != "#0: 0 accepted → consumed" || renewals(rs) < 6 {
+			t.Fatalf("%s with %d renewals: want one delivery, accepted, renewed at least 6 times", got, renewals(rs))
+		}
+	})
+}

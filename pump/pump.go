@@ -357,7 +357,7 @@ func (p *Pump) waitSettlers(settlers *sync.WaitGroup, by time.Time) {
 
 // serve runs one link until it fails (its error), Stop took effect
 // (ErrStopped) or ctx ended.
-func (p *Pump) serve(ctx context.Context, src Source) error {
+func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 	gen := p.link.Load()
 	rctx, cancelReceive := context.WithCancel(ctx)
 	in := newBurst[*amqp.Message](min(p.cfg.Credit, 1024))
@@ -367,9 +367,17 @@ func (p *Pump) serve(ctx context.Context, src Source) error {
 		cancelReceive()
 		wg.Wait()
 		// Whatever the receive loop still handed over was never seen by a
-		// consumer: give it back.
+		// consumer: give it back. Not once the link is lost under
+		// KeepAcrossLinks: its source would fall back to settling without
+		// the link, which waits for the next link, which this return
+		// brings; the broker delivers those again when their hold ends.
 		msgs, _ := in.take()
+		lost := p.cfg.KeepAcrossLinks && err != nil && !errors.Is(err, ErrStopped) && ctx.Err() == nil
 		for _, m := range msgs {
+			if lost {
+				p.dropUnheld()
+				continue
+			}
 			p.releaseUnheld(ctx, src, m)
 		}
 	}()

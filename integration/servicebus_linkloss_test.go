@@ -1,0 +1,90 @@
+package integration
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
+)
+
+// The peer detaches the receive link 3 times while 2,000 messages are
+// handled by 8 lanes at 50 ms each. A message lock outlives its link on a
+// queue without sessions (the peer plays what the official clients show):
+// the subscriber keeps what the lost link held, renews it from the next
+// link, and settles it by lock token (update-disposition). No message whose
+// handler had finished is handled again, and nothing is lost.
+func TestServiceBusLostLinksLoseNoFinishedWork(t *testing.T) {
+	p := serviceBusPeer(t)
+	q := p.entity(t, map[string]any{"lock_duration_ms": 5000})
+	const n = 2000
+	p.send(t, q, n)
+	before := p.counters(t)
+	var mu sync.Mutex
+	finished := make([]bool, n) // its handler had returned
+	calls := make([]int, n)
+	again, againFinished := 0, 0
+	done := 0
+	detach := make(chan struct{}, 3)
+	s, err := amqpsub.New(sbConnector(t, p), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		i := sbIndex(d)
+		mu.Lock()
+		calls[i]++
+		if calls[i] > 1 {
+			again++
+			if finished[i] {
+				againFinished++
+			}
+		}
+		mu.Unlock()
+		time.Sleep(50 * time.Millisecond)
+		mu.Lock()
+		finished[i] = true
+		if done++; done == n/4 || done == n/2 || done == 3*n/4 {
+			detach <- struct{}{}
+		}
+		mu.Unlock()
+		return nil
+	}), amqpsub.WorkersByKey(8), amqpsub.Backoff(50*time.Millisecond, 200*time.Millisecond), amqpsub.Logger(logger(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop, wait := runSub(t, s)
+	detached := 0
+	waitFor(t, 3*time.Minute, "2,000 completed", func() bool {
+		select {
+		case <-detach:
+			var out map[string]any
+			p.call(t, "POST", "/faults/detach", map[string]any{"entity": q, "condition": "amqp:link:detach-forced"}, &out)
+			detached++
+		default:
+		}
+		return p.info(t, q).Stats["completed"] == n
+	})
+	stop()
+	if err := wait(); err != nil {
+		t.Fatal(err)
+	}
+	after := p.counters(t)
+	e := p.info(t, q)
+	st := s.Stats()
+	mu.Lock()
+	defer mu.Unlock()
+	t.Logf("detached %d times; handled again %d (of which their handler had finished: %d); update-disposition requests %d; entity %+v; stats %v",
+		detached, again, againFinished, after["update_disposition_requests"]-before["update_disposition_requests"], e, st)
+	if detached != 3 || st.LinksLost < 3 {
+		t.Fatalf("detached %d, links lost %d: want 3", detached, st.LinksLost)
+	}
+	if againFinished != 0 {
+		t.Fatalf("%d messages whose handler had finished were handled again", againFinished)
+	}
+	for i, c := range calls {
+		if c == 0 {
+			t.Fatalf("message %d never handled", i)
+		}
+	}
+	if e.Stats["completed"] != n || e.Available != 0 || e.DeadLetter != 0 {
+		t.Fatalf("entity %+v: want %d completed, nothing left", e, n)
+	}
+}

@@ -7,7 +7,6 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
-	"net"
 	"net/url"
 	"strconv"
 	"strings"
@@ -145,7 +144,8 @@ type sbConnString struct {
 // SharedAccessKey=…" (or SharedAccessSignature=…), with EntityPath=… and
 // UseDevelopmentEmulator=true optional, as the Azure SDKs do: keys are
 // case-insensitive, segments are split on ';' and then on the first '=',
-// empty segments are allowed.
+// empty segments are allowed. UseDevelopmentEmulator=true takes an sb://
+// Endpoint on any host (plain AMQP, no TLS), as azservicebus does.
 func parseSBConnString(s string) (*sbConnString, error) {
 	var c sbConnString
 	var endpoint, emulator string
@@ -190,8 +190,12 @@ func parseSBConnString(s string) (*sbConnString, error) {
 			return nil, fmt.Errorf("%w: UseDevelopmentEmulator is not true or false%s", ErrConnectionString, separatorHint(s))
 		}
 	}
-	if c.emulator && !isLoopback(u.Hostname()) {
-		return nil, fmt.Errorf("%w: UseDevelopmentEmulator needs an Endpoint on localhost (plain AMQP, no TLS)", ErrConnectionString)
+	// The emulator speaks plain AMQP, on whatever host it is reached by:
+	// localhost, or its service name in a compose file. azservicebus
+	// (internal/conn/conn.go, ParseConnectionString) takes any host but
+	// wants the sb scheme with it.
+	if c.emulator && u.Scheme != "sb" {
+		return nil, fmt.Errorf("%w: UseDevelopmentEmulator needs an Endpoint of the form sb://<emulator host> or sb://<emulator host>:<port>", ErrConnectionString)
 	}
 	switch {
 	case c.sas != "" && (c.keyName != "" || c.key != ""):
@@ -215,12 +219,4 @@ func separatorHint(s string) string {
 		return " (the string holds a line break or a tab: separate its keys with ';')"
 	}
 	return ""
-}
-
-func isLoopback(host string) bool {
-	if host == "localhost" {
-		return true
-	}
-	ip := net.ParseIP(host)
-	return ip != nil && ip.IsLoopback()
 }

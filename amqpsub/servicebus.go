@@ -29,7 +29,8 @@ import (
 // or with SharedAccessSignature=<token> in place of the key name and key,
 // EntityPath=<entity> and UseDevelopmentEmulator=true optional. It connects
 // with TLS to the Endpoint's port, 5671 when it names none (the emulator:
-// plain AMQP, on localhost only, to the Endpoint's port or 5672),
+// plain AMQP to the Endpoint's port or 5672, on any host, such as
+// localhost or the emulator's service name in a compose file),
 // authenticates with SASL ANONYMOUS and claims-based security: a SAS token
 // for the entity and one for its $management node, put on $cbs at once and
 // again before they expire (tokens signed with the key last 2 h; a pre-made
@@ -61,7 +62,8 @@ func ServiceBus(connectionString string) (Connector, error) {
 // gives: an Entra ID (JWT) source, say (see TokenProvider), or
 // SASTokenProvider with a lifetime of your choice. sb:// and amqps://
 // connect with TLS, to the endpoint's port or 5671; amqp:// (the emulator,
-// on localhost only) without, to its port or 5672. The endpoint is a URL,
+// on any host: localhost, or its service name in a compose file) without,
+// to its port or 5672. The endpoint is a URL,
 // not a connection string (give that to ServiceBus). See ServiceBus. Errors
 // wrap ErrInvalidOption and quote nothing of endpoint.
 func ServiceBusWithToken(endpoint string, tp TokenProvider) (Connector, error) {
@@ -85,12 +87,9 @@ func ServiceBusWithToken(endpoint string, tp TokenProvider) (Connector, error) {
 	case "sb", "amqps":
 		return newSBConnector(u.Host, false, "", tp), nil
 	case "amqp":
-		if !isLoopback(u.Hostname()) {
-			return nil, fmt.Errorf("%w: plain amqp:// is for the emulator on localhost only; use sb:// or amqps:// (TLS)", ErrInvalidOption)
-		}
 		return newSBConnector(u.Host, true, "", tp), nil
 	}
-	return nil, fmt.Errorf("%w: the endpoint's scheme must be sb, amqps, or amqp (the emulator, on localhost)", ErrInvalidOption)
+	return nil, fmt.Errorf("%w: the endpoint's scheme must be sb, amqps, or amqp (the emulator, without TLS)", ErrInvalidOption)
 }
 
 type sbConnector struct {

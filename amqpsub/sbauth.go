@@ -7,6 +7,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"net"
 	"net/url"
 	"strconv"
 	"strings"
@@ -184,6 +185,9 @@ func parseSBConnString(s string) (*sbConnString, error) {
 	if u.User != nil {
 		return nil, fmt.Errorf("%w: Endpoint must not hold credentials", ErrConnectionString)
 	}
+	if !validHost(u.Hostname()) {
+		return nil, fmt.Errorf("%w: the Endpoint's host is not a host name or an IP address%s", ErrConnectionString, separatorHint(s))
+	}
 	c.host = u.Host
 	if emulator != "" {
 		if c.emulator, err = strconv.ParseBool(emulator); err != nil {
@@ -219,4 +223,25 @@ func separatorHint(s string) string {
 		return " (the string holds a line break or a tab: separate its keys with ';')"
 	}
 	return ""
+}
+
+// validHost reports whether h is an IP address or a host name (letters,
+// digits, '-', '_' and dots): the namespace's FQDN, or the emulator's host,
+// which may be a compose service name. It catches a secret pasted where
+// the Endpoint should be, before anything quotes or dials it.
+func validHost(h string) bool {
+	if h == "" {
+		return false
+	}
+	if net.ParseIP(h) != nil {
+		return true
+	}
+	for _, r := range h {
+		switch {
+		case r >= 'a' && r <= 'z', r >= 'A' && r <= 'Z', r >= '0' && r <= '9', r == '-', r == '_', r == '.':
+		default:
+			return false
+		}
+	}
+	return true
 }

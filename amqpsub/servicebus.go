@@ -83,6 +83,9 @@ func ServiceBusWithToken(endpoint string, tp TokenProvider) (Connector, error) {
 	if u.User != nil {
 		return nil, fmt.Errorf("%w: the endpoint must not hold credentials", ErrInvalidOption)
 	}
+	if !validHost(u.Hostname()) {
+		return nil, fmt.Errorf("%w: the endpoint's host is not a host name or an IP address", ErrInvalidOption)
+	}
 	switch u.Scheme {
 	case "sb", "amqps":
 		return newSBConnector(u.Host, false, "", tp), nil

@@ -431,18 +431,54 @@ type management struct {
 // is lost (or unknown).
 const lockLostStatus = 410
 
-// RenewLocks renews message locks (lease.Renewer).
+// RenewLocks renews message locks (lease.Renewer). Its errors wrap
+// lease.ErrLockLost for status 410, lease.ErrBadRequest for 400,
+// lease.ErrServerBusy for 503 or an errorCondition of
+// com.microsoft:server-busy (the .NET client maps both to ServiceBusy),
+// and lease.ErrIncomplete for a 200 whose expirations are not one per
+// token; the lease book decides what each means for the locks.
 func (m *management) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
-	resp, err := m.request(ctx, "com.microsoft:renew-lock", map[string]any{"lock-tokens": tokens})
+	const op = "com.microsoft:renew-lock"
+	props := map[string]any{"operation": op, "associated-link-name": m.linkName}
+	if dl, ok := ctx.Deadline(); ok {
+		props["com.microsoft:server-timeout"] = millis32(time.Until(dl))
+	}
+	resp, err := m.call(ctx, &amqp.Message{Value: map[string]any{"lock-tokens": tokens}, ApplicationProperties: props})
 	if err != nil {
 		return nil, err
 	}
-	body, _ := resp.Value.(map[string]any)
-	exp, ok := body["expirations"].([]time.Time)
-	if !ok || len(exp) != len(tokens) {
-		return nil, fmt.Errorf("amqpsub: renew-lock: %d expirations for %d locks", len(exp), len(tokens))
+	code, desc := status(resp)
+	var kind error
+	switch {
+	case code >= 200 && code < 300:
+		body, _ := resp.Value.(map[string]any)
+		exp, ok := body["expirations"].([]time.Time)
+		if !ok || len(exp) != len(tokens) {
+			return nil, fmt.Errorf("amqpsub: %s: %d expirations for %d locks: %w", op, len(exp), len(tokens), lease.ErrIncomplete)
+		}
+		return exp, nil
+	case code == lockLostStatus:
+		kind = errLockLost
+	case code == 400:
+		kind = lease.ErrBadRequest
+	case code == 503 || errorCondition(resp) == errCondServerBusy:
+		kind = lease.ErrServerBusy
+	default:
+		return nil, fmt.Errorf("amqpsub: %s: status %d: %s", op, code, desc)
 	}
-	return exp, nil
+	return nil, fmt.Errorf("amqpsub: %s: status %d: %s: %w", op, code, desc, kind)
+}
+
+// errorCondition is the errorCondition application property of a
+// $management answer, which Service Bus sets on a failure ("" if none).
+func errorCondition(m *amqp.Message) amqp.ErrCond {
+	switch v := m.ApplicationProperties["errorCondition"].(type) {
+	case amqp.Symbol:
+		return amqp.ErrCond(v)
+	case string:
+		return amqp.ErrCond(v)
+	}
+	return ""
 }
 
 // request sends operation with body and returns the answer, an error

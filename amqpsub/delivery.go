@@ -164,9 +164,18 @@ func (d *Delivery) ContentType() string {
 	return ""
 }
 
-// DeliveryCount returns the broker's count of earlier failed attempts to
-// deliver the message (the AMQP header's delivery-count). RabbitMQ 3.10
-// always sends 0; see FirstAcquirer.
+// DeliveryCount returns the AMQP header's delivery-count, on every broker:
+// the broker's count of earlier attempts to deliver the message, 0 on the
+// first delivery.
+//
+//   - Artemis counts deliveries that failed (modified{delivery-failed},
+//     amqpsub's Retry); a release does not count.
+//   - RabbitMQ 3.10 always sends 0; see FirstAcquirer.
+//   - On Service Bus it is one less than the DeliveryCount the service and
+//     its clients report (azservicebus, message.go, and .NET's
+//     ServiceBusReceivedMessage add 1 to the header's count): 0 here is
+//     DeliveryCount 1 there. An abandon (Retry) and an expired lock count.
+//     See MaxDeliveryCount for how the two line up.
 func (d *Delivery) DeliveryCount() uint32 {
 	if h := d.msg.Header; h != nil {
 		return h.DeliveryCount

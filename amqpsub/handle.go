@@ -227,28 +227,59 @@ func (s *Subscriber) pause(ctx context.Context, p *pipe, d time.Duration) bool {
 	return false
 }
 
-// poison rejects a delivery whose delivery count is past MaxDeliveryCount.
+// poison rejects, before a handler sees it, a delivery larger than
+// MaxMessageSize or delivered more often than MaxDeliveryCount allows, and
+// returns the Reject (nil for a delivery to handle).
+//
+// On Service Bus both go out as the profile's dead-letter (condition
+// com.microsoft:dead-letter) with a DeadLetterReason and a
+// DeadLetterErrorDescription, the way the service and its clients
+// dead-letter; elsewhere an oversized delivery is rejected with
+// amqp:link:message-size-exceeded.
+//
+// The delivery count is the AMQP header's delivery-count: the earlier
+// deliveries. Service Bus's own count (and its clients' DeliveryCount) is
+// that + 1, and an entity's MaxDeliveryCount of n handles the n-th
+// delivery and dead-letters the next; on that profile MaxDeliveryCount(n)
+// means the same, so a delivery-count of n or more is rejected. Elsewhere a
+// delivery-count above n is.
 func (s *Subscriber) poison(d *Delivery) error {
+	sb := s.cfg.profile.peekLock
 	if s.cfg.maxMessageSize > 0 {
 		if size := pump.Size(d.msg); size > s.cfg.maxMessageSize {
 			s.results.oversize.Add(1)
-			err := &OutcomeError{kind: outcomeReject, poisoned: true, cond: condMessageSizeExceeded,
-				reason: fmt.Sprintf("amqpsub: message body of %d bytes is past the limit of %d", size, s.cfg.maxMessageSize)}
+			detail := fmt.Sprintf("amqpsub: message body of %d bytes is past the limit of %d", size, s.cfg.maxMessageSize)
+			err := &OutcomeError{kind: outcomeReject, poisoned: true, cond: condMessageSizeExceeded, reason: detail}
+			if sb {
+				err = &OutcomeError{kind: outcomeReject, poisoned: true, reason: reasonMessageSizeExceeded, description: detail}
+			}
 			s.limited.Warn("message larger than MaxMessageSize; dead-lettering it unhandled", s.fields(d, err)...)
 			s.events.send(s.event(d, EventOversize, err))
 			return err
 		}
 	}
-	if s.cfg.maxDelivery == 0 || d.DeliveryCount() <= s.cfg.maxDelivery {
+	limit := s.cfg.maxDelivery
+	if limit == 0 || d.DeliveryCount() < limit || !sb && d.DeliveryCount() == limit {
 		return nil
 	}
 	s.results.poisoned.Add(1)
-	err := &OutcomeError{kind: outcomeReject, poisoned: true,
-		reason: fmt.Sprintf("amqpsub: delivery count %d is past the limit %d", d.DeliveryCount(), s.cfg.maxDelivery)}
+	detail := fmt.Sprintf("amqpsub: delivery count %d is past the limit %d", d.DeliveryCount(), limit)
+	err := &OutcomeError{kind: outcomeReject, poisoned: true, reason: detail}
+	if sb {
+		detail = fmt.Sprintf("amqpsub: delivery %d is past MaxDeliveryCount %d", d.DeliveryCount()+1, limit)
+		err = &OutcomeError{kind: outcomeReject, poisoned: true, reason: reasonMaxDeliveryCountExceeded, description: detail}
+	}
 	s.limited.Warn("delivery count past MaxDeliveryCount; dead-lettering it unhandled", s.fields(d, err)...)
 	s.events.send(s.event(d, EventPoisoned, err))
 	return err
 }
+
+// The DeadLetterReasons of poison's dead-letters on Service Bus. The first
+// is the reason the service itself gives at an entity's MaxDeliveryCount.
+const (
+	reasonMaxDeliveryCountExceeded = "MaxDeliveryCountExceeded"
+	reasonMessageSizeExceeded      = "MaxMessageSizeExceeded"
+)
 
 // call runs the handler, turning a panic into a Retry.
 func (s *Subscriber) call(ctx context.Context, d *Delivery) (err error) {

@@ -532,11 +532,16 @@ func MaxHeldBytes(n int64) Option {
 	})
 }
 
-// MaxMessageSize rejects, with condition amqp:link:message-size-exceeded
-// and a reason, every delivery whose body is larger than n bytes (its data
-// sections, or a binary or string value; the rest of a message is not
-// counted) before a handler sees it: the broker dead-letters it.
-// Stats.Results.Oversize counts them and OnEvent hears of each
+// MaxMessageSize dead-letters, before a handler sees it, every delivery
+// whose body is larger than n bytes (its data sections, or a binary or
+// string value; the rest of a message is not counted). On Service Bus
+// (AzureServiceBus) it is rejected as Reject does there: condition
+// com.microsoft:dead-letter, DeadLetterReason "MaxMessageSizeExceeded" and
+// a DeadLetterErrorDescription naming the size and n, so the service moves
+// it to the entity's dead-letter queue with that reason. Elsewhere it is
+// rejected with condition amqp:link:message-size-exceeded and a reason,
+// and the broker dead-letters it. Stats.Results.Oversize counts them and
+// OnEvent hears of each
 // (EventOversize). The limit is checked once the message has arrived, not
 // on the wire: go-amqp v1.7 drops its own limit when the broker's attach
 // declares none, as Artemis's does. So an oversized message is read whole
@@ -555,11 +560,25 @@ func MaxMessageSize(n int64) Option {
 	})
 }
 
-// MaxDeliveryCount rejects, with a reason, every delivery whose broker
-// delivery count is above n before a handler sees it: a poison-message limit
-// for brokers without max-delivery-attempts. RabbitMQ 3.10 always sends a
-// delivery count of 0, so it has no effect there. 0 turns it off.
-// Default: off.
+// MaxDeliveryCount dead-letters, before a handler sees it, every delivery
+// past the n-th of its message: a poison-message limit for brokers without
+// one of their own, or lower than theirs. How deliveries are counted
+// follows the broker (see [Delivery.DeliveryCount]):
+//
+//   - On Service Bus (AzureServiceBus) it means what an entity's
+//     MaxDeliveryCount means: the n-th delivery is the last one handled
+//     (the service's count, the AMQP header's delivery-count + 1, is then
+//     n). The next is rejected as Reject does there, with
+//     DeadLetterReason "MaxDeliveryCountExceeded" (the service's own
+//     reason at the entity's limit) and a DeadLetterErrorDescription that
+//     says amqpsub rejected it. An entity's own limit at or below n acts
+//     first.
+//   - Elsewhere a delivery whose header delivery-count (the earlier failed
+//     attempts) is above n is rejected with a reason: n+1 deliveries are
+//     handled. RabbitMQ 3.10 always sends a delivery count of 0, so it has
+//     no effect there.
+//
+// 0 turns it off. Default: off.
 func MaxDeliveryCount(n uint32) Option {
 	return optionFunc(func(c *config) { c.maxDelivery = n })
 }

@@ -32,12 +32,22 @@ import (
 // ended a link: a link Service Bus detaches with amqp:unauthorized-access
 // when its token expired is reconnected (with a new token); a reconnect
 // refused so ends Run.
+//
+// On Service Bus it takes as fatal what azservicebus does
+// (internal/errors.go, its recovery kinds): amqp:unauthorized-access, a
+// missing entity (amqp:not-found, which is how the service refuses an
+// attach to an entity that does not exist; see WaitForQueue to wait for
+// one instead), and com.microsoft:entity-disabled (an entity an operator
+// disabled stays so until one enables it). com.microsoft:server-busy is
+// not fatal: the service is throttling, and the next attempt waits at
+// least 10 s (serverBusyWait); com.microsoft:timeout is not fatal either.
 func IsFatal(err error) bool {
 	var ae *amqp.Error
 	if errors.As(err, &ae) {
 		switch ae.Condition {
 		case amqp.ErrCondUnauthorizedAccess, amqp.ErrCondNotFound,
-			amqp.ErrCondInvalidField, amqp.ErrCondNotImplemented, amqp.ErrCondIllegalState:
+			amqp.ErrCondInvalidField, amqp.ErrCondNotImplemented, amqp.ErrCondIllegalState,
+			errCondEntityDisabled:
 			return true
 		}
 	}
@@ -47,6 +57,29 @@ func IsFatal(err error) bool {
 		return se.Code == wire.SASLAuth || se.Code == wire.SASLSysPerm
 	}
 	return errors.Is(err, ErrLinkLost) || errors.Is(err, ErrInvalidOption)
+}
+
+// Service Bus's error conditions that IsFatal and the backoff judge.
+const (
+	errCondEntityDisabled amqp.ErrCond = "com.microsoft:entity-disabled"
+	errCondServerBusy     amqp.ErrCond = "com.microsoft:server-busy"
+)
+
+// serverBusyWait is the least wait after a server-busy error: the
+// ServerBusyBaseSleepTime of Microsoft's .NET clients
+// (Azure.Messaging.ServiceBus ServiceBusRetryPolicy). azservicebus has no
+// such floor (it retries server-busy with its usual backoff, from 4 s).
+const serverBusyWait = lease.ServerBusyWait
+
+// reconnectWait is the wait before reconnect attempt k after err: the
+// jittered backoff, and at least serverBusyWait when the service said it
+// is throttling.
+func reconnectWait(err error, k int, floor, ceiling time.Duration) time.Duration {
+	wait := backoff.Jittered(k, floor, ceiling)
+	if isCond(err, errCondServerBusy) {
+		wait = max(wait, serverBusyWait)
+	}
+	return wait
 }
 
 func isNotFound(err error) bool { return isCond(err, amqp.ErrCondNotFound) }
@@ -131,7 +164,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 		if time.Since(a.attachedAt) < healthy {
 			a.quick++
 			first = a.quick // start further up the backoff
-			wait := backoff.Jittered(first-1, s.cfg.backoffMin, s.cfg.backoffMax)
+			wait := reconnectWait(lost, first-1, s.cfg.backoffMin, s.cfg.backoffMax)
 			// Debug: the pump logged the loss ("link lost").
 			s.log.Debug("link lost soon after it was attached; backing off", zap.Error(lost),
 				zap.Int("in_a_row", a.quick), zap.Duration("wait", wait))
@@ -140,6 +173,13 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			}
 		} else {
 			a.quick = 0
+			if isCond(lost, errCondServerBusy) {
+				// A healthy link the service ended for throttling:
+				// reattaching at once would only be refused again.
+				if !sleep(ctx, serverBusyWait) {
+					return nil, ctx.Err()
+				}
+			}
 		}
 	}
 	passes := 0        // first attach with DialFailover: addresses that connected but failed
@@ -219,7 +259,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			}
 			return nil, fmt.Errorf("%w: reconnecting failed: %w", ErrLinkLost, err)
 		}
-		wait := backoff.Jittered(attempt, s.cfg.backoffMin, s.cfg.backoffMax)
+		wait := reconnectWait(err, attempt, s.cfg.backoffMin, s.cfg.backoffMax)
 		if !waiting {
 			s.log.Warn("reconnect failed; trying again", zap.Int("attempt", attempt-first+1), zap.Duration("wait", wait), zap.Error(err))
 			s.events.send(Event{Kind: EventReconnectFailed, Err: err, Queue: s.queue, Lane: -1, Attempt: attempt - first + 1})

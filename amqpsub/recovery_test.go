@@ -140,6 +140,11 @@ func TestIsFatal(t *testing.T) {
 		{&amqp.ConnError{}, false},
 		{&amqp.LinkError{}, false},
 		{&amqp.Error{Condition: amqp.ErrCondDetachForced}, false},
+		// Service Bus, as azservicebus's recovery kinds judge them.
+		{&amqp.Error{Condition: "com.microsoft:entity-disabled"}, true},
+		{&amqp.LinkError{RemoteErr: &amqp.Error{Condition: "com.microsoft:entity-disabled"}}, true},
+		{&amqp.Error{Condition: "com.microsoft:server-busy"}, false},
+		{&amqp.Error{Condition: "com.microsoft:timeout"}, false},
 		{context.DeadlineExceeded, false},
 		{nil, false},
 	} {
@@ -428,5 +433,57 @@ func TestBlockingOnReconnectIsReportedAtTheStop(t *testing.T) {
 		}
 		close(unblock)
 		synctest.Wait()
+	})
+}
+
+// A reconnect the service refuses as busy (com.microsoft:server-busy) is
+// tried again no sooner than 10 s later, whatever Backoff says, as
+// Microsoft's clients wait; another transient error keeps the backoff.
+// A healthy link the service ends as busy is also reattached 10 s later.
+func TestServerBusyWaitsTenSecondsBeforeTheNextAttempt(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		first := fake.New(true, fake.Messages(1)...)
+		second := fake.New(true, fake.Messages(1)...)
+		third := fake.New(true, fake.Messages(1)...)
+		busy := &amqp.Error{Condition: "com.microsoft:server-busy", Description: "throttled"}
+		var mu sync.Mutex
+		var attempts []time.Time
+		src := sources(first, busy, &amqp.ConnError{}, second, third)
+		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.Backoff(time.Millisecond, 10*time.Millisecond),
+			amqpsub.WithSources(func(ctx context.Context) (pump.Source, error) {
+				mu.Lock()
+				attempts = append(attempts, time.Now())
+				mu.Unlock()
+				return src(ctx)
+			}))
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		time.Sleep(time.Minute) // the first link is healthy by now
+		first.Fail(&amqp.LinkError{RemoteErr: &amqp.Error{Condition: "com.microsoft:connection-forced"}})
+		synctest.Wait()
+		time.Sleep(time.Minute)
+		lostAt := time.Now()
+		second.Fail(&amqp.LinkError{RemoteErr: busy})
+		time.Sleep(time.Minute)
+		cancel()
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if len(attempts) != 5 {
+			t.Fatalf("%d attempts", len(attempts))
+		}
+		// attempts: first, busy, ConnError, second, third.
+		if gap := attempts[2].Sub(attempts[1]); gap < 10*time.Second || gap > 11*time.Second {
+			t.Errorf("the attempt after server-busy came %v later, want 10 s", gap)
+		}
+		if gap := attempts[3].Sub(attempts[2]); gap > 10*time.Millisecond {
+			t.Errorf("the attempt after a ConnError came %v later, want ≤ the 10 ms backoff", gap)
+		}
+		if gap := attempts[4].Sub(lostAt); gap < 10*time.Second || gap > 11*time.Second {
+			t.Errorf("a link lost as busy was reattached %v after the loss, want 10 s", gap)
+		}
 	})
 }

@@ -145,7 +145,8 @@ type sbConnString struct {
 // SharedAccessKey=…" (or SharedAccessSignature=…), with EntityPath=… and
 // UseDevelopmentEmulator=true optional, as the Azure SDKs do: keys are
 // case-insensitive, segments are split on ';' and then on the first '=',
-// empty segments are allowed.
+// empty segments are allowed. UseDevelopmentEmulator=true takes an sb://
+// Endpoint on any host (plain AMQP, no TLS), as azservicebus does.
 func parseSBConnString(s string) (*sbConnString, error) {
 	var c sbConnString
 	var endpoint, emulator string
@@ -184,14 +185,21 @@ func parseSBConnString(s string) (*sbConnString, error) {
 	if u.User != nil {
 		return nil, fmt.Errorf("%w: Endpoint must not hold credentials", ErrConnectionString)
 	}
+	if !validHost(u.Hostname()) {
+		return nil, fmt.Errorf("%w: the Endpoint's host is not a host name or an IP address%s", ErrConnectionString, separatorHint(s))
+	}
 	c.host = u.Host
 	if emulator != "" {
 		if c.emulator, err = strconv.ParseBool(emulator); err != nil {
 			return nil, fmt.Errorf("%w: UseDevelopmentEmulator is not true or false%s", ErrConnectionString, separatorHint(s))
 		}
 	}
-	if c.emulator && !isLoopback(u.Hostname()) {
-		return nil, fmt.Errorf("%w: UseDevelopmentEmulator needs an Endpoint on localhost (plain AMQP, no TLS)", ErrConnectionString)
+	// The emulator speaks plain AMQP, on whatever host it is reached by:
+	// localhost, or its service name in a compose file. azservicebus
+	// (internal/conn/conn.go, ParseConnectionString) takes any host but
+	// wants the sb scheme with it.
+	if c.emulator && u.Scheme != "sb" {
+		return nil, fmt.Errorf("%w: UseDevelopmentEmulator needs an Endpoint of the form sb://<emulator host> or sb://<emulator host>:<port>", ErrConnectionString)
 	}
 	switch {
 	case c.sas != "" && (c.keyName != "" || c.key != ""):
@@ -217,10 +225,23 @@ func separatorHint(s string) string {
 	return ""
 }
 
-func isLoopback(host string) bool {
-	if host == "localhost" {
+// validHost reports whether h is an IP address or a host name (letters,
+// digits, '-', '_' and dots): the namespace's FQDN, or the emulator's host,
+// which may be a compose service name. It catches a secret pasted where
+// the Endpoint should be, before anything quotes or dials it.
+func validHost(h string) bool {
+	if h == "" {
+		return false
+	}
+	if net.ParseIP(h) != nil {
 		return true
 	}
-	ip := net.ParseIP(host)
-	return ip != nil && ip.IsLoopback()
+	for _, r := range h {
+		switch {
+		case r >= 'a' && r <= 'z', r >= 'A' && r <= 'Z', r >= '0' && r <= '9', r == '-', r == '_', r == '.':
+		default:
+			return false
+		}
+	}
+	return true
 }

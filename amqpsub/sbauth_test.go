@@ -54,7 +54,15 @@ func TestParseConnectionString(t *testing.T) {
 		{in: "Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKey=" + key, missing: "SharedAccessKeyName is missing"},
 		{in: "Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=Root", missing: "SharedAccessKey is missing"},
 		{in: "Endpoint=sb://ns.servicebus.windows.net/", missing: "SharedAccessKeyName and SharedAccessKey"},
-		{in: "Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=Root;SharedAccessKey=" + key + ";UseDevelopmentEmulator=true", missing: "localhost"},
+		// The emulator on any host, as azservicebus takes it: by its
+		// service name in a compose file, say.
+		{in: "Endpoint=sb://servicebus-emulator;SharedAccessKeyName=Root;SharedAccessKey=" + key + ";UseDevelopmentEmulator=true",
+			want: sbConnString{host: "servicebus-emulator", keyName: "Root", key: key, emulator: true}},
+		{in: "Endpoint=sb://servicebus-emulator:5672;SharedAccessKeyName=Root;SharedAccessKey=" + key + ";UseDevelopmentEmulator=true",
+			want: sbConnString{host: "servicebus-emulator:5672", keyName: "Root", key: key, emulator: true}},
+		{in: "Endpoint=sb://10.1.2.3;SharedAccessKeyName=Root;SharedAccessKey=" + key + ";UseDevelopmentEmulator=true",
+			want: sbConnString{host: "10.1.2.3", keyName: "Root", key: key, emulator: true}},
+		{in: "Endpoint=amqps://servicebus-emulator;SharedAccessKeyName=Root;SharedAccessKey=" + key + ";UseDevelopmentEmulator=true", missing: "sb://<emulator host>"},
 		{in: "Endpoint=sb://localhost;SharedAccessKeyName=Root;SharedAccessKey=" + key + ";UseDevelopmentEmulator=maybe", missing: "UseDevelopmentEmulator"},
 		{in: "Endpoint=::not a url;SharedAccessKeyName=Root;SharedAccessKey=" + key, missing: "Endpoint"},
 		{in: "Endpoint=sb://ns;SharedAccessKeyName=Root;garbage;SharedAccessKey=" + key, missing: "no '='"},
@@ -195,4 +203,45 @@ func FuzzParseConnectionString(f *testing.F) {
 			t.Fatalf("ServiceBusWithToken's error holds the key %q: %v", secret, err)
 		}
 	})
+}
+
+// The emulator is reached by any host name, with plain AMQP to its port or
+// 5672, and its audiences are amqp:// ones; without the emulator the same
+// host gets TLS on 5671.
+func TestServiceBusEmulatorOnAnyHost(t *testing.T) {
+	tp := SASTokenProvider("Root", "k", time.Hour)
+	for _, tc := range []struct {
+		name     string
+		make     func() (Connector, error)
+		emulator bool
+		dial     string
+		audience string
+	}{
+		{"connection string, service name", func() (Connector, error) {
+			return ServiceBus("Endpoint=sb://servicebus-emulator;SharedAccessKeyName=Root;SharedAccessKey=k;UseDevelopmentEmulator=true;")
+		}, true, "amqp://servicebus-emulator:5672 (Service Bus emulator)", "amqp://servicebus-emulator/q"},
+		{"connection string, service name and port", func() (Connector, error) {
+			return ServiceBus("Endpoint=sb://servicebus-emulator:5673;SharedAccessKeyName=Root;SharedAccessKey=k;UseDevelopmentEmulator=true")
+		}, true, "amqp://servicebus-emulator:5673 (Service Bus emulator)", "amqp://servicebus-emulator:5673/q"},
+		{"connection string, no emulator", func() (Connector, error) {
+			return ServiceBus("Endpoint=sb://servicebus-emulator;SharedAccessKeyName=Root;SharedAccessKey=k")
+		}, false, "sb://servicebus-emulator:5671", "amqps://servicebus-emulator/q"},
+		{"amqp:// endpoint, service name", func() (Connector, error) {
+			return ServiceBusWithToken("amqp://servicebus-emulator", tp)
+		}, true, "amqp://servicebus-emulator:5672 (Service Bus emulator)", "amqp://servicebus-emulator/q"},
+		{"amqp:// endpoint, another address", func() (Connector, error) {
+			return ServiceBusWithToken("amqp://10.1.2.3:5672", tp)
+		}, true, "amqp://10.1.2.3:5672 (Service Bus emulator)", "amqp://10.1.2.3:5672/q"},
+	} {
+		c, err := tc.make()
+		if err != nil {
+			t.Errorf("%s: %v", tc.name, err)
+			continue
+		}
+		sc := c.(*sbConnector)
+		if sc.emulator != tc.emulator || sc.String() != tc.dial || sc.audience("q") != tc.audience {
+			t.Errorf("%s: emulator %v, dials %s, audience %s; want %v, %s, %s", tc.name,
+				sc.emulator, sc.String(), sc.audience("q"), tc.emulator, tc.dial, tc.audience)
+		}
+	}
 }

@@ -29,7 +29,8 @@ import (
 // or with SharedAccessSignature=<token> in place of the key name and key,
 // EntityPath=<entity> and UseDevelopmentEmulator=true optional. It connects
 // with TLS to the Endpoint's port, 5671 when it names none (the emulator:
-// plain AMQP, on localhost only, to the Endpoint's port or 5672),
+// plain AMQP to the Endpoint's port or 5672, on any host, such as
+// localhost or the emulator's service name in a compose file),
 // authenticates with SASL ANONYMOUS and claims-based security: a SAS token
 // for the entity and one for its $management node, put on $cbs at once and
 // again before they expire (tokens signed with the key last 2 h; a pre-made
@@ -61,7 +62,8 @@ func ServiceBus(connectionString string) (Connector, error) {
 // gives: an Entra ID (JWT) source, say (see TokenProvider), or
 // SASTokenProvider with a lifetime of your choice. sb:// and amqps://
 // connect with TLS, to the endpoint's port or 5671; amqp:// (the emulator,
-// on localhost only) without, to its port or 5672. The endpoint is a URL,
+// on any host: localhost, or its service name in a compose file) without,
+// to its port or 5672. The endpoint is a URL,
 // not a connection string (give that to ServiceBus). See ServiceBus. Errors
 // wrap ErrInvalidOption and quote nothing of endpoint.
 func ServiceBusWithToken(endpoint string, tp TokenProvider) (Connector, error) {
@@ -81,16 +83,16 @@ func ServiceBusWithToken(endpoint string, tp TokenProvider) (Connector, error) {
 	if u.User != nil {
 		return nil, fmt.Errorf("%w: the endpoint must not hold credentials", ErrInvalidOption)
 	}
+	if !validHost(u.Hostname()) {
+		return nil, fmt.Errorf("%w: the endpoint's host is not a host name or an IP address", ErrInvalidOption)
+	}
 	switch u.Scheme {
 	case "sb", "amqps":
 		return newSBConnector(u.Host, false, "", tp), nil
 	case "amqp":
-		if !isLoopback(u.Hostname()) {
-			return nil, fmt.Errorf("%w: plain amqp:// is for the emulator on localhost only; use sb:// or amqps:// (TLS)", ErrInvalidOption)
-		}
 		return newSBConnector(u.Host, true, "", tp), nil
 	}
-	return nil, fmt.Errorf("%w: the endpoint's scheme must be sb, amqps, or amqp (the emulator, on localhost)", ErrInvalidOption)
+	return nil, fmt.Errorf("%w: the endpoint's scheme must be sb, amqps, or amqp (the emulator, without TLS)", ErrInvalidOption)
 }
 
 type sbConnector struct {
@@ -429,18 +431,54 @@ type management struct {
 // is lost (or unknown).
 const lockLostStatus = 410
 
-// RenewLocks renews message locks (lease.Renewer).
+// RenewLocks renews message locks (lease.Renewer). Its errors wrap
+// lease.ErrLockLost for status 410, lease.ErrBadRequest for 400,
+// lease.ErrServerBusy for 503 or an errorCondition of
+// com.microsoft:server-busy (the .NET client maps both to ServiceBusy),
+// and lease.ErrIncomplete for a 200 whose expirations are not one per
+// token; the lease book decides what each means for the locks.
 func (m *management) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
-	resp, err := m.request(ctx, "com.microsoft:renew-lock", map[string]any{"lock-tokens": tokens})
+	const op = "com.microsoft:renew-lock"
+	props := map[string]any{"operation": op, "associated-link-name": m.linkName}
+	if dl, ok := ctx.Deadline(); ok {
+		props["com.microsoft:server-timeout"] = millis32(time.Until(dl))
+	}
+	resp, err := m.call(ctx, &amqp.Message{Value: map[string]any{"lock-tokens": tokens}, ApplicationProperties: props})
 	if err != nil {
 		return nil, err
 	}
-	body, _ := resp.Value.(map[string]any)
-	exp, ok := body["expirations"].([]time.Time)
-	if !ok || len(exp) != len(tokens) {
-		return nil, fmt.Errorf("amqpsub: renew-lock: %d expirations for %d locks", len(exp), len(tokens))
+	code, desc := status(resp)
+	var kind error
+	switch {
+	case code >= 200 && code < 300:
+		body, _ := resp.Value.(map[string]any)
+		exp, ok := body["expirations"].([]time.Time)
+		if !ok || len(exp) != len(tokens) {
+			return nil, fmt.Errorf("amqpsub: %s: %d expirations for %d locks: %w", op, len(exp), len(tokens), lease.ErrIncomplete)
+		}
+		return exp, nil
+	case code == lockLostStatus:
+		kind = errLockLost
+	case code == 400:
+		kind = lease.ErrBadRequest
+	case code == 503 || errorCondition(resp) == errCondServerBusy:
+		kind = lease.ErrServerBusy
+	default:
+		return nil, fmt.Errorf("amqpsub: %s: status %d: %s", op, code, desc)
 	}
-	return exp, nil
+	return nil, fmt.Errorf("amqpsub: %s: status %d: %s: %w", op, code, desc, kind)
+}
+
+// errorCondition is the errorCondition application property of a
+// $management answer, which Service Bus sets on a failure ("" if none).
+func errorCondition(m *amqp.Message) amqp.ErrCond {
+	switch v := m.ApplicationProperties["errorCondition"].(type) {
+	case amqp.Symbol:
+		return amqp.ErrCond(v)
+	case string:
+		return amqp.ErrCond(v)
+	}
+	return ""
 }
 
 // request sends operation with body and returns the answer, an error

@@ -41,6 +41,24 @@
 // reported to OnLost once, with why; a handler's context bound to the
 // delivery is cancelled.
 //
+// No official client sends more than one token per renew-lock request
+// (azservicebus, Azure.Messaging.ServiceBus), so no source says how the
+// service answers a batch that holds one lost lock among live ones. The
+// book is safe whichever way it does: a batch refused whole (410, 400:
+// ErrLockLost, ErrBadRequest) or answered with fewer expirations than
+// tokens (ErrIncomplete) is asked again without the locks settled
+// meanwhile, then token by token, and only a token refused on its own
+// (410) is a lost lock. With one lost lock in a batch of 256 that costs
+// 257 requests and 512 tokens for the round (Stats.Split counts such
+// batches).
+//
+// A server-busy answer (ErrServerBusy: the service is throttling) holds
+// every renewal back for ServerBusyWait, 10 s, as Microsoft's .NET client
+// waits; other failures (no answer, a timeout, status 500) are tried
+// again within a second, until the lock expires. azservicebus retries a
+// renewal 3 times (its RetryOptions default); the book goes on trying for
+// as long as the lock lives.
+//
 // # Logs
 //
 // The book logs each lost lock at debug only: OnLost is where a loss is
@@ -69,8 +87,11 @@ import (
 
 // Renewer renews message locks (com.microsoft:renew-lock on the entity's
 // $management node). expiries[i] is the new expiry of tokens[i]. An error
-// that wraps ErrLockLost says that (at least one of) the locks is lost; a
-// request whose ctx ends returns ctx's error.
+// that wraps ErrLockLost says that (at least one of) the locks is lost; one
+// that wraps ErrBadRequest that the service refused the request (status
+// 400); one that wraps ErrIncomplete that it answered with fewer (or more)
+// expirations than tokens; one that wraps ErrServerBusy that it is
+// throttling. A request whose ctx ends returns ctx's error.
 type Renewer interface {
 	RenewLocks(ctx context.Context, tokens []amqp.UUID) (expiries []time.Time, err error)
 }
@@ -79,6 +100,30 @@ type Renewer interface {
 // lock is lost (status 410), and is the cause of a handler's context
 // cancelled for that reason.
 var ErrLockLost = errors.New("amqpsub: the message lock was lost")
+
+// ErrBadRequest is wrapped by the errors of a Renewer when the service
+// refuses a request as a whole (status 400). For a request of several
+// tokens the book then asks for each on its own; for one token it is a
+// failed renewal, tried again until the lock expires.
+var ErrBadRequest = errors.New("amqpsub: the service refused the request")
+
+// ErrIncomplete is wrapped by the errors of a Renewer when the service
+// answered a request with a number of expirations other than its tokens',
+// so which locks it renewed is unknown. For a request of several tokens
+// the book then asks for each on its own; for one token it is a failed
+// renewal, tried again until the lock expires.
+var ErrIncomplete = errors.New("amqpsub: the answer's expirations do not match the request's tokens")
+
+// ErrServerBusy is wrapped by the errors of a Renewer when the service is
+// throttling (com.microsoft:server-busy, status 503): the book then sends
+// no renewal for ServerBusyWait.
+var ErrServerBusy = errors.New("amqpsub: the service is busy (throttling)")
+
+// ServerBusyWait is how long the book sends no renewal after a
+// server-busy answer: the ServerBusyBaseSleepTime of Microsoft's .NET
+// clients (Azure.Messaging.ServiceBus ServiceBusRetryPolicy). A lock that
+// expires meanwhile is lost.
+const ServerBusyWait = 10 * time.Second
 
 // Config configures a Book.
 type Config struct {
@@ -127,6 +172,8 @@ type Stats struct {
 	Unrenewable   uint64 // deliveries without a lock token or expiry (never renewed)
 	PastMaxRenew  uint64 // locks left to expire after MaxRenewal
 	RequestTokens uint64 // tokens sent in all requests (Renewed + lost + failed)
+	Split         uint64 // requests of several tokens answered 410, 400 or without all expirations, then asked token by token
+	ServerBusy    uint64 // requests answered server-busy
 }
 
 // Book is the lease book. Create it with New; run Run.
@@ -139,6 +186,8 @@ type Book struct {
 	mu      sync.Mutex
 	entries map[*pump.Delivery]*entry
 	stats   Stats
+	// busyUntil: no request goes out before it (a server-busy answer).
+	busyUntil time.Time
 }
 
 type entry struct {
@@ -368,6 +417,17 @@ func (b *Book) round(now time.Time, room int) (renew, lost []*entry, next time.T
 	if earliest == nil {
 		return nil, lost, next
 	}
+	if now.Before(b.busyUntil) {
+		// Throttled: nothing goes out until the wait is over, but locks
+		// that expire meanwhile are reported when they do.
+		next = b.busyUntil
+		for _, e := range b.entries {
+			if !e.until.IsZero() && !e.renewing && e.t.State() != pump.Settling {
+				next = minTime(next, e.until)
+			}
+		}
+		return nil, lost, next
+	}
 	if earliest.due.After(now) {
 		return nil, lost, earliest.due
 	}
@@ -436,8 +496,11 @@ func (b *Book) renew(ctx context.Context, es []*entry) (refused []*entry) {
 	b.stats.Requests++
 	b.stats.RequestTokens += uint64(len(tokens))
 	b.mu.Unlock()
+	if err == nil && len(expiries) != len(es) {
+		err = fmt.Errorf("%w: %d expirations for %d locks", ErrIncomplete, len(expiries), len(es))
+	}
 	switch {
-	case err == nil && len(expiries) == len(es):
+	case err == nil:
 		now := time.Now()
 		b.mu.Lock()
 		for i, e := range es {
@@ -450,10 +513,17 @@ func (b *Book) renew(ctx context.Context, es []*entry) (refused []*entry) {
 			b.cfg.OnRenewed(len(es))
 		}
 		return nil
-	case errors.Is(err, ErrLockLost) && len(es) > 1:
-		// A lock settled meanwhile makes the service refuse the whole
-		// request: ask again for those still held and not settling, as one
-		// batch, before asking lock by lock.
+	case len(es) > 1 && (errors.Is(err, ErrLockLost) || errors.Is(err, ErrBadRequest) || errors.Is(err, ErrIncomplete)):
+		// A batch holding one lost lock: the service may refuse it
+		// whole (410, or 400) or renew only some (fewer expirations,
+		// and which ones is not said). No official client sends more
+		// than one token a request, so no source says which: either way,
+		// no lock is declared lost on a batch's answer. A lock settled
+		// meanwhile is the likeliest cause: ask again for those still
+		// held and not settling, as one batch, and then token by token.
+		b.mu.Lock()
+		b.stats.Split++
+		b.mu.Unlock()
 		var still []*entry
 		for _, e := range es {
 			if b.held(e) && e.t.State() != pump.Settling {
@@ -491,23 +561,33 @@ func (b *Book) renew(ctx context.Context, es []*entry) (refused []*entry) {
 			}
 			return nil // stopping: not a failure
 		}
-		if err == nil {
-			err = errors.New("lease: the answer's expirations do not match the request")
-		}
+		now := time.Now()
+		busy := errors.Is(err, ErrServerBusy)
 		// Limited: while the service fails, every lock due is in a request
 		// that fails, again within a second.
+		// A server-busy error says so itself; the wait is ServerBusyWait.
 		b.limited.Warn("renewing message locks failed; trying again until they expire",
 			zap.Int("locks", len(es)), zap.Duration("timeout", timeout), zap.Error(err))
-		now := time.Now()
 		b.mu.Lock()
 		b.stats.Failures++
+		if busy {
+			b.stats.ServerBusy++
+			if until := now.Add(ServerBusyWait); until.After(b.busyUntil) {
+				b.busyUntil = until
+			}
+		}
 		for _, e := range es {
 			e.renewing = false
 			// Try again soon, within what is left of the lock (round
-			// reports it lost once it has expired).
+			// reports it lost once it has expired), and after a
+			// server-busy wait.
 			e.due = now.Add(min(time.Second, max(100*time.Millisecond, e.until.Sub(now)/4)))
+			if busy {
+				e.due = b.busyUntil
+			}
 		}
 		b.mu.Unlock()
+		b.signal() // the busy wait holds up every other lock too
 		return nil
 	}
 }

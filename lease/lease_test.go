@@ -44,7 +44,12 @@ type service struct {
 	mu      sync.Mutex
 	until   map[amqp.UUID]time.Time
 	lost    map[amqp.UUID]bool
-	fail    error                          // every request fails with it, when set
+	fail    error // every request fails with it, when set
+	// mixed is how a request of several tokens, one of them lost, is
+	// answered: "" or "410" refuses it whole with 410, "400" refuses it
+	// whole with 400, "partial" renews the others and answers with their
+	// expirations only. A request of one lost token gets 410.
+	mixed   string
 	delay   time.Duration                  // each request takes this long
 	during  func(tokens []amqp.UUID) error // called within each request; its error is the answer
 	reqs    int
@@ -110,18 +115,25 @@ func (s *service) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Ti
 		return nil, s.fail
 	}
 	now := time.Now()
-	out := make([]time.Time, len(tokens))
-	for i, tok := range tokens {
-		if s.lost[tok] {
-			return nil, fmt.Errorf("status 410: %w", lease.ErrLockLost)
+	out := make([]time.Time, 0, len(tokens))
+	var live []amqp.UUID
+	for _, tok := range tokens {
+		if s.lost[tok] || !s.until[tok].After(now) {
+			if !s.lost[tok] {
+				s.expired++
+			}
+			switch {
+			case len(tokens) == 1 || s.mixed == "" || s.mixed == "410":
+				return nil, fmt.Errorf("status 410: %w", lease.ErrLockLost)
+			case s.mixed == "400":
+				return nil, fmt.Errorf("status 400: %w", lease.ErrBadRequest)
+			}
+			continue // "partial": left out of the answer
 		}
-		if !s.until[tok].After(now) {
-			s.expired++
-			return nil, fmt.Errorf("status 410: %w", lease.ErrLockLost)
-		}
-		out[i] = now.Add(s.lockFor)
+		live = append(live, tok)
+		out = append(out, now.Add(s.lockFor))
 	}
-	for i, tok := range tokens {
+	for i, tok := range live {
 		left := s.until[tok].Sub(now)
 		if prev, ok := s.left[tok]; !ok || left < prev {
 			s.left[tok] = left

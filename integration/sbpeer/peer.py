@@ -1564,9 +1564,20 @@ class Peer(object):
                 return rule
         return None
 
+    # How a renew-lock request of several tokens, one or more of them lost,
+    # is answered (POST /faults/renew-batch). No official client sends more
+    # than one token a request, so which the service does is unknown:
+    #   reject-all-410  the whole request gets 410 (the default);
+    #   reject-all-400  the whole request gets 400;
+    #   partial-200     the live locks are renewed and the answer holds
+    #                   their expirations only, fewer than the tokens.
+    # A request of one lost token gets 410 in every mode.
+    RENEW_BATCH_MODES = ("reject-all-410", "reject-all-400", "partial-200")
+
     def mgmt_renew_lock(self, ls, msg, ent, body):
         self.count("renew_lock_requests")
         tokens = elements(body.get("lock-tokens"))
+        self.count("renew_lock_tokens_asked", len(tokens))
         locks = []
         for tok in tokens:
             if isinstance(tok, (bytes, bytearray)) and len(tok) == 16:
@@ -1587,20 +1598,29 @@ class Peer(object):
                 return self.reply(ls, msg, 410, LOCK_LOST_TEXT, cond=COND_LOCK_LOST)
             return self.reply(ls, msg, rule["status"], rule.get("description") or "Injected failure.")
         t = now_s()
+        live = []
         for lock in locks:
             if lock is None or lock.state != "held" or lock.locked_until <= t or \
                     lock.msg.entity is not ent:
+                mode = getattr(self, "renew_batch_mode", "reject-all-410")
+                if len(locks) > 1 and mode != "reject-all-410":
+                    self.count("renew_lock_mixed_batches")
+                    if mode == "reject-all-400":
+                        self.count("renew_lock_failed_requests")
+                        return self.reply(ls, msg, 400, "The request holds a lock token that is not valid.")
+                    continue  # partial-200: left out of the answer
                 self.count("renew_lock_failed_requests")
                 return self.reply(ls, msg, 410, LOCK_LOST_TEXT, cond=COND_LOCK_LOST)
             if lock.session is not None:
                 self.count("renew_lock_failed_requests")
                 return self.reply(ls, msg, 400, "Message locks of session messages are renewed with the session lock (com.microsoft:renew-session-lock).")
+            live.append(lock)
         exps = []
-        for lock in locks:
+        for lock in live:
             lock.locked_until = t + ent.lock_ms / 1000.0
             self.timers.add(lock.locked_until, self.lock_check, lock)
             exps.append(timestamp(int(lock.locked_until * 1000)))
-        self.count("renew_lock_tokens", len(locks))
+        self.count("renew_lock_tokens", len(live))
         self.reply(ls, msg, 200, "OK", body={"expirations": Array(UNDESCRIBED, Data.TIMESTAMP, *exps)})
 
     def mgmt_update_disposition(self, ls, msg, ent, body):
@@ -1881,6 +1901,18 @@ class Peer(object):
         if method == "POST" and path == "/faults/renew/clear":
             self.renew_rules = []
             return {"ok": True}
+        if method == "POST" and path == "/faults/renew-batch":
+            mode = str(b.get("mode") or "reject-all-410")
+            if mode not in self.RENEW_BATCH_MODES:
+                raise ControlError(400, "mode must be one of %s" % ", ".join(self.RENEW_BATCH_MODES))
+            self.renew_batch_mode = mode
+            expired = 0
+            ids = set(str(x) for x in b.get("expire_message_ids", []))
+            for lock in list(self.locks.values()):
+                if lock.state == "held" and lock.session is None and str(lock.msg.message_id) in ids:
+                    self.expire_lock(lock)
+                    expired += 1
+            return {"mode": mode, "expired": expired}
         if method == "POST" and path == "/faults/delivery":
             tl = b.get("tag_length")
             f = {"id": next(self.ids),
@@ -1913,6 +1945,7 @@ class Peer(object):
             self.session_timeout_ms = self.args.session_timeout_ms
             self.settle_delay_ms = 0
             self.renew_rules = []
+            self.renew_batch_mode = "reject-all-410"
             self.delivery_faults = []
             self.reset_counters()
             return {"ok": True}

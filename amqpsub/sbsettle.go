@@ -89,11 +89,9 @@ const (
 	// dispositionTimeout bounds one request.
 	dispositionTimeout = 10 * time.Second
 	// dispositionRetries is how often a request that failed transiently
-	// is sent again (azservicebus's RetryOptions default: 3).
+	// is sent again (azservicebus's RetryOptions default: 3). After a
+	// server-busy answer the next waits serverBusyWait at least.
 	dispositionRetries = 3
-	// serverBusyWait is the least wait after com.microsoft:server-busy
-	// (the .NET client's ServerBusyBaseSleepTime is 10 s).
-	serverBusyWait = 10 * time.Second
 )
 
 // dispositions sends the settlements of messages whose link is gone as

@@ -191,25 +191,25 @@ func TestServiceBusRenewalUnderBacklog(t *testing.T) {
 	}
 }
 
-// Each settling disposition answered 5 ms late: settled one at a time the
-// drain could not pass 200 msg/s; settled many at a time it passes 2,000.
+// TestServiceBusSettleRoundTrip: with a 5 ms settle delay on the peer and
+// Workers(16), settlements go out concurrently: the peer sees at least 8
+// of them outstanding at once (settlements_outstanding_max). The rate is
+// logged only; it is the benchmark's figure, not a pass condition.
 func TestServiceBusSettleRoundTrip(t *testing.T) {
 	p := serviceBusPeer(t)
 	q := p.entity(t, map[string]any{"lock_duration_ms": 60000})
-	const n = 5000
+	const n = 2000
 	p.send(t, q, n)
 	p.call(t, "POST", "/faults/settle-delay", map[string]any{"ms": 5}, nil)
 	t.Cleanup(func() { p.call(t, "POST", "/faults/settle-delay", map[string]any{"ms": 0}, nil) })
+	p.call(t, "POST", "/counters/reset", nil, nil)
 	var first, last atomic.Int64
-	var handled atomic.Int64
 	s, _ := amqpsub.New(sbConnector(t, p), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
-		now := time.Now().UnixNano()
-		first.CompareAndSwap(0, now)
-		handled.Add(1)
+		first.CompareAndSwap(0, time.Now().UnixNano())
 		return nil
 	}), amqpsub.Workers(16), amqpsub.Logger(logger(t)))
 	stop, wait := runSub(t, s)
-	waitFor(t, 2*time.Minute, "5,000 completed", func() bool {
+	waitFor(t, 2*time.Minute, "2,000 completed", func() bool {
 		if s.Stats().Settled.Accepted == n {
 			last.CompareAndSwap(0, time.Now().UnixNano())
 			return true
@@ -220,11 +220,15 @@ func TestServiceBusSettleRoundTrip(t *testing.T) {
 	if err := wait(); err != nil {
 		t.Fatal(err)
 	}
+	c := p.counters(t)
 	took := time.Duration(last.Load() - first.Load())
-	rate := float64(n) / took.Seconds()
-	t.Logf("%d settled in %v: %.0f msg/s (stats %v)", n, took.Round(time.Millisecond), rate, s.Stats())
-	if rate < 2000 {
-		t.Fatalf("%.0f msg/s with 5 ms settlements, want ≥ 2,000", rate)
+	t.Logf("%d settled in %v: %.0f msg/s; peer saw at most %d settlements outstanding (stats %v)",
+		n, took.Round(time.Millisecond), float64(n)/took.Seconds(), c["settlements_outstanding_max"], s.Stats())
+	if got := p.info(t, q).Stats["completed"]; got != n {
+		t.Fatalf("the peer completed %d of %d", got, n)
+	}
+	if c["settlements_outstanding_max"] < 8 {
+		t.Fatalf("at most %d settlements were outstanding at once with Workers(16), want >= 8", c["settlements_outstanding_max"])
 	}
 }
 

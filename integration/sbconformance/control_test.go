@@ -92,9 +92,10 @@ func TestSettleDelay(t *testing.T) {
 	}
 }
 
-// TestForceDetach: the peer detaches the entity's receivers; their locks
-// are gone (CodeLockLost, via the SDK's $management fallback) and the
-// messages come back with their count raised; the SDK reattaches.
+// TestForceDetach: the peer detaches the entity's receivers. The message
+// lock outlives the link, so completing the message afterwards succeeds
+// through the SDK's $management fallback (update-disposition) and it is
+// not delivered again; the SDK reattaches and receives the next message.
 func TestForceDetach(t *testing.T) {
 	p := needPeer(t)
 	q := p.entity(t, map[string]any{"lock_duration_ms": 5000})
@@ -106,6 +107,7 @@ func TestForceDetach(t *testing.T) {
 	}
 	defer r.Close(context.Background())
 	m := receiveN(t, r, 1, 10*time.Second)[0]
+	before := p.counters(t)
 	var res struct {
 		Detached int `json:"detached"`
 	}
@@ -113,15 +115,26 @@ func TestForceDetach(t *testing.T) {
 	if res.Detached != 1 {
 		t.Fatalf("detached %d links, want 1", res.Detached)
 	}
-	if err := r.CompleteMessage(ctxFor(t, 10*time.Second), m, nil); sbCode(err) != azservicebus.CodeLockLost {
-		t.Fatalf("completing after the detach: %v (code %q), want CodeLockLost", err, sbCode(err))
+	if err := r.CompleteMessage(ctxFor(t, 10*time.Second), m, nil); err != nil {
+		t.Fatalf("completing after the detach: %v (code %q), want success through update-disposition", err, sbCode(err))
 	}
+	after := p.counters(t)
+	for name, want := range map[string]int{"update_disposition_requests": 1, "update_disposition_tokens": 1,
+		"completed": 1, "locks_orphaned": 1, "redeliveries_link_closed": 0} {
+		if got := after[name] - before[name]; got != want {
+			t.Errorf("counter %s grew by %d, want %d", name, got, want)
+		}
+	}
+	send(t, c, q, textMsg("d-2", "x"))
 	again := receiveN(t, r, 1, 10*time.Second)[0]
-	if again.MessageID != "d-1" || again.DeliveryCount != 2 {
-		t.Fatalf("after the detach: %s count %d, want d-1 count 2", again.MessageID, again.DeliveryCount)
+	if again.MessageID != "d-2" || again.DeliveryCount != 1 {
+		t.Fatalf("after the detach: %s count %d, want d-2 count 1 (d-1 must not come back)", again.MessageID, again.DeliveryCount)
 	}
 	if err := r.CompleteMessage(ctxFor(t, 5*time.Second), again, nil); err != nil {
 		t.Fatal(err)
+	}
+	if e := p.info(t, q); e.Available != 0 || e.Locked != 0 {
+		t.Fatalf("entity after both completions: %+v", e)
 	}
 }
 

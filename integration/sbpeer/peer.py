@@ -500,6 +500,7 @@ class LinkState(object):
         self.opened = False
         self.pending = False  # waiting for a session
         self.filter_descriptor = SESSION_FILTER_CODE
+        self.last_active = now_s()  # last transfer, flow or disposition (idle detach)
 
 
 # ---------------------------------------------------------------------------
@@ -531,6 +532,11 @@ class Peer(object):
         self.require_claims = True
         self.session_timeout_ms = args.session_timeout_ms
         self.settle_delay_ms = 0
+        self.outstanding = 0  # link dispositions taken and not yet answered
+        self.idle_ms = args.idle_detach_ms or 0
+        self.idle_senders = False
+        self.idle_gen = 0  # bumped when the idle setting changes: stale timers stop
+        self.idle_since = now_s()
         self.renew_rules = []
         self.delivery_faults = []
         self.counters = {}
@@ -560,7 +566,12 @@ class Peer(object):
             "session_accept_timeouts", "session_cannot_be_locked",
             "session_lock_lost", "get_session_state", "set_session_state",
             "update_disposition_requests", "peek_requests",
-            "mgmt_requests", "settle_delayed", "faulty_deliveries")}
+            "mgmt_requests", "settle_delayed", "faulty_deliveries",
+            "locks_orphaned", "update_disposition_tokens",
+            "update_disposition_lock_lost", "links_detached_idle",
+            "associated_link_activity")}
+        # A high-water mark, not a sum: it restarts from what is in flight.
+        self.counters["settlements_outstanding_max"] = self.outstanding
 
     def on_reactor_init(self, event):
         self.container = event.container
@@ -757,6 +768,8 @@ class Peer(object):
             link.max_message_size = self.args.max_message_size
         link.open()
         ls.opened = True
+        ls.last_active = now_s()
+        self.arm_idle(ls)
         self.count("links_attached")
         log.debug("conn %d link %s %s %r attached", ls.cs.cid, ls.name,
                   "out" if ls.sending else "in", ls.address)
@@ -788,6 +801,50 @@ class Peer(object):
         log.info("conn %d link %s %r detached: %s", ls.cs.cid, ls.name, ls.address, cond)
         self.link_gone(ls)
 
+    # -- idle detach ----------------------------------------------------------
+
+    def idle_watched(self, ls):
+        return self.idle_ms > 0 and ls.node == "entity" and ls.opened and \
+            not ls.closed and (ls.sending or self.idle_senders)
+
+    def arm_idle(self, ls):
+        if self.idle_watched(ls):
+            due = max(ls.last_active, self.idle_since) + self.idle_ms / 1000.0
+            self.timers.add(due, self.idle_check, ls, self.idle_gen)
+
+    def idle_check(self, ls, gen):
+        if gen != self.idle_gen or not self.idle_watched(ls):
+            return  # setting changed (a newer timer runs) or link gone
+        due = max(ls.last_active, self.idle_since) + self.idle_ms / 1000.0
+        if due > now_s() + 0.001:
+            self.timers.add(due, self.idle_check, ls, gen)
+            return
+        self.count("links_detached_idle")
+        secs = self.idle_ms / 1000.0
+        self.detach(ls, COND_DETACH_FORCED,
+                    # The service's text (Learn service-bus-amqp-troubleshoot;
+                    # azure-sdk-for-python tests quote the consumer form).
+                    "The link '%s' is force detached. Code: %s(link%d). Details: "
+                    "%s.IdleTimerExpired: Idle timeout: %02d:%02d:%02d." %
+                    (ls.name, "consumer" if ls.sending else "publisher", ls.lid,
+                     "AmqpMessageConsumer" if ls.sending else "AmqpMessagePublisher",
+                     int(secs // 3600), int(secs % 3600 // 60), int(secs % 60)))
+
+    def set_idle(self, idle_ms, senders=None):
+        self.idle_ms = max(0, int(idle_ms or 0))
+        if senders is not None:
+            self.idle_senders = bool(senders)
+        self.idle_gen += 1
+        self.idle_since = now_s()
+        for cs in self.conns.values():
+            for ls in cs.links:
+                self.arm_idle(ls)
+
+    @staticmethod
+    def touch(ls):
+        if ls is not None:
+            ls.last_active = now_s()
+
     def on_link_remote_close(self, event):
         link = event.link
         ls = getattr(link, "sbstate", None)
@@ -809,17 +866,26 @@ class Peer(object):
         if ent is not None and ls in ent.receivers:
             ent.receivers.remove(ls)
         sess = ls.sb_session
-        # Service Bus: a closed non-session receiver gives its locked messages
-        # back with the delivery count raised; a closed session does not
-        # raise it, a session whose lock expired does.
-        bump = sess is None or lost
         touched = False
-        for lock in list(ls.locks.values()):
-            if lock.state == "held":
-                self.drop_lock(lock)
-                self.count("redeliveries_link_closed")
-                self.return_msg(lock.msg, bump, "link closed")
-                touched = True
+        if sess is None:
+            # A non-session message lock belongs to the entity, not to the
+            # link: it stays in self.locks until it expires or is settled
+            # through $management (update-disposition) and can be renewed
+            # from any connection. Its expiry timer is already armed.
+            for lock in ls.locks.values():
+                if lock.state in ("held", "settling"):
+                    self.count("locks_orphaned")
+        else:
+            # A session message's lock is the session's: losing the session
+            # link ends it. A session the client closed gives its messages
+            # back without raising the count; an expired session lock
+            # (lost=True) raises it.
+            for lock in list(ls.locks.values()):
+                if lock.state == "held":
+                    self.drop_lock(lock)
+                    self.count("redeliveries_link_closed")
+                    self.return_msg(lock.msg, lost, "session link closed")
+                    touched = True
         ls.locks.clear()
         for dlv in ls.dlvs.values():
             dlv.sblock = None  # break delivery record -> lock -> link state -> link
@@ -953,6 +1019,7 @@ class Peer(object):
     def on_delivery(self, event):
         dlv = event.delivery
         link = event.link
+        self.touch(getattr(link, "sbstate", None))
         if link.is_sender:
             self.on_outcome(dlv)
             return
@@ -1244,6 +1311,7 @@ class Peer(object):
         if link.is_sender:
             ls = getattr(link, "sbstate", None)
             if ls is not None and not ls.closed and ls.node == "entity" and ls.opened:
+                self.touch(ls)
                 self.pump_link(ls)
 
     def pump_link(self, ls):
@@ -1312,6 +1380,7 @@ class Peer(object):
         dlv = make_delivery(link, tag)
         link.stream(data)
         link.advance()
+        ls.last_active = t
         self.count("deliveries")
         ent.stats["delivered"] += 1
         if m.delivery_count:
@@ -1359,6 +1428,19 @@ class Peer(object):
 
     # -- outcomes -------------------------------------------------------------
 
+    @staticmethod
+    def lock_live(lock):
+        """A lock that may still be settled or renewed: held and unexpired;
+        a session message's lock also needs its session still locked by the
+        link that received it (the lock is the session's)."""
+        t = now_s()
+        if lock.state != "held":
+            return False
+        if lock.session is not None:
+            return lock.session.locked_by is lock.ls and not lock.ls.closed and \
+                lock.session.lock_until > t
+        return lock.locked_until > t
+
     def on_outcome(self, dlv):
         lock = getattr(dlv, "sblock", None)
         if lock is None:
@@ -1377,10 +1459,7 @@ class Peer(object):
             self.count("dispositions_presettled")
         self.count("dispositions_" + name)
         remote = dlv.remote
-        valid = lock.state == "held" and lock.locked_until > now_s()
-        if lock.session is not None:
-            valid = lock.state == "held" and lock.session.locked_by is lock.ls and \
-                lock.session.lock_until > now_s()
+        valid = self.lock_live(lock)
         if not valid:
             if lock.state == "held":
                 # The lock ran out before its timer said so: expire it now.
@@ -1409,6 +1488,12 @@ class Peer(object):
             failed, undeliverable = remote.failed, remote.undeliverable
         outcome = (state, cond_name, info, dict(ann) if ann else None, failed, undeliverable)
         reply = "settle" if remote_settled else "answer"
+        if reply == "answer":
+            # Counted until finish_outcome answers it: the most in flight at
+            # once shows how many settlements the client keeps outstanding.
+            self.outstanding += 1
+            if self.outstanding > self.counters["settlements_outstanding_max"]:
+                self.counters["settlements_outstanding_max"] = self.outstanding
         if self.settle_delay_ms > 0 and not remote_settled:
             self.count("settle_delayed")
             self.timers.add(now_s() + self.settle_delay_ms / 1000.0, self.finish_outcome, dlv, lock, outcome, reply)
@@ -1420,6 +1505,8 @@ class Peer(object):
         disposition), 'settle' (the client settled already) or 'none'
         (settled through $management: the link delivery stays open)."""
         state, cond_name, info, ann, failed, undeliverable = outcome
+        if reply == "answer":
+            self.outstanding -= 1
         m = lock.msg
         ent = m.entity
         ls = lock.ls
@@ -1504,6 +1591,16 @@ class Peer(object):
         body = msg.body if isinstance(msg.body, dict) else {}
         self.count("mgmt_requests")
         ent = ls.entity
+        assoc = props.get("associated-link-name")
+        if assoc is not None:
+            # azservicebus sets it "so management link activity ... can
+            # prevent it from idling out" (internal/mgmt.go): the named link
+            # of this connection counts as active.
+            for other in ls.cs.links:
+                if other.node == "entity" and other.name == str(assoc) and not other.closed:
+                    self.touch(other)
+                    self.count("associated_link_activity")
+                    break
         if op == "com.microsoft:renew-lock":
             return self.mgmt_renew_lock(ls, msg, ent, body)
         if op == "com.microsoft:renew-session-lock":
@@ -1624,38 +1721,54 @@ class Peer(object):
         self.reply(ls, msg, 200, "OK", body={"expirations": Array(UNDESCRIBED, Data.TIMESTAMP, *exps)})
 
     def mgmt_update_disposition(self, ls, msg, ent, body):
+        """com.microsoft:update-disposition: what azservicebus sends when a
+        settlement on the receive link fails with a link error
+        (messageSettler.go, internal/mgmt.go SettleOnMgmtLink):
+        disposition-status completed | abandoned | suspended | defered,
+        lock-tokens (array of uuid), optional deadletter-reason,
+        deadletter-description, properties-to-modify; .NET adds session-id
+        for session messages. Every token must name a live lock of this
+        entity, else 410 for the whole request."""
         self.count("update_disposition_requests")
         status = str(body.get("disposition-status") or "")
+        if status not in ("completed", "abandoned", "suspended", "defered", "deferred"):
+            return self.reply(ls, msg, 400, "Unknown disposition-status %r." % status,
+                              cond="amqp:invalid-field")
         tokens = elements(body.get("lock-tokens"))
+        if not tokens:
+            return self.reply(ls, msg, 400, "lock-tokens is missing or empty.",
+                              cond="amqp:invalid-field")
+        sid = body.get("session-id")
         locks = []
         for tok in tokens:
+            if isinstance(tok, (bytes, bytearray)) and len(tok) == 16:
+                tok = uuid.UUID(bytes=bytes(tok))
             lock = self.locks.get(tok) if isinstance(tok, uuid.UUID) else None
-            if lock is None or lock.state != "held" or lock.locked_until <= now_s():
+            if lock is None or not self.lock_live(lock) or lock.msg.entity is not ent or \
+                    (sid is not None and (lock.session is None or lock.session.sid != str(sid))):
+                self.count("update_disposition_lock_lost")
                 return self.reply(ls, msg, 410, LOCK_LOST_TEXT, cond=COND_LOCK_LOST)
             locks.append(lock)
         props = body.get("properties-to-modify")
+        if status == "completed":
+            outcome = (Delivery.ACCEPTED, None, None, None, False, False)
+        elif status == "abandoned":
+            outcome = (Delivery.MODIFIED, None, None, props, False, False)
+        elif status in ("defered", "deferred"):
+            outcome = (Delivery.MODIFIED, None, None, props, False, True)
+        else:  # suspended: dead-letter
+            info = dict(props or {})
+            if body.get("deadletter-reason") is not None:
+                info["DeadLetterReason"] = body.get("deadletter-reason")
+            if body.get("deadletter-description") is not None:
+                info["DeadLetterErrorDescription"] = body.get("deadletter-description")
+            outcome = (Delivery.REJECTED, COND_DEAD_LETTER, info, None, False, False)
         for lock in locks:
-            lock.state = "settling"
-            if status == "completed":
-                outcome = (Delivery.ACCEPTED, None, None, None, False, False)
-            elif status == "abandoned":
-                outcome = (Delivery.MODIFIED, None, None, props, False, False)
-            elif status in ("defered", "deferred"):
-                outcome = (Delivery.MODIFIED, None, None, props, False, True)
-            elif status == "suspended":
-                info = dict(props or {})
-                if body.get("deadletter-reason") is not None:
-                    info["DeadLetterReason"] = body.get("deadletter-reason")
-                if body.get("deadletter-description") is not None:
-                    info["DeadLetterErrorDescription"] = body.get("deadletter-description")
-                outcome = (Delivery.REJECTED, COND_DEAD_LETTER, info, None, False, False)
-            else:
-                lock.state = "held"
-                return self.reply(ls, msg, 400, "Unknown disposition-status %r." % status)
-            # The delivery on the receive link stays unsettled; a later
-            # disposition on it is answered with lock-lost.
+            # If its receive link is still up, the delivery there stays
+            # unsettled; a later disposition on it is answered lock-lost.
             self.finish_outcome(None, lock, outcome, "none")
-            lock.state = "lost"  # a later disposition on the link: lock-lost
+            lock.state = "lost"
+        self.count("update_disposition_tokens", len(locks))
         self.reply(ls, msg, 200, "OK", body={})
 
     def mgmt_peek(self, ls, msg, ent, body):
@@ -1842,9 +1955,12 @@ class Peer(object):
             return {"ok": True, "listening": self.listening, "tag_mode": TAG_MODE,
                     "amqp_port": self.args.port, "cpu_seconds": round(time.process_time(), 3),
                     "timers": len(self.timers.heap), "locks": len(self.locks),
+                    "settlements_outstanding": self.outstanding,
                     "connections": len(self.conns)}
         if method == "GET" and path == "/counters":
-            return dict(self.counters)
+            out = dict(self.counters)
+            out["settlements_outstanding"] = self.outstanding  # a gauge
+            return out
         if method == "POST" and path == "/counters/reset":
             self.reset_counters()
             return {"ok": True}
@@ -1888,6 +2004,11 @@ class Peer(object):
                 self.settle_delay_ms = max(0, int(b["settle_delay_ms"]))
             if "session_timeout_ms" in b:
                 self.session_timeout_ms = max(1, int(b["session_timeout_ms"]))
+            if "idle_detach_ms" in b:
+                self.set_idle(b["idle_detach_ms"], b.get("idle_detach_senders"))
+            return self.settings_info()
+        if method == "POST" and path == "/faults/idle-detach":
+            self.set_idle(b.get("idle_ms"), b.get("senders"))
             return self.settings_info()
         if method == "POST" and path == "/faults/settle-delay":
             self.settle_delay_ms = max(0, int(b.get("ms", 0)))
@@ -1944,6 +2065,7 @@ class Peer(object):
             self.require_claims = True
             self.session_timeout_ms = self.args.session_timeout_ms
             self.settle_delay_ms = 0
+            self.set_idle(self.args.idle_detach_ms, False)
             self.renew_rules = []
             self.renew_batch_mode = "reject-all-410"
             self.delivery_faults = []
@@ -1953,6 +2075,8 @@ class Peer(object):
 
     def settings_info(self):
         return {"settle_delay_ms": self.settle_delay_ms,
+                "idle_detach_ms": self.idle_ms,
+                "idle_detach_senders": self.idle_senders,
                 "session_timeout_ms": self.session_timeout_ms,
                 "cbs_deadline_s": self.cbs_deadline_s,
                 "max_token_lifetime_s": self.max_token_lifetime_s,
@@ -2137,6 +2261,8 @@ def main():
                    help="accept-next-session wait when the client sets no com.microsoft:timeout")
     p.add_argument("--max-message-size", type=int, default=262144,
                    help="max-message-size on entity links (Standard tier: 256 KiB; 0: none)")
+    p.add_argument("--idle-detach-ms", type=int, default=0,
+                   help="detach an entity receive link idle this long (the service: 600000; 0: never)")
     p.add_argument("--entities", help="JSON file: a list of entity specs as POST /entities takes")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args()

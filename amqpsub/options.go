@@ -188,10 +188,18 @@ func Batch(size int, wait time.Duration) Option {
 
 // GracePeriod bounds how long a graceful stop waits for the handlers in
 // progress. When it runs out their context is cancelled (its cause is
-// ErrStopping), their results are
-// ignored and the connection is closed; the broker redelivers what was not
-// settled. GracePeriod(0) releases the buffered deliveries and cancels the
-// handlers at once. Must be ≥ 0. Default: 30 s.
+// ErrStopping), their results are ignored and the connection is closed;
+// the broker redelivers what was not settled.
+//
+// GracePeriod(0) releases the buffered deliveries and cancels the handlers
+// at once: once the releases are applied, or after a quarter of
+// CloseTimeout, whichever comes first. On Azure Service Bus, where each
+// settlement waits for the service's answer, the settlements decided
+// before the handlers were cancelled (results, releases) are still sent
+// afterwards, up to a quarter of CloseTimeout before the stop's bound;
+// those not sent by then are counted in Stats.Unsent.
+//
+// Must be ≥ 0. Default: 30 s.
 func GracePeriod(d time.Duration) Option {
 	return optionFunc(func(c *config) {
 		if d < 0 {

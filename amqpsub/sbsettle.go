@@ -42,15 +42,15 @@ type sbReceiver struct {
 }
 
 func (r sbReceiver) AcceptMessage(ctx context.Context, msg *amqp.Message) error {
-	return r.orFallback(ctx, msg, pump.Outcome{Kind: pump.Accept}, r.Receiver.AcceptMessage(ctx, msg))
+	return r.settle(ctx, msg, pump.Outcome{Kind: pump.Accept}, func() error { return r.Receiver.AcceptMessage(ctx, msg) })
 }
 
 func (r sbReceiver) ReleaseMessage(ctx context.Context, msg *amqp.Message) error {
-	return r.orFallback(ctx, msg, pump.Outcome{Kind: pump.Release}, r.Receiver.ReleaseMessage(ctx, msg))
+	return r.settle(ctx, msg, pump.Outcome{Kind: pump.Release}, func() error { return r.Receiver.ReleaseMessage(ctx, msg) })
 }
 
 func (r sbReceiver) RejectMessage(ctx context.Context, msg *amqp.Message, e *amqp.Error) error {
-	return r.orFallback(ctx, msg, pump.Outcome{Kind: pump.Reject, Error: e}, r.Receiver.RejectMessage(ctx, msg, e))
+	return r.settle(ctx, msg, pump.Outcome{Kind: pump.Reject, Error: e}, func() error { return r.Receiver.RejectMessage(ctx, msg, e) })
 }
 
 func (r sbReceiver) ModifyMessage(ctx context.Context, msg *amqp.Message, o *amqp.ModifyMessageOptions) error {
@@ -58,16 +58,41 @@ func (r sbReceiver) ModifyMessage(ctx context.Context, msg *amqp.Message, o *amq
 	if o != nil {
 		out.DeliveryFailed, out.UndeliverableHere = o.DeliveryFailed, o.UndeliverableHere
 	}
-	return r.orFallback(ctx, msg, out, r.Receiver.ModifyMessage(ctx, msg, o))
+	return r.settle(ctx, msg, out, func() error { return r.Receiver.ModifyMessage(ctx, msg, o) })
 }
 
-// orFallback returns err, the link's answer to a settlement, or, when the
-// link is gone, the answer of the same settlement sent by lock token.
-func (r sbReceiver) orFallback(ctx context.Context, msg *amqp.Message, o pump.Outcome, err error) error {
-	if err == nil || !linkGone(err) || ctx.Err() != nil {
-		return err
+// settle sends a settlement on the link (onLink), and returns its answer;
+// when the link is gone, the answer of the same settlement sent by lock
+// token. An answer that the service was busy or timed out
+// (com.microsoft:server-busy, com.microsoft:timeout,
+// com.microsoft:operation-cancelled: retried by azservicebus,
+// internal/errors.go) sends it again, up to dispositionRetries times, within
+// ctx.
+func (r sbReceiver) settle(ctx context.Context, msg *amqp.Message, o pump.Outcome, onLink func() error) error {
+	for attempt := 0; ; attempt++ {
+		err := onLink()
+		switch {
+		case err == nil || ctx.Err() != nil:
+			return err
+		case linkGone(err):
+			return r.fb.settle(ctx, msg, o)
+		case attempt == dispositionRetries || !transientCond(err):
+			return err
+		}
+		wait := backoff.Jittered(attempt, 100*time.Millisecond, 2*time.Second)
+		if isCond(err, errCondServerBusy) {
+			wait = max(wait, serverBusyWait)
+		}
+		if !sleep(ctx, wait) {
+			return err
+		}
 	}
-	return r.fb.settle(ctx, msg, o)
+}
+
+// transientCond reports whether err is an answer of the service that a
+// settlement sent again may not get.
+func transientCond(err error) bool {
+	return isCond(err, errCondServerBusy) || isCond(err, errCondTimeout) || isCond(err, "com.microsoft:operation-cancelled")
 }
 
 // linkGone reports whether err says that a settlement could not go out on

@@ -28,15 +28,30 @@ type link struct {
 // attaches a receiver to the queue, all within DialTimeout; with
 // DialFailover, within the DialTimeout of the address that answered, each
 // address tried having its own.
+//
+// A session consumer's slot attaches on the connection (and session) it
+// kept (attacher.spare) when it has one: after the service said that no
+// session became free in time (com.microsoft:timeout) or that the named
+// session is held elsewhere, the attach is asked again on the same
+// connection, with its claims and their refresher, as azservicebus asks for
+// the next session on the connection it has (amqpLinks.go closes the
+// refused link's AMQP session, never the connection). A new connection is
+// opened only when that one is lost.
 func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
-	c, by, err := s.connect(ctx, p.att.from, !p.att.before)
-	if err != nil {
-		return nil, fmt.Errorf("amqpsub: connect to %s: %w", s.connector, err)
+	l, by := p.att.spare, time.Now().Add(s.cfg.dialTimeout)
+	p.att.spare = nil
+	if l == nil {
+		c, cby, err := s.connect(ctx, p.att.from, !p.att.before)
+		if err != nil {
+			return nil, fmt.Errorf("amqpsub: connect to %s: %w", s.connector, err)
+		}
+		l, by = &link{connection: c}, cby
 	}
 	ctx, cancel := context.WithDeadline(ctx, by)
 	defer cancel()
-	l := &link{connection: c}
+	c := l.connection
 	conn := c.conn
+	var err error
 	fail := func(what string, err error) (*link, error) {
 		s.closeLink(ctx, l, nil)
 		if !c.owned && conn.Err() != nil {
@@ -49,8 +64,10 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 		p.att.connected = true
 		return nil, fmt.Errorf("amqpsub: %s on %s queue %q: %w", what, c.addr, s.queue, err)
 	}
-	if l.sess, err = conn.NewSession(ctx, nil); err != nil {
-		return fail("open session", err)
+	if l.sess == nil {
+		if l.sess, err = conn.NewSession(ctx, nil); err != nil {
+			return fail("open session", err)
+		}
 	}
 	addr := s.cfg.profile.address(s.queue)
 	ro := &amqp.ReceiverOptions{
@@ -68,6 +85,13 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 	}
 	l.rcv, err = l.sess.NewReceiver(ctx, addr, ro)
 	if err != nil {
+		if s.cfg.sessions() && isNoSession(err) && live(conn) {
+			// The service refused the link and nothing else: the
+			// connection and session stay for the next attach.
+			l.rcv = nil
+			p.att.spare = l
+			return nil, fmt.Errorf("amqpsub: attach receiver on %s queue %q: %w", c.addr, s.queue, err)
+		}
 		return fail("attach receiver", err)
 	}
 	if s.cfg.profile.peekLock {
@@ -143,28 +167,7 @@ func (s *Subscriber) attached(p *pipe, l *link) {
 func (s *Subscriber) closeLink(ctx context.Context, l *link, why error) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.closeTimeout)
 	defer cancel()
-	if l.session != nil {
-		l.session.stop()
-		s.log.Info("session released", zap.String("session_id", l.session.id), zap.Int("slot", l.session.p.index),
-			zap.Error(why))
-	}
-	if l.rcv != nil && s.cfg.profile.detach {
-		if err := l.rcv.Close(ctx); err != nil {
-			s.log.Debug("close receiver", zap.Error(err))
-		}
-	}
-	if l.sess != nil {
-		if err := l.sess.Close(ctx); err != nil {
-			s.log.Debug("close session", zap.Error(err))
-		}
-	}
-	if l.mgmt != nil {
-		// Its routing goroutine ends with the session.
-		select {
-		case <-l.mgmt.done:
-		case <-ctx.Done():
-		}
-	}
+	s.closeSession(ctx, l, why)
 	if l.stop != nil {
 		l.stop()
 	}
@@ -188,6 +191,45 @@ func (s *Subscriber) closeLink(ctx context.Context, l *link, why error) {
 		if !errors.As(err, &ce) || ce.RemoteErr != nil {
 			s.log.Debug("close connection", zap.Error(err))
 		}
+	}
+}
+
+// closeSession closes what l opened on its connection, before ctx ends: a
+// Service Bus session's lock renewal, the receiver, and the AMQP session
+// (and with it the $management link pair). The connection, and what runs
+// beside it, stay.
+func (s *Subscriber) closeSession(ctx context.Context, l *link, why error) {
+	if l.session != nil {
+		l.session.stop()
+		s.log.Info("session released", zap.String("session_id", l.session.id), zap.Int("slot", l.session.p.index),
+			zap.Error(why))
+	}
+	if l.rcv != nil && s.cfg.profile.detach {
+		if err := l.rcv.Close(ctx); err != nil {
+			s.log.Debug("close receiver", zap.Error(err))
+		}
+	}
+	if l.sess != nil {
+		if err := l.sess.Close(ctx); err != nil {
+			s.log.Debug("close session", zap.Error(err))
+		}
+	}
+	if l.mgmt != nil {
+		// Its routing goroutine ends with the session.
+		select {
+		case <-l.mgmt.done:
+		case <-ctx.Done():
+		}
+	}
+}
+
+// live reports whether conn is still open.
+func live(conn *amqp.Conn) bool {
+	select {
+	case <-conn.Done():
+		return false
+	default:
+		return true
 	}
 }
 

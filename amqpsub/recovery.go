@@ -120,6 +120,11 @@ type attacher struct {
 	// session or link then failed: with DialFailover, the first attach
 	// goes on to the next address rather than fail.
 	connected bool
+	// spare is, for a session consumer, the connection (and AMQP session,
+	// if any) kept for the next attach: the service refused the last one
+	// for want of a session, or this slot moved on from an idle session.
+	// attach takes it; the attacher closes it when it returns without.
+	spare *link
 }
 
 // attachedLink records l (nil under a test source) as the pipe's current
@@ -151,13 +156,22 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 	a.p.sourceRenewer.Store(nil)
 	first := 0
 	moveOn := errors.Is(lost, pump.ErrSourceDone) // a session consumer's next session
+	defer a.closeSpare(ctx)
 	if a.current != nil {
 		a.from = a.current.index
 		if !moveOn {
 			a.from++ // a lost link: its address is tried last
 		}
 		a.p.current.Store(nil)
-		s.closeLink(ctx, a.current, lost)
+		if moveOn && live(a.current.conn) {
+			// The next session is asked for on the same connection.
+			cctx, cancel := context.WithTimeout(ctx, s.cfg.closeTimeout)
+			s.closeSession(cctx, a.current, lost)
+			cancel()
+			a.spare = &link{connection: a.current.connection}
+		} else {
+			s.closeLink(ctx, a.current, lost)
+		}
 		a.current = nil
 	}
 	if lost != nil && !moveOn {
@@ -233,7 +247,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			return nil, ctx.Err()
 		case noSession && isCond(err, errCondTimeout):
 			// The service waited for a session to become free and none
-			// did: ask again at once.
+			// did: ask again at once (on the same connection).
 			s.log.Debug("no session available; asking again", zap.Error(err))
 			attempt = first - 1
 			continue
@@ -260,6 +274,11 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			return nil, fmt.Errorf("%w: reconnecting failed: %w", ErrLinkLost, err)
 		}
 		wait := reconnectWait(err, attempt, s.cfg.backoffMin, s.cfg.backoffMax)
+		if noSession {
+			// Another receiver holds the named session: ask again (on
+			// the same connection) after a wait that grows to 30 s.
+			wait = sessionLockedWait(attempt - first)
+		}
 		if !waiting {
 			s.log.Warn("reconnect failed; trying again", zap.Int("attempt", attempt-first+1), zap.Duration("wait", wait), zap.Error(err))
 			s.events.send(Event{Kind: EventReconnectFailed, Err: err, Queue: s.queue, Lane: -1, Attempt: attempt - first + 1})
@@ -309,10 +328,23 @@ func (s *Subscriber) attachOnce(ctx context.Context, p *pipe) (pump.Source, *lin
 		return nil, nil, err
 	}
 	if l.session != nil {
+		if err := s.awaitSession(ctx, l.session); err != nil {
+			s.closeLink(ctx, l, nil)
+			return nil, nil, err
+		}
 		return l.session, l, nil
 	}
 	if p.fallback != nil {
 		return sbReceiver{Receiver: l.rcv, fb: p.fallback}, l, nil
 	}
 	return l.rcv, l, nil
+}
+
+// closeSpare closes the connection kept for the next attach, if the
+// attacher returns without having used it.
+func (a *attacher) closeSpare(ctx context.Context) {
+	if a.spare != nil {
+		a.s.closeLink(ctx, a.spare, nil)
+		a.spare = nil
+	}
 }

@@ -4,11 +4,16 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"testing"
 	"testing/synctest"
 	"time"
 
+	"github.com/Azure/go-amqp"
+
+	"github.com/amqpsub/amqpsub/internal/backoff"
 	"github.com/amqpsub/amqpsub/lease"
+	"github.com/amqpsub/amqpsub/pump"
 )
 
 // sessionRenewals runs keepSessionLock for a lock of 20 s from the bubble's
@@ -125,5 +130,88 @@ func TestSessionLockRenewal(t *testing.T) {
 				t.Fatalf("returned %v after the stop: %v", time.Since(start), err)
 			}
 		})
+	})
+}
+
+// The session filter goes out with the descriptor azservicebus sends
+// (0x137000000C), with the session id or nil as its value. go-amqp keeps
+// the filter in a map of an internal type; the test builds one by
+// reflection and reads the described value back.
+func TestSessionFilterDescriptor(t *testing.T) {
+	for _, id := range []string{"", "s-1"} {
+		ro := &amqp.ReceiverOptions{}
+		sessionReceiverOptions(ro, id, 5*time.Second)
+		if len(ro.Filters) != 1 {
+			t.Fatalf("%d filters, want 1", len(ro.Filters))
+		}
+		f := reflect.ValueOf(ro.Filters[0])
+		m := reflect.MakeMap(f.Type().In(0))
+		f.Call([]reflect.Value{m})
+		v := m.MapIndex(reflect.ValueOf(sessionFilter).Convert(m.Type().Key()))
+		if !v.IsValid() || v.IsNil() {
+			t.Fatalf("no %s in %v", sessionFilter, m)
+		}
+		desc, val := v.Elem().FieldByName("Descriptor").Interface(), v.Elem().FieldByName("Value").Interface()
+		var want any
+		if id != "" {
+			want = id
+		}
+		if desc != any(uint64(0x137000000C)) || val != want {
+			t.Errorf("id %q: filter %#x = %#v, want descriptor 0x137000000c and value %#v", id, desc, val, want)
+		}
+		if to := ro.Properties["com.microsoft:timeout"]; to != uint32(5000) {
+			t.Errorf("com.microsoft:timeout %#v, want uint32 5000", to)
+		}
+	}
+}
+
+func TestSessionLockedWait(t *testing.T) {
+	for k, ceiling := range []time.Duration{time.Second, 2 * time.Second, 4 * time.Second, 8 * time.Second,
+		16 * time.Second, 30 * time.Second, 30 * time.Second} {
+		for range 200 {
+			if d := sessionLockedWait(k); d < ceiling/2 || d > ceiling {
+				t.Fatalf("sessionLockedWait(%d) = %v, want between %v and %v", k, d, ceiling/2, ceiling)
+			}
+		}
+	}
+}
+
+// A named session another receiver holds is asked for again after waits
+// that grow up to 30 s, for as long as Run runs: not in a loop, and not the
+// end of Run.
+func TestSessionCannotBeLockedBacksOff(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		start := time.Now()
+		var calls []time.Duration
+		refused := &amqp.Error{Condition: errCondSessionCannotBeLocked, Description: "held by another receiver"}
+		s, err := New(Dial("amqp://127.0.0.1:1", nil), "q", HandlerFunc(func(context.Context, *Delivery) error { return nil }),
+			WithProfile(AzureServiceBus), SessionIDs("a"),
+			WithSources(func(context.Context) (pump.Source, error) {
+				calls = append(calls, time.Since(start))
+				return nil, fmt.Errorf("amqpsub: attach receiver: %w", refused)
+			}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- s.Run(ctx) }()
+		time.Sleep(3 * time.Minute)
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatalf("Run: %v", err)
+		}
+		t.Logf("requests at %v", calls)
+		// 1, 2, 4, 8, 16 s, then 30 s: from 0.5 + 1 + 2 + 4 + 8 + 15 s
+		// = 30.5 s to 61 s for the first six waits, then 15-30 s each.
+		if len(calls) < 7 || len(calls) > 17 {
+			t.Fatalf("%d requests in 3 minutes", len(calls))
+		}
+		for k := 1; k < len(calls); k++ {
+			ceiling := backoff.Ceiling(k-1, sessionLockedFloor, sessionLockedMax)
+			if gap := calls[k] - calls[k-1]; gap < ceiling/2 || gap > ceiling {
+				t.Fatalf("request %d came %v after the one before, want between %v and %v", k+1, gap, ceiling/2, ceiling)
+			}
+		}
 	})
 }

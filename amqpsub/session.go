@@ -5,11 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"time"
 
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
 
+	"github.com/amqpsub/amqpsub/internal/backoff"
 	"github.com/amqpsub/amqpsub/lease"
 	"github.com/amqpsub/amqpsub/pump"
 )
@@ -19,7 +21,11 @@ const (
 	errCondTimeout               amqp.ErrCond = "com.microsoft:timeout"
 	errCondSessionCannotBeLocked amqp.ErrCond = "com.microsoft:session-cannot-be-locked"
 	sessionFilter                             = "com.microsoft:session-filter"
-	sessionFilterCode            uint64       = 0x000001370000000C
+	// sessionFilterCode is the descriptor of the session filter, as
+	// azservicebus sends it through go-amqp (session_receiver.go, newLink:
+	// 0x00000137000000C). The 0x000001370000000C of Microsoft's AMQP
+	// documents is sent by no official client.
+	sessionFilterCode uint64 = 0x137000000C
 )
 
 // ErrNoSession is returned by Delivery.SessionState and SetSessionState
@@ -95,7 +101,10 @@ func ticksTime(v any) (time.Time, bool) {
 
 // Receive returns the session's next message, or an error wrapping
 // pump.ErrSourceDone once the session has been idle for SessionIdleTimeout
-// with nothing of it held.
+// with nothing of it held. When the link is lost, the session's lock went
+// with it (a session is locked to its link): every delivery of the session
+// is given up at once, before Receive returns the link's error, and the
+// context of each handler still running is cancelled with ErrLockLost.
 func (src *sessionSource) Receive(ctx context.Context, opts *amqp.ReceiveOptions) (*amqp.Message, error) {
 	for {
 		rctx, cancel := context.WithTimeout(ctx, src.idle)
@@ -104,7 +113,10 @@ func (src *sessionSource) Receive(ctx context.Context, opts *amqp.ReceiveOptions
 		switch {
 		case err == nil:
 			return m, nil
-		case ctx.Err() != nil || !errors.Is(err, context.DeadlineExceeded):
+		case ctx.Err() != nil:
+			return nil, err // the pump ended the receive
+		case !errors.Is(err, context.DeadlineExceeded):
+			src.p.book.LoseAll("the session link was lost")
 			return nil, err
 		case src.p.pump.Held() == 0:
 			return nil, fmt.Errorf("%w: session %q idle for %v", pump.ErrSourceDone, src.id, src.idle)
@@ -142,6 +154,72 @@ func (src *sessionSource) renew(ctx context.Context, s *Subscriber, until time.T
 	cctx, cancel := context.WithTimeout(ctx, time.Second)
 	defer cancel()
 	_ = src.Close(cctx)
+}
+
+// A named session that another receiver holds
+// (com.microsoft:session-cannot-be-locked) is asked for again after a wait
+// that doubles from sessionLockedFloor up to sessionLockedMax, between half
+// and all of it (see sessionLockedWait).
+const (
+	sessionLockedFloor = time.Second
+	sessionLockedMax   = 30 * time.Second
+)
+
+// sessionLockedWait is the wait before the k-th (from 0) new request for a
+// named session that another receiver held: "equal jitter" under
+// Ceiling(k, 1 s, 30 s). azservicebus does not retry this condition at all
+// (internal/errors.go maps it to RecoveryKindFatal: AcceptSessionForQueue
+// returns it to its caller); a consumer of named sessions is that caller,
+// and waits for the session to be let go rather than end Run.
+func sessionLockedWait(k int) time.Duration {
+	c := backoff.Ceiling(k, sessionLockedFloor, sessionLockedMax)
+	return c/2 + rand.N(c/2+1) //nolint:gosec // G404: jitter spreads retries; nothing secret depends on it
+}
+
+// sessionBusyPoll is how often a slot that waits for a session's old
+// handlers looks again.
+const sessionBusyPoll = 20 * time.Millisecond
+
+// handlersOf counts the handlers of session id running in this process, in
+// any slot.
+func (s *Subscriber) handlersOf(id string) int {
+	n := 0
+	for _, p := range s.pipes {
+		p.pump.Each(func(d *pump.Delivery) bool {
+			if m := d.Message(); m != nil && d.State() == pump.Handling && groupID(m) == id {
+				n++
+			}
+			return true
+		})
+	}
+	return n
+}
+
+// awaitSession returns once no handler of src's session runs in this
+// process, before the session's link is handed to the pump: a session whose
+// link was lost while a handler of it ran goes back to the service, which
+// gives it to the first receiver that asks (another slot, or this one
+// again), and its messages, the one in that handler first, would otherwise
+// run beside it. Those handlers' contexts were cancelled with the loss (see
+// Receive); one that does not return keeps the session's messages waiting
+// here, its lock renewed, until it does. ctx ends the wait with its error.
+func (s *Subscriber) awaitSession(ctx context.Context, src *sessionSource) error {
+	n := s.handlersOf(src.id)
+	if n == 0 {
+		return nil
+	}
+	s.log.Info("the session's handlers from its lost link still run here; waiting for them before taking its messages",
+		zap.String("session_id", src.id), zap.Int("slot", src.p.index), zap.Int("handlers", n))
+	t := time.NewTicker(sessionBusyPoll)
+	defer t.Stop()
+	for s.handlersOf(src.id) > 0 {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+	return nil
 }
 
 // Session lock renewal after a failed request.

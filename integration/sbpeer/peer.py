@@ -2153,23 +2153,35 @@ class Peer(object):
         desc = str(b.get("description") or "Detached by the sbpeer control API.")
         senders = bool(b.get("senders", False))
         mgmt = bool(b.get("management", False))
-        n = 0
+        # Sessions: only the receiver link holding this session (waiting
+        # accepts are left alone).
+        sid = b.get("session_id")
+        # Chosen first: a detached session link hands its session to a
+        # waiting accept, which is not to be detached in the same request.
+        chosen = []
         for cs in list(self.conns.values()):
             for ls in list(cs.links):
                 if ls.entity is not ent or ls.closed:
+                    continue
+                if sid is not None and (ls.sb_session is None or ls.sb_session.sid != str(sid)):
                     continue
                 if ls.node == "mgmt" and not mgmt:
                     continue
                 if ls.node == "entity" and not ls.sending and not senders:
                     continue
-                if ls.pending:
-                    ls.pending = False
-                    if ls in ent.waiters:
-                        ent.waiters.remove(ls)
-                    self.refuse(ls, cond, desc)
-                else:
-                    self.detach(ls, cond, desc)
-                n += 1
+                chosen.append(ls)
+        n = 0
+        for ls in chosen:
+            if ls.closed:
+                continue
+            if ls.pending:
+                ls.pending = False
+                if ls in ent.waiters:
+                    ent.waiters.remove(ls)
+                self.refuse(ls, cond, desc)
+            else:
+                self.detach(ls, cond, desc)
+            n += 1
         self.count("links_detached_forced", n)
         return {"ok": True, "detached": n}
 
@@ -2181,8 +2193,15 @@ class Peer(object):
                            "role": "sender" if ls.sending else "receiver",
                            "credit": ls.link.credit, "unsettled": len(ls.locks),
                            "session_id": ls.sb_session.sid if ls.sb_session else None,
+                           "session_filter_descriptor": descriptor_json(ls.filter_descriptor) if ls.sb_session else None,
                            "pending": ls.pending}
                           for ls in cs.links]}
+
+
+def descriptor_json(d):
+    """A session filter's descriptor as the client sent it: a number
+    (ulong) or a string (symbol)."""
+    return int(d) if isinstance(d, int) else str(d)
 
 
 # ---------------------------------------------------------------------------

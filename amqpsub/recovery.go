@@ -116,6 +116,12 @@ type attacher struct {
 	// after a failed attach (see attach). Only this attacher's goroutine
 	// reads or moves it.
 	from int
+	// served is set once the service has answered an attach of a session
+	// consumer that holds no session yet (no session free, or the one
+	// named held elsewhere): the queue and the credentials are good, so a
+	// later failure, such as a lost connection, is reconnected like the
+	// loss of a link, not reported as the first attach's.
+	served bool
 	// connected is set by attach when its connect succeeded and the
 	// session or link then failed: with DialFailover, the first attach
 	// goes on to the next address rather than fail.
@@ -248,21 +254,24 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 		case noSession && isCond(err, errCondTimeout):
 			// The service waited for a session to become free and none
 			// did: ask again at once (on the same connection).
+			a.served = true
 			s.log.Debug("no session available; asking again", zap.Error(err))
 			attempt = first - 1
 			continue
 		case waiting:
+			// The service answered: what fails after this is a reconnect.
+			a.served = a.served || noSession
 			if attempt == first {
 				s.log.Info("the queue or session is not available (yet); waiting for it", zap.Error(err))
 			}
-		case !a.before && a.connected && s.failoverLeft(&passes) && !s.cfg.isFatal(err):
+		case !a.before && !a.served && a.connected && s.failoverLeft(&passes) && !s.cfg.isFatal(err):
 			// The first connection, on an address that answered but could
 			// not serve the queue: try the others before giving up.
 			s.log.Warn("attach failed on an address that answered; trying the next", zap.Error(err))
 			failed = append(failed, err)
 			attempt = first - 1
 			continue
-		case !a.before:
+		case !a.before && !a.served:
 			// The first connection: report it rather than wait, with what
 			// the addresses passed over said.
 			return nil, errors.Join(append(failed, err)...)

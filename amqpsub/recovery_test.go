@@ -487,3 +487,36 @@ func TestServerBusyWaitsTenSecondsBeforeTheNextAttempt(t *testing.T) {
 		}
 	})
 }
+
+// A session slot that has never held a session, but whose attaches the
+// service has answered (no session free), reconnects when its next attach
+// fails for another reason (a lost connection), as after a lost link: Run
+// does not end as if the first attach had failed.
+func TestSessionSlotWithoutASessionReconnects(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(1, "s1")...)
+		noSession := &amqp.Error{Condition: "com.microsoft:timeout", Description: "no session available"}
+		connLost := &amqp.ConnError{}
+		handled := make(chan struct{})
+		s, err := amqpsub.New(amqpsub.Dial("amqp://127.0.0.1:1", nil), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+			close(handled)
+			return nil
+		}), amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.Sessions(1), amqpsub.MaxLockRenewal(0),
+			amqpsub.Backoff(time.Millisecond, time.Millisecond), amqpsub.WithSources(sources(noSession, noSession, connLost, src)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(t.Context())
+		errc := make(chan error, 1)
+		go func() { errc <- s.Run(ctx) }()
+		select {
+		case <-handled:
+		case err := <-errc:
+			t.Fatalf("Run ended before a session was held: %v", err)
+		}
+		cancel()
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+	})
+}

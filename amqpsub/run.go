@@ -186,7 +186,7 @@ func (s *Subscriber) Run(ctx context.Context) error {
 		// The stop's bound holds, whatever graceful waited.
 		closeBy = minTime(closeBy, stopAt.Add(grace+s.cfg.closeTimeout))
 	}
-	if !closing {
+	if !isClosed(s.closeReq) { // Close, also one that cut the grace short, sends nothing more
 		for _, r := range runs {
 			r.p.pump.FlushBy(closeBy.Add(-s.cfg.closeTimeout / 4))
 		}

@@ -300,7 +300,8 @@ func (f *dispositions) send(ctx context.Context, batch []*disposition) {
 // $management node, waiting for a link while none is attached (but not
 // once the pipe is stopping), and sends it again, up to
 // dispositionRetries times, when the service answers that it is busy or
-// timed out.
+// timed out, or the node went while the request was out (a lost
+// connection: the next link's node takes it).
 func (f *dispositions) request(ctx context.Context, batch []*disposition) error {
 	status, reason, desc := dispositionOf(batch[0].o)
 	tokens := make([]amqp.UUID, len(batch))
@@ -322,7 +323,7 @@ func (f *dispositions) request(ctx context.Context, batch []*disposition) error 
 		f.requests.Add(1)
 		_, err = m.request(rctx, "com.microsoft:update-disposition", body)
 		cancel()
-		if err == nil || attempt == dispositionRetries || ctx.Err() != nil || !transientStatus(err) {
+		if err == nil || attempt == dispositionRetries || ctx.Err() != nil || !(transientStatus(err) || nodeGone(err)) {
 			return err
 		}
 		wait := backoff.Jittered(attempt, 100*time.Millisecond, 2*time.Second)
@@ -337,15 +338,23 @@ func (f *dispositions) request(ctx context.Context, batch []*disposition) error 
 	}
 }
 
+// nodeGone reports whether a request failed because the $management link
+// pair or its connection went while it was sent: it is sent again on the
+// next link's.
+func nodeGone(err error) bool { return errors.Is(err, errNodeGone) || linkGone(err) }
+
 // management returns the $management node of the pipe's current link,
-// waiting, within ctx, for a link while none is attached; it fails at once
-// with errNoLink while the pipe stops.
+// waiting, within ctx, for a link while none is attached, or while the one
+// recorded is of a lost connection; it fails at once with errNoLink while
+// the pipe stops.
 func (p *pipe) management(ctx context.Context) (*management, error) {
 	for {
 		up := p.linkUp.Load()
-		if l := p.current.Load(); l != nil && l.mgmt != nil {
+		if l := p.current.Load(); l != nil && l.mgmt != nil && l.conn.Err() == nil && !isClosed(l.mgmt.done) {
 			return l.mgmt, nil
 		}
+		// None, or the one still recorded is of a connection that is gone
+		// (the attacher has not replaced it yet): wait for the next.
 		select {
 		case <-*up:
 		case <-p.pump.Stopping():

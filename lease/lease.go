@@ -65,9 +65,11 @@
 // reported (amqpsub logs it, limited, and passes it to OnEvent). A
 // delivery without a usable lock and a failed renewal request are logged
 // at warn at most once a minute each, and at debug otherwise (see package
-// internal/loglimit). A delivery whose settlement is on its way (pump.Settling) is
-// neither renewed nor declared lost by the book: the settlement's answer
-// decides, and the pump then removes it from the book.
+// internal/loglimit). A delivery whose settlement is being sent
+// (pump.Ticket.Sending) is neither renewed nor declared lost by the book,
+// and one whose settlement waits to be sent is renewed but not declared
+// lost: the settlement's answer decides, and the pump then removes it from
+// the book.
 package lease
 
 import (
@@ -393,21 +395,25 @@ func (b *Book) Run(ctx context.Context) {
 // round picks the locks to renew now (every one due within a window of
 // the earliest, so that they share a request; at most room, those that
 // expire first), the ones past their expiry, and when to look next.
-// Deliveries whose settlement is on its way are left alone: renewing one
-// would only be refused as lost, and cost the whole batch, and whether it
-// is lost is for the settlement's answer to say.
+// Deliveries whose settlement is being sent (pump.Ticket.Sending) are left
+// alone: renewing one would only be refused as lost, and whether it is lost
+// is for the settlement's answer to say. One whose settlement waits for its
+// turn (behind the earlier ones of its group) is still renewed, but not
+// reported lost when it expires: its settlement's answer says that too.
 func (b *Book) round(now time.Time, room int) (renew, lost []*entry, next time.Time) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	next = now.Add(time.Hour)
 	var earliest *entry
 	for d, e := range b.entries {
-		if e.until.IsZero() || e.renewing || e.t.State() == pump.Settling {
+		if e.until.IsZero() || e.renewing || e.t.Sending() {
 			continue
 		}
 		if !e.until.After(now) {
-			lost = append(lost, e)
-			delete(b.entries, d)
+			if e.t.State() != pump.Settling { // else its settlement's answer says
+				lost = append(lost, e)
+				delete(b.entries, d)
+			}
 			continue
 		}
 		if earliest == nil || e.due.Before(earliest.due) {
@@ -422,7 +428,7 @@ func (b *Book) round(now time.Time, room int) (renew, lost []*entry, next time.T
 		// that expire meanwhile are reported when they do.
 		next = b.busyUntil
 		for _, e := range b.entries {
-			if !e.until.IsZero() && !e.renewing && e.t.State() != pump.Settling {
+			if !e.until.IsZero() && !e.renewing && !e.t.Sending() && e.until.After(now) {
 				next = minTime(next, e.until)
 			}
 		}
@@ -434,7 +440,7 @@ func (b *Book) round(now time.Time, room int) (renew, lost []*entry, next time.T
 	window := min(time.Second, earliest.until.Sub(earliest.due)/2)
 	horizon := now.Add(window)
 	for _, e := range b.entries {
-		if e.until.IsZero() || e.renewing || e.t.State() == pump.Settling {
+		if e.until.IsZero() || e.renewing || e.t.Sending() || !e.until.After(now) {
 			continue
 		}
 		if e.due.After(horizon) {

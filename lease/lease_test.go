@@ -616,7 +616,8 @@ func TestASettlingDeliveryIsNotReportedLost(t *testing.T) {
 			svc.mu.Lock()
 			svc.during = func([]amqp.UUID) error {
 				// Settled while the renewal is out; the service takes
-				// the settlement and refuses the renewal.
+				// the settlement and refuses the renewal (and any that
+				// follows before the settler has begun to send it).
 				r.pump.Settle(tk, pump.Outcome{Kind: pump.Accept})
 				return fmt.Errorf("status 410: %w", lease.ErrLockLost)
 			}
@@ -624,7 +625,7 @@ func TestASettlingDeliveryIsNotReportedLost(t *testing.T) {
 			time.Sleep(5 * time.Second)
 			ps, bs := r.pump.Stats(), r.book.Stats()
 			r.stop()
-			if ps.Accepted != 1 || bs.Requests != 1 || bs.Lost != 0 || r.lostOnes() != "[]" || bs.Held != 0 {
+			if ps.Accepted != 1 || bs.Requests < 1 || bs.Lost != 0 || r.lostOnes() != "[]" || bs.Held != 0 {
 				t.Fatalf("pump %+v\nbook %+v, lost %s", ps, bs, r.lostOnes())
 			}
 		})

@@ -56,6 +56,10 @@ type Delivery struct {
 	link uint64
 	size atomic.Int64 // Size of msg; atomic: LoseLock reads it from another goroutine
 	p    *Pump
+	// sending is set by the settler that sends the delivery's settlement,
+	// as it begins to (see Ticket.Sending), and cleared when the entry is
+	// freed.
+	sending atomic.Bool
 	// after is the function a handler asked to hear the settlement with
 	// (Ticket.OnSettled), tagged with the generation it is for.
 	after atomic.Pointer[afterSettle]
@@ -126,6 +130,12 @@ func (t Ticket) State() State {
 	}
 	return s
 }
+
+// Sending reports whether the delivery's settlement is being sent now: it
+// is Settling, and a settler has begun to send it (Settlers). A Settling
+// delivery that is not Sending waits for its turn (behind the earlier
+// settlements of its group), its broker lock still to be kept.
+func (t Ticket) Sending() bool { return t.State() == Settling && t.d.sending.Load() }
 
 // Entry returns the book entry the ticket names.
 func (t Ticket) Entry() *Delivery { return t.d }
@@ -218,6 +228,7 @@ func (p *Pump) release(d *Delivery) {
 	}
 	d.msg.Store(nil)
 	d.src = nil
+	d.sending.Store(false)
 	if d.after.Load() != nil {
 		d.after.Store(nil)
 	}

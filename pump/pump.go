@@ -133,11 +133,12 @@ type Pump struct {
 	// Owned by the Run goroutine.
 	acct     *credit.Account
 	free     []*Delivery
-	backlog  []Ticket             // received, waiting for room in out
-	shards   []*burst[settlement] // one queue per settler (Settlers > 0)
-	next     int                  // the settler the next unordered settlement goes to
-	inFlight int                  // settlements with a settler
-	ended    bool                 // Run is returning: nothing more is sent
+	backlog  []Ticket        // received, waiting for room in out
+	shards   []*shard        // one per settler (Settlers > 0)
+	anyq     chan settlement // unordered settlements, for whichever settler is free
+	next     int             // the settler the next unordered settlement goes to
+	inFlight int             // settlements with a settler
+	ended    bool            // Run is returning: nothing more is sent
 
 	bookMu sync.RWMutex
 	book   []*Delivery // every entry ever made; written by the Run goroutine only
@@ -171,7 +172,10 @@ func New(cfg Config) *Pump {
 		panic("pump: KeepAcrossLinks needs Settlers")
 	}
 	for range max(0, cfg.Settlers) {
-		p.shards = append(p.shards, newBurst[settlement](64))
+		p.shards = append(p.shards, &shard{q: newBurst[settlement](64)})
+	}
+	if cfg.Settlers > 0 {
+		p.anyq = make(chan settlement, cfg.Credit)
 	}
 	p.book = make([]*Delivery, cfg.Credit)
 	p.free = make([]*Delivery, cfg.Credit)
@@ -293,8 +297,8 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 		sctx, cancelSettlers := context.WithCancel(context.WithoutCancel(ctx))
 		quit := make(chan struct{})
 		var settlers sync.WaitGroup
-		for _, q := range p.shards {
-			settlers.Go(func() { p.settler(sctx, q, quit) })
+		for _, sh := range p.shards {
+			settlers.Go(func() { p.settler(sctx, sh, quit) })
 		}
 		defer func() {
 			p.ended = true

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/Azure/go-amqp"
@@ -151,9 +152,15 @@ func (p *Pump) apply(ctx context.Context, s settlement) {
 		return
 	case s.done:
 		p.inFlight--
-		if errors.Is(s.err, errUnsent) {
+		switch {
+		case errors.Is(s.err, errUnsent):
 			p.unsent(d, s.o.Kind)
-		} else {
+		case errors.Is(s.err, errStale):
+			p.log.Debug("settlement of a delivery whose link was lost while it waited for a settler skipped; the broker redelivers it",
+				zap.Stringer("outcome", s.o.Kind))
+			p.stats.stale.Add(1)
+			p.notSent(d, s.o.Kind)
+		default:
 			p.settled(d, s.o.Kind, s.err)
 		}
 	case s.o.Kind == Drop:
@@ -188,17 +195,46 @@ func (p *Pump) apply(ctx context.Context, s settlement) {
 }
 
 // dispatch hands s to a settler: the one its key names, behind the
-// settlements of the same key, or, unordered, the next one in turn.
+// settlements of the same key; or, unordered, whichever settler is free
+// first (the shared queue), so that none waits behind a settlement the
+// broker is slow to answer while another settler is idle. Neither blocks:
+// when the shared queue is full, an unordered settlement goes to the
+// settler with the least queued.
 func (p *Pump) dispatch(s settlement) {
-	i := p.next
-	if s.ordered {
-		i = int(s.key % uint64(len(p.shards)))
-	} else {
-		p.next = (p.next + 1) % len(p.shards)
-	}
 	p.inFlight++
-	p.shards[i].push(s)
+	if !s.ordered {
+		select {
+		case p.anyq <- s:
+			return
+		default:
+		}
+	}
+	n := len(p.shards)
+	i := int(s.key % uint64(n))
+	if !s.ordered {
+		best := int32(-1)
+		for k := range n {
+			j := (p.next + k) % n
+			if q := p.shards[j].load.Load(); best < 0 || q < best {
+				i, best = j, q
+			}
+		}
+		p.next = (i + 1) % n
+	}
+	p.shards[i].load.Add(1)
+	p.shards[i].q.push(s)
 }
+
+// shard is one settler's queue of ordered settlements, and how many it has
+// queued or is sending (load).
+type shard struct {
+	q    *burst[settlement]
+	load atomic.Int32
+}
+
+// errStale is a settler's report of a settlement it did not send because
+// its delivery's link was lost meanwhile (without KeepAcrossLinks).
+var errStale = errors.New("pump: settlement not sent: its link was lost")
 
 // errUnsent is a settler's report of a settlement it did not send: Run
 // was ending, and its time to send what was decided ran out (FlushBy).
@@ -271,46 +307,67 @@ func (p *Pump) settleTimeout() time.Duration {
 	return 30 * time.Second
 }
 
-// settler sends, in order, the settlements queued on q, each within the
-// settle timeout, and reports each back to the pump. Once quit is closed
-// it sends what is still queued and returns; a settlement it takes once
-// ctx has ended is reported unsent, not sent.
-func (p *Pump) settler(ctx context.Context, q *burst[settlement], quit <-chan struct{}) {
+// settler sends, in order, the settlements queued on its shard, and the
+// unordered ones it takes from the shared queue, each within the settle
+// timeout, and reports each back to the pump. Once quit is closed it sends
+// what is still queued and returns; a settlement it takes once ctx has
+// ended is reported unsent, not sent.
+func (p *Pump) settler(ctx context.Context, sh *shard, quit <-chan struct{}) {
 	for {
 		select {
-		case <-q.wake:
+		case <-sh.q.wake:
+			p.sendAll(ctx, sh)
+		case s := <-p.anyq:
+			p.send(ctx, s)
 		case <-quit:
 			// Nothing more is queued after quit (Run's goroutine, the only
 			// one that queues, has stopped): send the rest.
-			p.sendAll(ctx, q)
+			for more := true; more; {
+				select {
+				case s := <-p.anyq:
+					p.send(ctx, s)
+				default:
+					more = false
+				}
+			}
+			p.sendAll(ctx, sh)
 			return
 		}
-		p.sendAll(ctx, q)
 	}
 }
 
-// sendAll sends everything queued on q, in order.
-func (p *Pump) sendAll(ctx context.Context, q *burst[settlement]) {
-	items, _ := q.take()
+// sendAll sends everything queued on sh, in order.
+func (p *Pump) sendAll(ctx context.Context, sh *shard) {
+	items, _ := sh.q.take()
 	for _, s := range items {
-		var err error
-		if ctx.Err() != nil {
-			err = errUnsent
-		} else {
-			sctx, cancel := context.WithTimeout(ctx, p.settleTimeout())
-			err = settleOn(sctx, s.d.src, s.d.msg.Load(), s.o)
-			cancel()
-			switch {
-			case err != nil && ctx.Err() != nil:
-				err = errUnsent // cut off by the end of Run, not answered
-			case err != nil && errors.Is(err, context.DeadlineExceeded):
-				err = fmt.Errorf("pump: settlement not answered within %v: %w", p.settleTimeout(), context.DeadlineExceeded)
-			}
-		}
-		s.done, s.err = true, err
-		p.settle.push(s)
+		p.send(ctx, s)
+		sh.load.Add(-1)
 	}
-	q.recycle(items)
+	sh.q.recycle(items)
+}
+
+// send sends one settlement and reports it back to the pump.
+func (p *Pump) send(ctx context.Context, s settlement) {
+	var err error
+	switch {
+	case ctx.Err() != nil:
+		err = errUnsent
+	case s.d.link != p.link.Load() && !p.cfg.KeepAcrossLinks:
+		err = errStale // it could only fail on its lost link
+	default:
+		s.d.sending.Store(true)
+		sctx, cancel := context.WithTimeout(ctx, p.settleTimeout())
+		err = settleOn(sctx, s.d.src, s.d.msg.Load(), s.o)
+		cancel()
+		switch {
+		case err != nil && ctx.Err() != nil:
+			err = errUnsent // cut off by the end of Run, not answered
+		case err != nil && errors.Is(err, context.DeadlineExceeded):
+			err = fmt.Errorf("pump: settlement not answered within %v: %w", p.settleTimeout(), context.DeadlineExceeded)
+		}
+	}
+	s.done, s.err = true, err
+	p.settle.push(s)
 }
 
 func settleOn(ctx context.Context, src Source, msg *amqp.Message, o Outcome) error {

@@ -323,7 +323,7 @@ func (f *dispositions) request(ctx context.Context, batch []*disposition) error 
 		f.requests.Add(1)
 		_, err = m.request(rctx, "com.microsoft:update-disposition", body)
 		cancel()
-		if err == nil || attempt == dispositionRetries || ctx.Err() != nil || !(transientStatus(err) || nodeGone(err)) {
+		if err == nil || attempt == dispositionRetries || ctx.Err() != nil || !transientStatus(err) && !nodeGone(err) {
 			return err
 		}
 		wait := backoff.Jittered(attempt, 100*time.Millisecond, 2*time.Second)

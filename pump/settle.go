@@ -210,8 +210,10 @@ func (p *Pump) dispatch(s settlement) {
 		}
 	}
 	n := len(p.shards)
-	i := int(s.key % uint64(n))
-	if !s.ordered {
+	var i int
+	if s.ordered {
+		i = shardOf(s.key, n)
+	} else {
 		best := int32(-1)
 		for k := range n {
 			j := (p.next + k) % n
@@ -223,6 +225,11 @@ func (p *Pump) dispatch(s settlement) {
 	}
 	p.shards[i].load.Add(1)
 	p.shards[i].q.push(s)
+}
+
+// shardOf is the shard of key among n (n ≥ 1).
+func shardOf(key uint64, n int) int {
+	return int(key % uint64(n)) //nolint:gosec // G115: the remainder is below n, an int
 }
 
 // shard is one settler's queue of ordered settlements, and how many it has

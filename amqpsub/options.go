@@ -478,7 +478,12 @@ type RetryPolicy struct {
 // max-delivery-attempts, with redelivery-delay) handle what outlasts it. A
 // stop or Close ends the waiting and releases the delivery: it goes back
 // to the broker uncounted, since the stop, not the message, cut its
-// retries short (Results.Release counts it). Only
+// retries short (Results.Release counts it); so does the loss of its
+// Service Bus lock, which cancels the handler's context (nothing is sent
+// then: the service delivers the message again). A delivery whose link is
+// lost (Artemis, RabbitMQ, a Service Bus session) stops being retried at
+// once: no result of it could be settled, and the broker delivers it
+// again. Only
 // Retry outcomes are retried, never Release or Reject. A BatchHandler that
 // fails a delivery of a group must fail the group's later deliveries in the
 // same batch too: the ones it accepted are settled at once, and their

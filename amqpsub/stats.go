@@ -85,7 +85,7 @@ type Stats struct {
 type Settlements struct {
 	Accepted uint64 // accepted: handled
 	Released uint64 // released: Release(), a stop, Retry under RabbitMQ3
-	Modified uint64 // modified: Retry on Artemis and Generic
+	Modified uint64 // modified: Retry on Artemis and Generic, abandon (Retry) on Service Bus
 	Rejected uint64 // rejected: Reject(), MaxDeliveryCount
 }
 

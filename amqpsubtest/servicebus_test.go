@@ -435,7 +435,8 @@ func TestServiceBusStopReleasesBufferedUncounted(t *testing.T) {
 // A lost link costs no finished work on Service Bus: 400 messages over 40
 // groups, 8 lanes, 50 ms handlers, the link lost 3 times mid-run. What a
 // lost link held stays locked; the subscriber keeps it, renews it and
-// settles it by lock token, so no message is handled twice and every
+// settles it through the ended link (the stand-in for settling by lock
+// token), so no message is handled twice and every
 // group keeps its order.
 func TestServiceBusLostLinksLoseNoFinishedWork(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {

@@ -80,6 +80,10 @@ func TestServiceBusLostLinksLoseNoFinishedWork(t *testing.T) {
 	if againFinished != 0 {
 		t.Fatalf("%d messages whose handler had finished were handled again", againFinished)
 	}
+	if st.Locks.SettledByToken == 0 || e.Stats["lock_expired"] != 0 {
+		t.Fatalf("settled by token %d, locks expired %d: want what the lost links held settled by lock token, none expired",
+			st.Locks.SettledByToken, e.Stats["lock_expired"])
+	}
 	for i, c := range calls {
 		if c == 0 {
 			t.Fatalf("message %d never handled", i)

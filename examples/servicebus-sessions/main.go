@@ -1,7 +1,7 @@
 // Command servicebus-sessions consumes a session-enabled Service Bus queue
 // with amqpsub: up to four sessions at once, each on its own link, its
 // messages one at a time in order, its lock renewed while it is held; a
-// session idle for 10 s is let go and the next one accepted. It keeps a
+// session idle for 5 s is let go and the next one accepted. It keeps a
 // checkpoint in each session's state (the last message handled), which the
 // next consumer of the session reads back. It prints each session's count
 // when stopped with SIGTERM or Ctrl-C.

@@ -206,6 +206,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 	var failed []error // their errors, for the one Run returns
 	for attempt := first; ; attempt++ {
 		a.connected = false
+		asked := time.Now()
 		src, l, err := s.attachOnce(ctx, a.p)
 		if err == nil {
 			a.current, a.attachedAt = l, time.Now()
@@ -257,6 +258,13 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			a.served = true
 			s.log.Debug("no session available; asking again", zap.Error(err))
 			attempt = first - 1
+			if time.Since(asked) < s.cfg.backoffMin {
+				// Answered at once rather than after waiting (the service
+				// waits up to the accept timeout): do not ask in a loop.
+				if !sleep(ctx, s.cfg.backoffMin) {
+					return nil, ctx.Err()
+				}
+			}
 			continue
 		case waiting:
 			// The service answered: what fails after this is a reconnect.

@@ -520,3 +520,32 @@ func TestSessionSlotWithoutASessionReconnects(t *testing.T) {
 		}
 	})
 }
+
+// A session slot whose "no session free" answer comes at once (not after
+// the service's wait) does not ask again in a tight loop: it waits the
+// backoff's floor between asks.
+func TestSessionSlotDoesNotSpinOnAnImmediateTimeout(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var asks atomic.Int32
+		noSession := &amqp.Error{Condition: "com.microsoft:timeout", Description: "no session available"}
+		s, err := amqpsub.New(amqpsub.Dial("amqp://127.0.0.1:1", nil), "q",
+			amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.Sessions(1), amqpsub.MaxLockRenewal(0),
+			amqpsub.Backoff(100*time.Millisecond, time.Second),
+			amqpsub.WithSources(func(context.Context) (pump.Source, error) { asks.Add(1); return nil, noSession }))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(t.Context())
+		errc := make(chan error, 1)
+		go func() { errc <- s.Run(ctx) }()
+		time.Sleep(time.Second)
+		cancel()
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		if n := asks.Load(); n > 11 {
+			t.Fatalf("%d asks for a session in 1 s with a 100 ms backoff floor", n)
+		}
+	})
+}

@@ -124,6 +124,25 @@ func (p *pipe) settle(t pump.Ticket, o pump.Outcome, lane int) {
 	}
 }
 
+// attachedLink records l (nil under a test source) as the pipe's current
+// link, wakes what waits for one (management), and arms linkDown for it.
+func (p *pipe) attachedLink(l *link) {
+	down := make(chan struct{})
+	p.linkDown.Store(&down)
+	p.current.Store(l)
+	up := make(chan struct{})
+	close(*p.linkUp.Swap(&up))
+}
+
+// lostLink closes linkDown: the link attached last, if any, is gone.
+func (p *pipe) lostLink() {
+	closed := make(chan struct{})
+	close(closed)
+	if old := p.linkDown.Swap(&closed); !isClosed(*old) {
+		close(*old)
+	}
+}
+
 // lockLost is told by the lease book of a lost lock, and why (wrapping
 // ErrLockLost): the delivery is dropped if no handler has it, its
 // settlement skipped if one has (the book has cancelled the handler's

@@ -71,12 +71,14 @@ const (
 // such floor (it retries server-busy with its usual backoff, from 4 s).
 const serverBusyWait = lease.ServerBusyWait
 
-// reconnectWait is the wait before reconnect attempt k after err: the
-// jittered backoff, and at least serverBusyWait when the service said it
-// is throttling.
+// reconnectWait is the wait before attempt k (a reconnect, or a
+// settlement sent again) after err: the jittered backoff, and at least
+// serverBusyWait when the service said it is throttling (the condition
+// com.microsoft:server-busy, or a $management answer that wraps
+// lease.ErrServerBusy).
 func reconnectWait(err error, k int, floor, ceiling time.Duration) time.Duration {
 	wait := backoff.Jittered(k, floor, ceiling)
-	if isCond(err, errCondServerBusy) {
+	if isCond(err, errCondServerBusy) || errors.Is(err, lease.ErrServerBusy) {
 		wait = max(wait, serverBusyWait)
 	}
 	return wait
@@ -131,25 +133,6 @@ type attacher struct {
 	// for want of a session, or this slot moved on from an idle session.
 	// attach takes it; the attacher closes it when it returns without.
 	spare *link
-}
-
-// attachedLink records l (nil under a test source) as the pipe's current
-// link, wakes what waits for one (management), and arms linkDown for it.
-func (p *pipe) attachedLink(l *link) {
-	down := make(chan struct{})
-	p.linkDown.Store(&down)
-	p.current.Store(l)
-	up := make(chan struct{})
-	close(*p.linkUp.Swap(&up))
-}
-
-// lostLink closes linkDown: the link attached last, if any, is gone.
-func (p *pipe) lostLink() {
-	closed := make(chan struct{})
-	close(closed)
-	if old := p.linkDown.Swap(&closed); !isClosed(*old) {
-		close(*old)
-	}
 }
 
 // healthy is how long a link must have lived for its loss to count as

@@ -11,7 +11,6 @@ import (
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
 
-	"github.com/amqpsub/amqpsub/internal/backoff"
 	"github.com/amqpsub/amqpsub/lease"
 	"github.com/amqpsub/amqpsub/pump"
 )
@@ -79,11 +78,7 @@ func (r sbReceiver) settle(ctx context.Context, msg *amqp.Message, o pump.Outcom
 		case attempt == dispositionRetries || !transientCond(err):
 			return err
 		}
-		wait := backoff.Jittered(attempt, 100*time.Millisecond, 2*time.Second)
-		if isCond(err, errCondServerBusy) {
-			wait = max(wait, serverBusyWait)
-		}
-		if !sleep(ctx, wait) {
+		if !sleep(ctx, reconnectWait(err, attempt, settleRetryFloor, settleRetryMax)) {
 			return err
 		}
 	}
@@ -117,6 +112,10 @@ const (
 	// is sent again (azservicebus's RetryOptions default: 3). After a
 	// server-busy answer the next waits serverBusyWait at least.
 	dispositionRetries = 3
+	// A settlement sent again waits a jittered backoff between these
+	// (reconnectWait).
+	settleRetryFloor = 100 * time.Millisecond
+	settleRetryMax   = 2 * time.Second
 )
 
 // dispositions sends the settlements of messages whose link is gone as
@@ -326,10 +325,7 @@ func (f *dispositions) request(ctx context.Context, batch []*disposition) error 
 		if err == nil || attempt == dispositionRetries || ctx.Err() != nil || !transientStatus(err) && !nodeGone(err) {
 			return err
 		}
-		wait := backoff.Jittered(attempt, 100*time.Millisecond, 2*time.Second)
-		if errors.Is(err, errServerBusy) {
-			wait = max(wait, serverBusyWait)
-		}
+		wait := reconnectWait(err, attempt, settleRetryFloor, settleRetryMax)
 		f.log.Debug("update-disposition failed; trying again", zap.Int("locks", len(batch)),
 			zap.Duration("wait", wait), zap.Error(err))
 		if !sleep(ctx, wait) {

@@ -431,42 +431,22 @@ type management struct {
 // is lost (or unknown).
 const lockLostStatus = 410
 
-// RenewLocks renews message locks (lease.Renewer). Its errors wrap
-// lease.ErrLockLost for status 410, lease.ErrBadRequest for 400,
-// lease.ErrServerBusy for 503 or an errorCondition of
-// com.microsoft:server-busy (the .NET client maps both to ServiceBusy),
-// and lease.ErrIncomplete for a 200 whose expirations are not one per
-// token; the lease book decides what each means for the locks.
+// RenewLocks renews message locks (lease.Renewer). Its errors are
+// request's; a 200 whose expirations are not one per token wraps
+// lease.ErrIncomplete. The lease book decides what each means for the
+// locks.
 func (m *management) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
 	const op = "com.microsoft:renew-lock"
-	props := map[string]any{"operation": op, "associated-link-name": m.linkName}
-	if dl, ok := ctx.Deadline(); ok {
-		props["com.microsoft:server-timeout"] = millis32(time.Until(dl))
-	}
-	resp, err := m.call(ctx, &amqp.Message{Value: map[string]any{"lock-tokens": tokens}, ApplicationProperties: props})
+	resp, err := m.request(ctx, op, map[string]any{"lock-tokens": tokens})
 	if err != nil {
 		return nil, err
 	}
-	code, desc := status(resp)
-	var kind error
-	switch {
-	case code >= 200 && code < 300:
-		body, _ := resp.Value.(map[string]any)
-		exp, ok := body["expirations"].([]time.Time)
-		if !ok || len(exp) != len(tokens) {
-			return nil, fmt.Errorf("amqpsub: %s: %d expirations for %d locks: %w", op, len(exp), len(tokens), lease.ErrIncomplete)
-		}
-		return exp, nil
-	case code == lockLostStatus:
-		kind = errLockLost
-	case code == 400:
-		kind = lease.ErrBadRequest
-	case code == 503 || errorCondition(resp) == errCondServerBusy:
-		kind = lease.ErrServerBusy
-	default:
-		return nil, fmt.Errorf("amqpsub: %s: status %d: %s", op, code, desc)
+	body, _ := resp.Value.(map[string]any)
+	exp, ok := body["expirations"].([]time.Time)
+	if !ok || len(exp) != len(tokens) {
+		return nil, fmt.Errorf("amqpsub: %s: %d expirations for %d locks: %w", op, len(exp), len(tokens), lease.ErrIncomplete)
 	}
-	return nil, fmt.Errorf("amqpsub: %s: status %d: %s: %w", op, code, desc, kind)
+	return exp, nil
 }
 
 // errorCondition is the errorCondition application property of a
@@ -481,10 +461,14 @@ func errorCondition(m *amqp.Message) amqp.ErrCond {
 	return ""
 }
 
-// request sends operation with body and returns the answer, an error
-// wrapping lease.ErrLockLost for status 410, one wrapping errNodeGone when
-// the $management link pair is gone for good, or another error. ctx bounds
-// it; when ctx ends first, the operation is in doubt.
+// request sends operation with body and returns the answer, or an error:
+// a *statusError for an answer that is not a success (wrapping
+// lease.ErrLockLost for status 410, lease.ErrBadRequest for 400, and
+// lease.ErrServerBusy for 503 or an errorCondition of
+// com.microsoft:server-busy, which the .NET client maps both to
+// ServiceBusy), one wrapping errNodeGone when the $management link pair is
+// gone for good, or the link's error. ctx bounds it; when ctx ends first,
+// the operation is in doubt.
 func (m *management) request(ctx context.Context, operation string, body map[string]any) (*amqp.Message, error) {
 	props := map[string]any{"operation": operation, "associated-link-name": m.linkName}
 	if dl, ok := ctx.Deadline(); ok {
@@ -495,33 +479,38 @@ func (m *management) request(ctx context.Context, operation string, body map[str
 		return nil, err
 	}
 	code, desc := status(resp)
-	switch {
-	case code >= 200 && code < 300:
+	if code >= 200 && code < 300 {
 		return resp, nil
-	case code == lockLostStatus:
-		return nil, fmt.Errorf("amqpsub: %s: status %d: %s: %w", operation, code, desc, errLockLost)
 	}
-	return nil, &statusError{op: operation, code: code, desc: desc}
+	e := &statusError{op: operation, code: code, desc: desc}
+	switch {
+	case code == lockLostStatus:
+		e.kind = errLockLost
+	case code == 400:
+		e.kind = lease.ErrBadRequest
+	case code == 503 || errorCondition(resp) == errCondServerBusy:
+		e.kind = lease.ErrServerBusy
+	}
+	return nil, e
 }
 
-// statusError is a $management answer with a status that is neither
-// success nor lock-lost.
+// statusError is a $management answer with a status that is not a
+// success; kind, when not nil, is the sentinel it wraps.
 type statusError struct {
 	op   string
 	code int
 	desc string
+	kind error
 }
 
 func (e *statusError) Error() string {
+	if e.kind != nil {
+		return fmt.Sprintf("amqpsub: %s: status %d: %s: %v", e.op, e.code, e.desc, e.kind)
+	}
 	return fmt.Sprintf("amqpsub: %s: status %d: %s", e.op, e.code, e.desc)
 }
 
-// Is makes a 503 answer match errServerBusy.
-func (e *statusError) Is(target error) bool { return target == errServerBusy && e.code == 503 }
-
-// errServerBusy matches a $management answer of status 503: the service
-// is throttling (com.microsoft:server-busy).
-var errServerBusy = errors.New("amqpsub: Service Bus is busy (status 503)")
+func (e *statusError) Unwrap() error { return e.kind }
 
 // transientStatus reports whether a $management request that failed with
 // err may succeed if sent again: the service was busy (503), failed
@@ -536,7 +525,7 @@ func transientStatus(err error) bool {
 	case 408, 500, 503:
 		return true
 	}
-	return false
+	return errors.Is(se, lease.ErrServerBusy)
 }
 
 // abandonLink closes rcv, the receive link the node serves, once its

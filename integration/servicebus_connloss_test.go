@@ -107,7 +107,10 @@ func TestServiceBusConnectionLossLosesNoFinishedWork(t *testing.T) {
 	}
 	stop, wait := runSub(t, s)
 	<-cut
-	time.Sleep(100 * time.Millisecond) // accepts of the last handlers are in flight
+	// Cut while the peer holds accepts unanswered (its settle delay).
+	waitFor(t, 10*time.Second, "settlements outstanding at the peer", func() bool {
+		return p.counters(t)["settlements_outstanding"] > 0
+	})
 	px.cut()
 	waitFor(t, 2*time.Minute, "all completed", func() bool { return p.info(t, q).Stats["completed"] == n })
 	stop()
@@ -120,6 +123,9 @@ func TestServiceBusConnectionLossLosesNoFinishedWork(t *testing.T) {
 	t.Logf("handled again though their handler had finished: %d; stats %v", againFinished, st)
 	if st.LinksLost < 1 {
 		t.Fatalf("no link lost")
+	}
+	if st.Locks.DispositionRequests == 0 {
+		t.Fatalf("no settlement went by lock token: the cut caught none in flight")
 	}
 	if againFinished != 0 || st.SettleErrors != 0 {
 		t.Fatalf("after a connection loss: %d messages whose handler had finished were handled again; %d settle errors",

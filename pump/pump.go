@@ -296,15 +296,20 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 		// decided before a stop is sent.
 		sctx, cancelSettlers := context.WithCancel(context.WithoutCancel(ctx))
 		quit := make(chan struct{})
+		// Each settler reports on returned as it returns (room for all).
+		returned := make(chan struct{}, len(p.shards))
 		var settlers sync.WaitGroup
 		for _, sh := range p.shards {
-			settlers.Go(func() { p.settler(sctx, sh, quit) })
+			settlers.Go(func() {
+				defer func() { returned <- struct{}{} }()
+				p.settler(sctx, sh, quit)
+			})
 		}
 		defer func() {
 			p.ended = true
 			close(quit)
 			if ctx.Err() != nil {
-				p.waitSettlers(&settlers, time.Unix(0, p.flushBy.Load()))
+				waitReturned(returned, len(p.shards), time.Unix(0, p.flushBy.Load()))
 			}
 			cancelSettlers()
 			settlers.Wait()
@@ -343,19 +348,20 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 	}
 }
 
-// waitSettlers waits for the settlers to return, until by at the latest.
-func (p *Pump) waitSettlers(settlers *sync.WaitGroup, by time.Time) {
+// waitReturned waits for n reports on returned, until by at the latest.
+func waitReturned(returned <-chan struct{}, n int, by time.Time) {
 	d := time.Until(by)
 	if d <= 0 {
 		return
 	}
-	done := make(chan struct{})
-	go func() { settlers.Wait(); close(done) }()
 	t := time.NewTimer(d)
 	defer t.Stop()
-	select {
-	case <-done:
-	case <-t.C:
+	for range n {
+		select {
+		case <-returned:
+		case <-t.C:
+			return
+		}
 	}
 }
 

@@ -1,11 +1,13 @@
 package amqpsub
 
 import (
+	"context"
 	"errors"
 	"fmt"
 
 	"github.com/Azure/go-amqp"
 
+	"github.com/amqpsub/amqpsub/internal/servicebus"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -33,10 +35,6 @@ func (k BodyKind) String() string {
 	}
 	return fmt.Sprintf("BodyKind(%d)", k)
 }
-
-// ErrBodyKind is returned (wrapped) by Delivery.Body, Value and Sequence
-// when the message's body is of another kind; the message says which.
-var ErrBodyKind = errors.New("amqpsub: body is of another kind")
 
 // Delivery is one message given to a handler. It stays valid, and keeps
 // describing the same message, after the handler returns: a handler may
@@ -210,4 +208,74 @@ func annotation(m *amqp.Message, key string) (any, bool) {
 	}
 	v, ok := m.Annotations[amqp.Symbol(key)]
 	return v, ok
+}
+
+// OnSettled asks for f to be called once the delivery's settlement has been
+// applied: with the outcome sent, and nil when the broker took it,
+// ErrNotSettled when it was not sent, or the broker's or link's error. Call
+// it from the handler, before it returns; a later call replaces f. f runs
+// on the subscriber's receiving goroutine and must return at once, without
+// blocking. It is not called when the subscriber stops before the
+// settlement was applied (an abandoned handler, a stop with GracePeriod(0)),
+// and it reports false, never calling f, when called after the delivery's
+// settlement was handed over (from a goroutine the handler left behind).
+// Tracing uses it for a settle span per delivery.
+func (d *Delivery) OnSettled(f func(o Outcome, err error)) bool {
+	if f == nil || d.t.Entry() == nil {
+		return false
+	}
+	return d.t.OnSettled(func(k pump.Kind, err error) {
+		if o, ok := outcomeOf(k); ok {
+			f(o, err)
+		}
+	})
+}
+
+// SessionID returns the Service Bus session the delivery belongs to, when
+// it came through a session consumer (Sessions, SessionIDs); "" otherwise.
+func (d *Delivery) SessionID() string {
+	if d.l == nil || d.l.sb == nil || d.l.sb.session == nil {
+		return ""
+	}
+	return d.l.sb.session.ID()
+}
+
+// SessionState returns the state stored with the delivery's session (nil
+// when none is set), from the service. It returns an error wrapping
+// ErrNoSession when the delivery did not come through a session consumer,
+// or its session is no longer held. ctx bounds the request.
+func (d *Delivery) SessionState(ctx context.Context) ([]byte, error) {
+	src, err := d.heldSession()
+	if err != nil {
+		return nil, err
+	}
+	state, err := src.State(ctx)
+	return state, sessionErr(err)
+}
+
+// SetSessionState stores state with the delivery's session (nil clears
+// it). Errors as SessionState.
+func (d *Delivery) SetSessionState(ctx context.Context, state []byte) error {
+	src, err := d.heldSession()
+	if err != nil {
+		return err
+	}
+	return sessionErr(src.SetState(ctx, state))
+}
+
+func (d *Delivery) heldSession() (*servicebus.Session, error) {
+	if d.l == nil || d.l.sb == nil || d.l.sb.session == nil {
+		return nil, ErrNoSession
+	}
+	if d.t.Stale() {
+		return nil, fmt.Errorf("%w: session %q: its link is gone", ErrNoSession, d.l.sb.session.ID())
+	}
+	return d.l.sb.session, nil
+}
+
+func sessionErr(err error) error {
+	if errors.Is(err, ErrLockLost) {
+		return fmt.Errorf("%w: %w", ErrNoSession, err)
+	}
+	return err
 }

@@ -13,7 +13,6 @@ import (
 
 	"github.com/amqpsub/amqpsub/internal/backoff"
 	"github.com/amqpsub/amqpsub/lanes"
-	"github.com/amqpsub/amqpsub/lease"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -44,7 +43,7 @@ func (s *Subscriber) laneConfig(ctx context.Context, p *pipe) lanes.Config[pump.
 	if s.batch == nil {
 		cfg.Handle = func(lane int, t pump.Ticket) {
 			d := newDelivery(t, lane, p)
-			hctx, done := s.leased(ctx, p, t)
+			hctx, done := p.kind.handlerContext(ctx, t)
 			err := s.handle(hctx, d)
 			done()
 			s.settle(d, err)
@@ -72,32 +71,13 @@ func (s *Subscriber) laneConfig(ctx context.Context, p *pipe) lanes.Config[pump.
 				held = append(held, d.t)
 			}
 			tickets[lane] = held
-			bctx, done := s.leased(ctx, p, held...)
+			bctx, done := p.kind.handlerContext(ctx, held...)
 			s.handleBatch(bctx, lane, batch)
 			done()
 		}
 		clear(batch)
 	}
 	return cfg
-}
-
-// leased returns the context for a handler of ts: under a peek-lock profile
-// one that is cancelled (cause lease.ErrLockLost) when the lock of any of
-// them is lost; elsewhere ctx itself. done releases it.
-func (s *Subscriber) leased(ctx context.Context, p *pipe, ts ...pump.Ticket) (context.Context, func()) {
-	if p.book == nil {
-		return ctx, func() {}
-	}
-	hctx, cancel := context.WithCancelCause(ctx)
-	for _, t := range ts {
-		if !p.book.Bind(t, cancel) {
-			// Out of the book already: its lock was lost between the
-			// lane's Begin and now (or went with its link). The handler
-			// must hear of it as it would have a moment later.
-			cancel(lease.ErrLockLost)
-		}
-	}
-	return hctx, func() { cancel(nil) }
 }
 
 // handle runs the handler on d, after the poison check, and retries it in
@@ -192,7 +172,7 @@ func (r retry) allows(attempt int) bool {
 
 func isRetry(err error) bool {
 	kind, _ := decide(err)
-	return kind == outcomeRetry
+	return kind == ResultRetry
 }
 
 // wait returns the wait before retry number attempt, within the budget.
@@ -211,7 +191,7 @@ func (r retry) wait(attempt int) time.Duration {
 // finds its delivery stale.
 func (s *Subscriber) pause(ctx context.Context, p *pipe, d time.Duration) bool {
 	var down <-chan struct{}
-	if p.fallback == nil { // a lost link leaves nothing stale under fallback
+	if !p.keeps { // a lost link leaves nothing stale when the pipe keeps its deliveries
 		down = *p.linkDown.Load()
 	}
 	t := time.NewTimer(d)
@@ -249,9 +229,9 @@ func (s *Subscriber) poison(d *Delivery) error {
 		if size := pump.Size(d.msg); size > s.cfg.maxMessageSize {
 			s.results.oversize.Add(1)
 			detail := fmt.Sprintf("amqpsub: message body of %d bytes is past the limit of %d", size, s.cfg.maxMessageSize)
-			err := &OutcomeError{kind: outcomeReject, poisoned: true, cond: condMessageSizeExceeded, reason: detail}
+			err := &OutcomeError{kind: ResultReject, poisoned: true, cond: condMessageSizeExceeded, reason: detail}
 			if sb {
-				err = &OutcomeError{kind: outcomeReject, poisoned: true, reason: reasonMessageSizeExceeded, description: detail}
+				err = &OutcomeError{kind: ResultReject, poisoned: true, reason: reasonMessageSizeExceeded, description: detail}
 			}
 			s.limited.Warn("message larger than MaxMessageSize; dead-lettering it unhandled", s.fields(d, err)...)
 			s.events.send(s.event(d, EventOversize, err))
@@ -264,10 +244,10 @@ func (s *Subscriber) poison(d *Delivery) error {
 	}
 	s.results.poisoned.Add(1)
 	detail := fmt.Sprintf("amqpsub: delivery count %d is past the limit %d", d.DeliveryCount(), limit)
-	err := &OutcomeError{kind: outcomeReject, poisoned: true, reason: detail}
+	err := &OutcomeError{kind: ResultReject, poisoned: true, reason: detail}
 	if sb {
 		detail = fmt.Sprintf("amqpsub: delivery %d is past MaxDeliveryCount %d", d.DeliveryCount()+1, limit)
-		err = &OutcomeError{kind: outcomeReject, poisoned: true, reason: reasonMaxDeliveryCountExceeded, description: detail}
+		err = &OutcomeError{kind: ResultReject, poisoned: true, reason: reasonMaxDeliveryCountExceeded, description: detail}
 	}
 	s.limited.Warn("delivery count past MaxDeliveryCount; dead-lettering it unhandled", s.fields(d, err)...)
 	s.events.send(s.event(d, EventPoisoned, err))
@@ -389,84 +369,6 @@ func (s *Subscriber) batchFailed(lane int, failed []*Delivery, err error, attemp
 		ev := s.event(d, EventHandlerFailed, err)
 		ev.Attempt = attempt
 		s.events.send(ev)
-	}
-}
-
-// settle maps a handler's result to the broker settlement.
-func (s *Subscriber) settle(d *Delivery, err error) {
-	if s.cut.Load() {
-		if s.debug() {
-			s.log.Debug("result of an abandoned handler ignored", s.fields(d, err)...)
-		}
-		return
-	}
-	if d.t.Entry().LockLost() {
-		// Its lock is gone (the book cancelled the handler's context): the
-		// pump skips the settlement and counts it; the service delivers
-		// the message again.
-		// Its result still counts, and the outcome it would have had is
-		// what the Recorder and OnSettled hear (with ErrNotSettled).
-		if s.debug() {
-			s.log.Debug("result of a delivery whose lock was lost not sent", s.fields(d, err)...)
-		}
-		o := pump.Outcome{Kind: pump.Accept}
-		switch kind, oe := decide(err); kind {
-		case outcomeAccept:
-			s.results.accept.Add(1)
-		case outcomeRelease:
-			s.results.release.Add(1)
-			o.Kind = pump.Release
-		case outcomeReject:
-			if !oe.poisoned {
-				s.results.reject.Add(1)
-			}
-			o.Kind = pump.Reject
-		default:
-			s.results.retry.Add(1)
-			o = s.cfg.profile.retry
-		}
-		d.p.settle(d.t, o, d.lane)
-		return
-	}
-	kind, oe := decide(err)
-	switch kind {
-	case outcomeAccept:
-		s.results.accept.Add(1)
-		d.p.settle(d.t, pump.Outcome{Kind: pump.Accept}, d.lane)
-	case outcomeRelease:
-		s.results.release.Add(1)
-		d.p.settle(d.t, pump.Outcome{Kind: pump.Release}, d.lane)
-	case outcomeReject:
-		if !oe.poisoned {
-			s.results.reject.Add(1)
-		}
-		if s.cfg.deadLetterCopy != "" {
-			err := s.copyToDeadLetter(d, oe)
-			if err == nil {
-				s.deadLetterCopies.Add(1)
-				d.p.settle(d.t, pump.Outcome{Kind: pump.Accept}, d.lane)
-				return
-			}
-			if err != errNoDeadLetterLink && !s.cut.Load() {
-				s.deadLetterCopyFailures.Add(1)
-				s.limited.Warn("dead-letter copy not taken; rejecting without keeping the reason", s.fields(d, err)...)
-				s.events.send(s.event(d, EventDeadLetterCopyFailed, err))
-			}
-		}
-		cond := s.cfg.profile.rejectCond
-		if oe.cond != "" {
-			cond = oe.cond
-		}
-		d.p.settle(d.t, pump.Outcome{Kind: pump.Reject, Error: oe.rejectError(cond)}, d.lane)
-	default:
-		s.results.retry.Add(1)
-		if !errors.Is(err, ErrHandlerPanic) && s.debug() {
-			// Debug: a failing handler fails once per delivery. OnEvent
-			// and Stats().Results.Retry report it.
-			s.log.Debug("handler failed; the delivery goes back to the broker as a failed attempt", s.fields(d, err)...)
-		}
-		s.events.send(s.event(d, EventHandlerFailed, err))
-		d.p.settle(d.t, s.cfg.profile.retry, d.lane)
 	}
 }
 

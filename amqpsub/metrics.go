@@ -91,44 +91,6 @@ type HandlerCall struct {
 	Panicked bool
 }
 
-// Result is what a handler decided for a delivery.
-type Result uint8
-
-const (
-	// ResultAccept is a nil error: the delivery was handled.
-	ResultAccept Result = iota
-	// ResultRelease is Release().
-	ResultRelease
-	// ResultReject is Reject, RejectWith, or a delivery past
-	// MaxDeliveryCount or MaxMessageSize.
-	ResultReject
-	// ResultRetry is Retry(err), any other error, or a panic.
-	ResultRetry
-)
-
-var resultNames = [...]string{"accept", "release", "reject", "retry"}
-
-// String returns "accept", "release", "reject" or "retry".
-func (r Result) String() string {
-	if int(r) < len(resultNames) {
-		return resultNames[r]
-	}
-	return "Result(?)"
-}
-
-// ResultOf returns what a handler's error means: see Handler.
-func ResultOf(err error) Result {
-	switch kind, _ := decide(err); kind {
-	case outcomeAccept:
-		return ResultAccept
-	case outcomeRelease:
-		return ResultRelease
-	case outcomeReject:
-		return ResultReject
-	}
-	return ResultRetry
-}
-
 // Outcome is the settlement a delivery was given on the wire.
 type Outcome uint8
 
@@ -156,12 +118,6 @@ func (o Outcome) String() string {
 	}
 	return "Outcome(?)"
 }
-
-// ErrNotSettled is what Recorder.Settled and a Delivery's OnSettled
-// function hear of a settlement that was not sent, because the delivery's
-// link (or, on Service Bus, its lock) was lost while a handler had it. The
-// broker delivers the message again.
-var ErrNotSettled = pump.ErrNotSent
 
 // WithMetrics gives the subscriber's measurements to m: New calls
 // m.Recorder once. Its cost on the delivery path is an interface call per
@@ -211,34 +167,4 @@ func (m meter) Settled(k pump.Kind, err error) {
 	if o, ok := outcomeOf(k); ok {
 		m.r.Settled(o, err)
 	}
-}
-
-// OnSettled asks for f to be called once the delivery's settlement has been
-// applied: with the outcome sent, and nil when the broker took it,
-// ErrNotSettled when it was not sent, or the broker's or link's error. Call
-// it from the handler, before it returns; a later call replaces f. f runs
-// on the subscriber's receiving goroutine and must return at once, without
-// blocking. It is not called when the subscriber stops before the
-// settlement was applied (an abandoned handler, a stop with GracePeriod(0)),
-// and it reports false, never calling f, when called after the delivery's
-// settlement was handed over (from a goroutine the handler left behind).
-// Tracing uses it for a settle span per delivery.
-func (d *Delivery) OnSettled(f func(o Outcome, err error)) bool {
-	if f == nil || d.t.Entry() == nil {
-		return false
-	}
-	return d.t.OnSettled(func(k pump.Kind, err error) {
-		if o, ok := outcomeOf(k); ok {
-			f(o, err)
-		}
-	})
-}
-
-// mostSevere orders results for a batch's HandlerCall.Result.
-func mostSevere(a, b Result) Result {
-	rank := [...]int{ResultAccept: 0, ResultRelease: 1, ResultReject: 2, ResultRetry: 3}
-	if rank[b] > rank[a] {
-		return b
-	}
-	return a
 }

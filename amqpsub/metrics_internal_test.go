@@ -9,7 +9,7 @@ import (
 	"github.com/Azure/go-amqp"
 
 	"github.com/amqpsub/amqpsub/internal/fake"
-	"github.com/amqpsub/amqpsub/lease"
+	"github.com/amqpsub/amqpsub/internal/servicebus"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -89,7 +89,7 @@ func TestLockLostOnAReusedEntryIsNotReported(t *testing.T) {
 	if next.Entry() != old.Entry() {
 		t.Skip("the entry was not reused")
 	}
-	p.lockLost(old, &amqp.Message{Properties: &amqp.MessageProperties{MessageID: "old"}}, lease.ErrLockLost) // the book reports old's lock, late
+	p.lockLost(old, &amqp.Message{Properties: &amqp.MessageProperties{MessageID: "old"}}, servicebus.ErrLockLost) // the book reports old's lock, late
 	rec.mu.Lock()
 	defer rec.mu.Unlock()
 	for _, e := range rec.events {
@@ -101,7 +101,7 @@ func TestLockLostOnAReusedEntryIsNotReported(t *testing.T) {
 
 // A handler whose delivery's lock was lost between the lane's Begin and the
 // binding of its context (the book has let go of the delivery) gets a
-// context cancelled with lease.ErrLockLost at once, as it would have a
+// context cancelled with servicebus.ErrLockLost at once, as it would have a
 // moment later, rather than one never cancelled. (Found by an outside
 // review.)
 func TestLeasedContextOfADeliveryOutOfTheBook(t *testing.T) {
@@ -135,8 +135,8 @@ func TestLeasedContextOfADeliveryOutOfTheBook(t *testing.T) {
 	p.book.Remove(tk.Entry()) // what losing its lock does
 	hctx, release = s.leased(context.Background(), p, tk)
 	defer release()
-	if !errors.Is(context.Cause(hctx), lease.ErrLockLost) {
-		t.Fatalf("context of a delivery out of the book: cause %v, want lease.ErrLockLost", context.Cause(hctx))
+	if !errors.Is(context.Cause(hctx), servicebus.ErrLockLost) {
+		t.Fatalf("context of a delivery out of the book: cause %v, want servicebus.ErrLockLost", context.Cause(hctx))
 	}
 	p.pump.Settle(tk, pump.Outcome{Kind: pump.Accept})
 }

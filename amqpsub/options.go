@@ -1,23 +1,11 @@
 package amqpsub
 
 import (
-	"context"
-	"errors"
 	"fmt"
-	"slices"
 	"time"
 
 	"go.uber.org/zap"
-
-	"github.com/amqpsub/amqpsub/pump"
 )
-
-// ErrInvalidOption is wrapped by the error New and NewBatch return for an
-// option with a value out of range or an option that does not fit the
-// subscriber (such as Batch with a plain Handler), and by the error
-// DialFailover and ServiceBusWithToken return for addresses they cannot
-// use.
-var ErrInvalidOption = errors.New("amqpsub: invalid option")
 
 // Option configures a Subscriber.
 type Option interface {
@@ -67,9 +55,6 @@ type config struct {
 	maxLockRenewal time.Duration
 	settleTimeout  time.Duration
 	errs           []error
-
-	// testSource, set only by tests, replaces the broker.
-	testSource func(context.Context) (pump.Source, error)
 }
 
 func defaultConfig() config {
@@ -245,123 +230,6 @@ func WithProfile(p Profile) Option {
 			return
 		}
 		c.profile, c.profileSet = p, true
-	})
-}
-
-// MaxLockRenewal bounds, on Azure Service Bus, how long after its handler
-// began a delivery's message lock is still renewed (LocalRetry's waits
-// included). After that the lock expires (up to one lock duration later:
-// the last renewal's), the handler's context is cancelled (cause
-// lease.ErrLockLost), its result is not sent, and the service delivers the
-// message again, counted, to whichever receiver asks next. So a handler
-// that outlives its lock can see its work done twice (once more if it
-// ignores its context), and under WorkersByKey the redelivery comes after
-// the group's later messages: its order is broken. Set it above the
-// longest handler. While a delivery
-// waits for a handler (behind a busy group, say) its lock is renewed for as
-// long as it waits: the credit bounds how many wait. Must be ≥ 0; 0 renews
-// no lock of a delivery in a handler. Default: 5 min, as the .NET
-// processor's MaxAutoLockRenewalDuration, which also counts from the
-// handler's start.
-func MaxLockRenewal(d time.Duration) Option {
-	return optionFunc(func(c *config) {
-		if d < 0 {
-			c.invalid("MaxLockRenewal(%v): must be ≥ 0", d)
-			return
-		}
-		c.maxLockRenewal = d
-		if d == 0 {
-			c.maxLockRenewal = time.Nanosecond
-		}
-	})
-}
-
-// maxSessions bounds Sessions and SessionIDs: each session held is a
-// connection and a pipeline of its own.
-const maxSessions = 256
-
-// Sessions makes the subscriber a session consumer of a session-enabled
-// Service Bus entity: it holds up to max sessions at once, each on a link
-// of its own with its share of the credit (at least 1), accepting the next
-// available session whenever it has room; the handlers of each session run
-// as Workers or WorkersByKey say, per session (the default Workers(1) runs
-// each session's messages one at a time, in order, so Sessions(4) runs up
-// to 4 handlers at once). A handler's Retry sends its message back to the
-// service, which delivers it again after the session's messages already
-// sent: to keep a session's order through a passing failure, use
-// LocalRetry, which retries in the lane. A session's lock is renewed
-// while the consumer holds it; a session with no message for
-// SessionIdleTimeout is closed and the next one accepted; when no session
-// is available the service says so after a while and the consumer asks
-// again. Delivery.SessionState and SetSessionState read and write the
-// session's state. Only with the AzureServiceBus profile; not with
-// SessionIDs. Each session held is a connection of its own (8 for
-// Sessions(8); the emulator allows 10 in all). Must be between 1 and 256.
-// Default: off (the entity must not require sessions).
-func Sessions(max int) Option {
-	return optionFunc(func(c *config) {
-		if max < 1 || max > maxSessions {
-			c.invalid("Sessions(%d): must be between 1 and %d", max, maxSessions)
-			return
-		}
-		c.maxSessions = max
-	})
-}
-
-// SessionIDs makes the subscriber a session consumer of the named sessions
-// only, each on a link of its own, held for as long as the subscriber runs
-// (a session left idle for SessionIdleTimeout is accepted again). See
-// Sessions. Not with Sessions; at least one id and at most 256, none empty,
-// none twice.
-func SessionIDs(ids ...string) Option {
-	return optionFunc(func(c *config) {
-		if len(ids) == 0 || len(ids) > maxSessions || slices.Contains(ids, "") {
-			c.invalid("SessionIDs(%q): give between 1 and %d ids, none empty", ids, maxSessions)
-			return
-		}
-		seen := make(map[string]bool, len(ids))
-		for _, id := range ids {
-			if seen[id] {
-				c.invalid("SessionIDs: %q given twice (a session is locked by one link at a time)", id)
-				return
-			}
-			seen[id] = true
-		}
-		c.sessionIDs = slices.Clone(ids)
-	})
-}
-
-// SessionIdleTimeout is how long a session consumer keeps a session that
-// sends no message (and of which it holds none) before it closes it and
-// accepts the next. A finished session holds its place that long: with
-// many short sessions, a few seconds keeps the consumer moving (8 sessions
-// of 5 messages under Sessions(4) took 60 s at the default in a trial, the
-// second four waiting for the first four to idle out). Must be > 0.
-// Default: 1 min.
-func SessionIdleTimeout(d time.Duration) Option {
-	return optionFunc(func(c *config) {
-		if d <= 0 {
-			c.invalid("SessionIdleTimeout(%v): must be > 0", d)
-			return
-		}
-		c.sessionIdle = d
-	})
-}
-
-// SettleTimeout bounds, on Azure Service Bus, how long a settlement waits
-// for the service's answer; one unanswered by then is counted
-// (Stats.Locks.SettleTimeouts) and left to the lock's expiry. The bound
-// is also the write deadline of the settlement's frame, and go-amqp ends
-// the whole connection on a write that misses its deadline: below a second
-// a busy connection would be torn down and handled messages delivered
-// again. Must be ≥ 1 s. Default: 30 s.
-func SettleTimeout(d time.Duration) Option {
-	return optionFunc(func(c *config) {
-		if d < time.Second {
-			c.invalid("SettleTimeout(%v): must be ≥ 1s (it is also the frame's write deadline)", d)
-			return
-		}
-		c.settleTimeout = d
 	})
 }
 

@@ -7,24 +7,13 @@ import (
 	"github.com/Azure/go-amqp"
 )
 
-// outcomeKind is what a handler decided.
-type outcomeKind uint8
-
-const (
-	outcomeAccept outcomeKind = iota
-	outcomeRelease
-	outcomeRetry
-	outcomeReject
-)
-
-var outcomeNames = [...]string{"accept", "release", "retry", "reject"}
 
 // OutcomeError is the error a handler returns to choose how a delivery is
 // settled other than by accepting it. Make one with Release, Retry or
 // Reject; it may be wrapped (errors.As finds it). A nil *OutcomeError
 // returned as a (non-nil) error, or a zero OutcomeError, means Retry.
 type OutcomeError struct {
-	kind        outcomeKind
+	kind        Result
 	reason      string
 	description string
 	err         error
@@ -37,14 +26,14 @@ const condMessageSizeExceeded = amqp.ErrCondMessageSizeExceeded
 
 func (e *OutcomeError) Error() string {
 	switch {
-	case e == nil || e.kind == outcomeAccept:
+	case e == nil || e.kind == ResultAccept:
 		return "amqpsub: retry: an OutcomeError not made by Release, Retry or Reject"
 	case e.err != nil:
-		return fmt.Sprintf("amqpsub: %s: %v", outcomeNames[e.kind], e.err)
+		return fmt.Sprintf("amqpsub: %s: %v", e.kind, e.err)
 	case e.reason != "":
-		return fmt.Sprintf("amqpsub: %s: %s", outcomeNames[e.kind], e.reason)
+		return fmt.Sprintf("amqpsub: %s: %s", e.kind, e.reason)
 	}
-	return "amqpsub: " + outcomeNames[e.kind]
+	return "amqpsub: " + e.kind.String()
 }
 
 // Unwrap returns the error given to Retry.
@@ -55,7 +44,7 @@ func (e *OutcomeError) Unwrap() error {
 	return e.err
 }
 
-var releaseOutcome = &OutcomeError{kind: outcomeRelease}
+var releaseOutcome = &OutcomeError{kind: ResultRelease}
 
 // Release returns the delivery to the queue untouched: the broker does not
 // count it as a failed attempt, so it is never dead-lettered for it.
@@ -69,10 +58,10 @@ func Release() error { return releaseOutcome }
 // OutcomeError means Retry; Retry(err) just says so explicitly. err may be
 // nil. Retry of an error that is already a Retry returns it unchanged.
 func Retry(err error) error {
-	if o, ok := err.(*OutcomeError); ok && o != nil && o.kind == outcomeRetry {
+	if o, ok := err.(*OutcomeError); ok && o != nil && o.kind == ResultRetry {
 		return o
 	}
-	return &OutcomeError{kind: outcomeRetry, err: err}
+	return &OutcomeError{kind: ResultRetry, err: err}
 }
 
 // Reject dead-letters the delivery at once, with reason: it is settled as
@@ -80,12 +69,12 @@ func Retry(err error) error {
 // DeadLetterReason = reason, the key Service Bus reads). Artemis moves it
 // to the queue's dead-letter address (without one it is dropped) but keeps
 // no trace of the reason; see DeadLetterCopy for a way to keep it.
-func Reject(reason string) error { return &OutcomeError{kind: outcomeReject, reason: reason} }
+func Reject(reason string) error { return &OutcomeError{kind: ResultReject, reason: reason} }
 
 // RejectWith is Reject with a longer description besides the reason (info
 // DeadLetterErrorDescription, as Service Bus names it).
 func RejectWith(reason, description string) error {
-	return &OutcomeError{kind: outcomeReject, reason: reason, description: description}
+	return &OutcomeError{kind: ResultReject, reason: reason, description: description}
 }
 
 // rejectError is the AMQP error a Reject outcome carries, with condition
@@ -99,16 +88,56 @@ func (e *OutcomeError) rejectError(cond amqp.ErrCond) *amqp.Error {
 }
 
 // decide maps a handler's error to an outcome.
-func decide(err error) (outcomeKind, *OutcomeError) {
+func decide(err error) (Result, *OutcomeError) {
 	if err == nil {
-		return outcomeAccept, nil
+		return ResultAccept, nil
 	}
 	// A nil *OutcomeError returned as an error, or one not made by
 	// Release, Retry or Reject (its zero kind), is a non-nil error like
 	// any other: Retry.
 	var oe *OutcomeError
-	if errors.As(err, &oe) && oe != nil && oe.kind != outcomeAccept {
+	if errors.As(err, &oe) && oe != nil && oe.kind != ResultAccept {
 		return oe.kind, oe
 	}
-	return outcomeRetry, nil
+	return ResultRetry, nil
 }
+
+// Result is what a handler decided for a delivery.
+type Result uint8
+
+var resultNames = [...]string{"accept", "release", "reject", "retry"}
+
+// String returns "accept", "release", "reject" or "retry".
+func (r Result) String() string {
+	if int(r) < len(resultNames) {
+		return resultNames[r]
+	}
+	return "Result(?)"
+}
+
+// ResultOf returns what a handler's error means: see Handler.
+func ResultOf(err error) Result {
+	r, _ := decide(err)
+	return r
+}
+
+// mostSevere orders results for a batch's HandlerCall.Result.
+func mostSevere(a, b Result) Result {
+	rank := [...]int{ResultAccept: 0, ResultRelease: 1, ResultReject: 2, ResultRetry: 3}
+	if rank[b] > rank[a] {
+		return b
+	}
+	return a
+}
+
+const (
+	// ResultAccept is a nil error: the delivery was handled.
+	ResultAccept Result = iota
+	// ResultRelease is Release().
+	ResultRelease
+	// ResultReject is Reject, RejectWith, or a delivery past
+	// MaxDeliveryCount or MaxMessageSize.
+	ResultReject
+	// ResultRetry is Retry(err), any other error, or a panic.
+	ResultRetry
+)

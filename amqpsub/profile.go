@@ -28,6 +28,9 @@ type Profile struct {
 	// broker (sent by settlers), message locks renewed (the lease book),
 	// the entity's $management node attached beside the receiver.
 	peekLock bool
+	// kind makes what the broker's kind adds to the links of a pipe
+	// (brokerKind); session is the Service Bus session the pipe asks for.
+	kind func(p *pipe, session string) brokerKind
 }
 
 // String returns the profile's name.
@@ -78,6 +81,7 @@ func azureServiceBus() Profile {
 		detach:     true,
 		rejectCond: ErrCondDeadLetter,
 		peekLock:   true,
+		kind:       newServiceBusKind,
 	}
 }
 
@@ -90,6 +94,7 @@ func artemis() Profile {
 		creditMode: credit.Continuous,
 		detach:     true,
 		rejectCond: RejectCondition,
+		kind:       plain,
 	}
 }
 
@@ -101,6 +106,7 @@ func rabbitMQ3() Profile {
 		creditMode: credit.Windowed,
 		detach:     false,
 		rejectCond: RejectCondition,
+		kind:       plain,
 	}
 }
 
@@ -112,6 +118,7 @@ func generic() Profile {
 		creditMode: credit.Continuous,
 		detach:     true,
 		rejectCond: RejectCondition,
+		kind:       plain,
 	}
 }
 
@@ -121,3 +128,6 @@ func rabbitAddress(q string) string {
 	}
 	return "/amq/queue/" + q
 }
+
+// plain is the kind of every broker but Service Bus.
+func plain(*pipe, string) brokerKind { return plainKind{} }

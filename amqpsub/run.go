@@ -10,40 +10,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/lanes"
-	"github.com/amqpsub/amqpsub/lease"
 	"github.com/amqpsub/amqpsub/pump"
-)
-
-// ErrStopping is the cause (context.Cause) of a handler's context cancelled
-// by a stop: the grace period ran out, Close was called, or attaching failed
-// for good. A handler tells it from a lost lock (lease.ErrLockLost, on
-// Service Bus) this way; its result is ignored.
-var ErrStopping = errors.New("amqpsub: the subscriber is stopping")
-
-// Errors Run returns.
-var (
-	// ErrClosed is returned by Run when the Subscriber was already run, or
-	// closed or shut down before Run.
-	ErrClosed = errors.New("amqpsub: subscriber closed")
-	// ErrLinkLost is wrapped by the error Run returns when a lost link or
-	// connection could not be replaced: reconnecting failed with an error
-	// FatalErrors calls fatal, or the connection given with Conn is gone.
-	// A lost link that can be replaced is replaced, and Run goes on.
-	ErrLinkLost = errors.New("amqpsub: link lost")
-	// ErrAbandoned is wrapped by the error Run returns when handlers had
-	// not returned by the end of the stop (the grace period, then
-	// CloseTimeout); the error says how many. Their context was cancelled,
-	// their results are ignored, and the broker redelivers their
-	// deliveries. It is also wrapped when an OnReconnect function had not
-	// returned by then.
-	ErrAbandoned = errors.New("amqpsub: handlers abandoned")
-	// ErrLockLost is the cause (context.Cause) of a handler's context
-	// cancelled because the Service Bus lock of its delivery (or session)
-	// was lost; its settlement is then not sent.
-	ErrLockLost = lease.ErrLockLost
-	// ErrHandlerPanic is wrapped by the error a handler's panic becomes
-	// (logged, and passed to OnEvent); the delivery is retried.
-	ErrHandlerPanic = errors.New("amqpsub: handler panicked")
 )
 
 // Run connects, attaches a receiver to the queue and consumes until ctx is
@@ -93,7 +60,7 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	pctx, cancelPump := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelPump()
 
-	// Each pipe's pump, lanes and lease book. A pump that ends by itself
+	// Each pipe's pump and lanes, and what its kind runs beside them. A pump that ends by itself
 	// (attach failed for good) reports on ended; the lanes end when every
 	// handler has returned: a handler that never returns keeps its lane,
 	// which Run then leaves behind (abandoned).
@@ -102,20 +69,9 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	for i, p := range s.pipes {
 		r := &running{p: p, done: make(chan struct{}), lanesDone: make(chan struct{})}
 		runs[i] = r
-		if p.book != nil {
-			bctx, stopBook := context.WithCancel(context.WithoutCancel(ctx))
-			bookDone := make(chan struct{})
-			go func() { defer close(bookDone); p.book.Run(bctx) }()
-			defer func() { stopBook(); <-bookDone }()
-		}
-		if p.fallback != nil {
-			// Ended after the pumps: their settlers use it until they
-			// have returned.
-			fctx, stopFallback := context.WithCancel(context.WithoutCancel(ctx))
-			fallbackDone := make(chan struct{})
-			go func() { defer close(fallbackDone); p.fallback.run(fctx) }()
-			defer func() { stopFallback(); <-fallbackDone }()
-		}
+		// What the kind runs beside the pipe (a lease book) ends after the
+		// pumps: their settlers may use it until they have returned.
+		defer p.kind.start(context.WithoutCancel(ctx))()
 		go func() {
 			r.err = p.pump.Run(pctx, p.att.attach)
 			close(r.done)
@@ -217,7 +173,7 @@ func (s *Subscriber) Run(ctx context.Context) error {
 			continue
 		}
 		r.p.current.Store(nil)
-		r.p.sourceRenewer.Store(nil)
+		r.p.kind.attachedSource(nil)
 		if l := r.p.att.current; l != nil {
 			closings.Go(func() { s.closeWithin(l, closeBy) })
 		}
@@ -421,4 +377,11 @@ func (s *Subscriber) Close() error {
 		close(s.closeReq)
 	}
 	return nil
+}
+
+func minTime(a, b time.Time) time.Time {
+	if b.Before(a) {
+		return b
+	}
+	return a
 }

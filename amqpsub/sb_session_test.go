@@ -12,7 +12,7 @@ import (
 	"github.com/Azure/go-amqp"
 
 	"github.com/amqpsub/amqpsub/internal/backoff"
-	"github.com/amqpsub/amqpsub/lease"
+	"github.com/amqpsub/amqpsub/internal/servicebus"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -105,8 +105,8 @@ func TestSessionLockRenewal(t *testing.T) {
 				if !errors.Is(err, gone) || ended != 10*time.Second || len(calls) != 1 {
 					t.Fatalf("requests at %v; given up at %v: %v", calls, ended, err)
 				}
-				if errors.Is(gone, errLockLost) && !errors.Is(err, lease.ErrLockLost) {
-					t.Fatalf("%v does not wrap lease.ErrLockLost", err)
+				if errors.Is(gone, errLockLost) && !errors.Is(err, servicebus.ErrLockLost) {
+					t.Fatalf("%v does not wrap servicebus.ErrLockLost", err)
 				}
 			})
 		})

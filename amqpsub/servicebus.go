@@ -2,23 +2,17 @@ package amqpsub
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"math"
-	"math/rand/v2"
 	"net"
 	"net/url"
-	"strconv"
+	"slices"
 	"strings"
-	"sync/atomic"
 	"time"
 
 	"github.com/Azure/go-amqp"
-	"go.uber.org/zap"
 
-	"github.com/amqpsub/amqpsub/internal/backoff"
+	"github.com/amqpsub/amqpsub/internal/servicebus"
 	"github.com/amqpsub/amqpsub/internal/wire"
-	"github.com/amqpsub/amqpsub/lease"
 )
 
 // ServiceBus returns a Connector for Azure Service Bus from a connection
@@ -45,15 +39,15 @@ import (
 // ErrConnectionString that names the key at fault and quotes none of the
 // string's values.
 func ServiceBus(connectionString string) (Connector, error) {
-	cs, err := parseSBConnString(connectionString)
+	cs, err := servicebus.ParseConnString(connectionString)
 	if err != nil {
 		return nil, err
 	}
-	var tp TokenProvider = staticSAS(cs.sas)
-	if cs.sas == "" {
-		tp = SASTokenProvider(cs.keyName, cs.key, 2*time.Hour)
+	var tp TokenProvider = staticSAS(cs.SAS)
+	if cs.SAS == "" {
+		tp = SASTokenProvider(cs.KeyName, cs.Key, 2*time.Hour)
 	}
-	return newSBConnector(cs.host, cs.emulator, cs.entity, tp), nil
+	return newSBConnector(cs.Host, cs.Emulator, cs.Entity, tp), nil
 }
 
 // ServiceBusWithToken returns a Connector for the Service Bus namespace at
@@ -78,12 +72,12 @@ func ServiceBusWithToken(endpoint string, tp TokenProvider) (Connector, error) {
 	}
 	u, err := url.Parse(endpoint)
 	if err != nil || u.Host == "" {
-		return nil, fmt.Errorf("%w: the endpoint is not a URL like sb://<namespace>.servicebus.windows.net%s", ErrInvalidOption, separatorHint(endpoint))
+		return nil, fmt.Errorf("%w: the endpoint is not a URL like sb://<namespace>.servicebus.windows.net%s", ErrInvalidOption, servicebus.SeparatorHint(endpoint))
 	}
 	if u.User != nil {
 		return nil, fmt.Errorf("%w: the endpoint must not hold credentials", ErrInvalidOption)
 	}
-	if !validHost(u.Hostname()) {
+	if !servicebus.ValidHost(u.Hostname()) {
 		return nil, fmt.Errorf("%w: the endpoint's host is not a host name or an IP address", ErrInvalidOption)
 	}
 	switch u.Scheme {
@@ -155,403 +149,277 @@ func (c *sbConnector) connect(ctx context.Context, req connectRequest) (*connect
 	// The claims: one for the entity, one for its $management node. A
 	// session or subscription path is claimed as a whole.
 	entity := strings.TrimSuffix(req.entity, "/$DeadLetterQueue")
-	r, err := newRefresher(ctx, conn, c.tp, []string{c.audience(entity), c.audience(entity + "/$management")}, req.log)
+	r, err := servicebus.NewRefresher(ctx, conn.conn, tokenFunc(c.tp), []string{c.audience(entity), c.audience(entity + "/$management")},
+		conn.abort, req.log)
 	if err != nil {
 		conn.abort()
 		return nil, err
 	}
-	conn.stop = r.stop
+	conn.stop = r.Stop
 	return conn, nil
 }
 
-// ErrCondDeadLetter is the error condition of a rejected outcome that
-// Service Bus takes as "dead-letter this message".
-const ErrCondDeadLetter amqp.ErrCond = "com.microsoft:dead-letter"
+// MaxLockRenewal bounds, on Azure Service Bus, how long after its handler
+// began a delivery's message lock is still renewed (LocalRetry's waits
+// included). After that the lock expires (up to one lock duration later:
+// the last renewal's), the handler's context is cancelled (cause
+// lease.ErrLockLost), its result is not sent, and the service delivers the
+// message again, counted, to whichever receiver asks next. So a handler
+// that outlives its lock can see its work done twice (once more if it
+// ignores its context), and under WorkersByKey the redelivery comes after
+// the group's later messages: its order is broken. Set it above the
+// longest handler. While a delivery
+// waits for a handler (behind a busy group, say) its lock is renewed for as
+// long as it waits: the credit bounds how many wait. Must be ≥ 0; 0 renews
+// no lock of a delivery in a handler. Default: 5 min, as the .NET
+// processor's MaxAutoLockRenewalDuration, which also counts from the
+// handler's start.
+func MaxLockRenewal(d time.Duration) Option {
+	return optionFunc(func(c *config) {
+		if d < 0 {
+			c.invalid("MaxLockRenewal(%v): must be ≥ 0", d)
+			return
+		}
+		c.maxLockRenewal = d
+		if d == 0 {
+			c.maxLockRenewal = time.Nanosecond
+		}
+	})
+}
 
-// How tokens are refreshed (see TokenProvider).
+// maxSessions bounds Sessions and SessionIDs: each session held is a
+// connection and a pipeline of its own.
+const maxSessions = 256
+
+// Sessions makes the subscriber a session consumer of a session-enabled
+// Service Bus entity: it holds up to max sessions at once, each on a link
+// of its own with its share of the credit (at least 1), accepting the next
+// available session whenever it has room; the handlers of each session run
+// as Workers or WorkersByKey say, per session (the default Workers(1) runs
+// each session's messages one at a time, in order, so Sessions(4) runs up
+// to 4 handlers at once). A handler's Retry sends its message back to the
+// service, which delivers it again after the session's messages already
+// sent: to keep a session's order through a passing failure, use
+// LocalRetry, which retries in the lane. A session's lock is renewed
+// while the consumer holds it; a session with no message for
+// SessionIdleTimeout is closed and the next one accepted; when no session
+// is available the service says so after a while and the consumer asks
+// again. Delivery.SessionState and SetSessionState read and write the
+// session's state. Only with the AzureServiceBus profile; not with
+// SessionIDs. Each session held is a connection of its own (8 for
+// Sessions(8); the emulator allows 10 in all). Must be between 1 and 256.
+// Default: off (the entity must not require sessions).
+func Sessions(max int) Option {
+	return optionFunc(func(c *config) {
+		if max < 1 || max > maxSessions {
+			c.invalid("Sessions(%d): must be between 1 and %d", max, maxSessions)
+			return
+		}
+		c.maxSessions = max
+	})
+}
+
+// SessionIDs makes the subscriber a session consumer of the named sessions
+// only, each on a link of its own, held for as long as the subscriber runs
+// (a session left idle for SessionIdleTimeout is accepted again). See
+// Sessions. Not with Sessions; at least one id and at most 256, none empty,
+// none twice.
+func SessionIDs(ids ...string) Option {
+	return optionFunc(func(c *config) {
+		if len(ids) == 0 || len(ids) > maxSessions || slices.Contains(ids, "") {
+			c.invalid("SessionIDs(%q): give between 1 and %d ids, none empty", ids, maxSessions)
+			return
+		}
+		seen := make(map[string]bool, len(ids))
+		for _, id := range ids {
+			if seen[id] {
+				c.invalid("SessionIDs: %q given twice (a session is locked by one link at a time)", id)
+				return
+			}
+			seen[id] = true
+		}
+		c.sessionIDs = slices.Clone(ids)
+	})
+}
+
+// SessionIdleTimeout is how long a session consumer keeps a session that
+// sends no message (and of which it holds none) before it closes it and
+// accepts the next. A finished session holds its place that long: with
+// many short sessions, a few seconds keeps the consumer moving (8 sessions
+// of 5 messages under Sessions(4) took 60 s at the default in a trial, the
+// second four waiting for the first four to idle out). Must be > 0.
+// Default: 1 min.
+func SessionIdleTimeout(d time.Duration) Option {
+	return optionFunc(func(c *config) {
+		if d <= 0 {
+			c.invalid("SessionIdleTimeout(%v): must be > 0", d)
+			return
+		}
+		c.sessionIdle = d
+	})
+}
+
+// SettleTimeout bounds, on Azure Service Bus, how long a settlement waits
+// for the service's answer; one unanswered by then is counted
+// (Stats.Locks.SettleTimeouts) and left to the lock's expiry. The bound
+// is also the write deadline of the settlement's frame, and go-amqp ends
+// the whole connection on a write that misses its deadline: below a second
+// a busy connection would be torn down and handled messages delivered
+// again. Must be ≥ 1 s. Default: 30 s.
+func SettleTimeout(d time.Duration) Option {
+	return optionFunc(func(c *config) {
+		if d < time.Second {
+			c.invalid("SettleTimeout(%v): must be ≥ 1s (it is also the frame's write deadline)", d)
+			return
+		}
+		c.settleTimeout = d
+	})
+}
+
+// Token is a credential for one audience of Service Bus, put on the
+// connection's $cbs node (claims-based security).
+type Token struct {
+	// Type is TokenTypeSAS or TokenTypeJWT.
+	Type string
+	// Value is the token itself: "SharedAccessSignature sr=…" for SAS, the
+	// JWT for Entra ID.
+	Value string
+	// Expiry is when the token stops being valid; the subscriber puts a new
+	// one before then. The zero time means it is never refreshed, and is
+	// for a pre-made SAS token only (TokenTypeSAS): a token of any other
+	// type with no Expiry is refused with an error wrapping
+	// ErrInvalidOption, since Service Bus would detach the links when it
+	// expired.
+	Expiry time.Time
+}
+
+// The token types Service Bus takes on $cbs.
 const (
-	// refreshTimeout bounds each refresh: the TokenProvider's call and the
-	// put-token.
-	refreshTimeout = 30 * time.Second
-	// A failed refresh is tried again after a wait between half and all of
-	// a ceiling that doubles from refreshRetryFloor up to refreshRetryMax.
-	refreshRetryFloor = time.Second
-	refreshRetryMax   = 30 * time.Second
-	// refreshGiveUp is how long before a token expires the connection is
-	// dropped when no refresh has succeeded (at most a tenth of the
-	// token's lifetime).
-	refreshGiveUp = 30 * time.Second
+	TokenTypeSAS = "servicebus.windows.net:sastoken"
+	TokenTypeJWT = "jwt"
 )
 
-// claim is one audience's token on a connection.
-type claim struct {
-	audience string
-	issued   time.Time // when the token in place was asked for
-	expiry   time.Time // when it expires; zero: never
-	next     time.Time // when to put the next one; zero: never
-	failures int       // refreshes failed in a row
+// TokenProvider gives the tokens a Service Bus connector puts on $cbs.
+//
+// audience is "amqps://<namespace>/<entity path>" ("amqp://" in emulator
+// mode), for the entity and for "<entity path>/$management". An Entra ID
+// provider returns type TokenTypeJWT with the access token for the scope
+// "https://servicebus.azure.net/.default" (the same token for every
+// audience) and its expiry.
+//
+// When Token is called: each connection asks for one token per audience
+// (two calls, one after the other) when it connects, and again for each
+// audience 10 minutes before its token's Expiry (halfway, for a token that
+// lives less than 20 minutes). A subscriber has a connection of its own
+// for each session it holds (Sessions, SessionIDs) and makes a new one
+// after a lost connection, so Token is called concurrently and must be
+// safe for concurrent use; a provider that can should cache its token.
+//
+// Each call is bounded by ctx's deadline: DialTimeout when connecting;
+// 30 s, and no later than the token in place expires, for a refresh. Token
+// should return when ctx ends; one that does not is left to return in its
+// own time (its result is dropped), and does not hold up Run or Close. A
+// refresh that fails (an error, a deadline, no answer from $cbs) is tried
+// again, after waits that double from about 1 s up to 30 s (jittered),
+// until 30 s (at most a tenth of the token's lifetime) before the token in
+// place expires; then the connection is dropped and made anew, which asks
+// for tokens again. A token the service refuses (status 401 or 403) drops the
+// connection at once, and the reconnect's refusal ends Run (IsFatal).
+//
+// An adapter for azidentity (any azcore.TokenCredential), kept out of
+// amqpsub so that its go.mod stays small:
+//
+//	type entraTokens struct{ cred azcore.TokenCredential }
+//
+//	func (e entraTokens) Token(ctx context.Context, _ string) (amqpsub.Token, error) {
+//		t, err := e.cred.GetToken(ctx, policy.TokenRequestOptions{
+//			Scopes: []string{"https://servicebus.azure.net/.default"},
+//		})
+//		if err != nil {
+//			return amqpsub.Token{}, err
+//		}
+//		return amqpsub.Token{Type: amqpsub.TokenTypeJWT, Value: t.Token, Expiry: t.ExpiresOn}, nil
+//	}
+//
+//	cred, err := azidentity.NewDefaultAzureCredential(nil) // azidentity caches and refreshes the token
+//	...
+//	c, err := amqpsub.ServiceBusWithToken("sb://<namespace>.servicebus.windows.net", entraTokens{cred})
+type TokenProvider interface {
+	Token(ctx context.Context, audience string) (Token, error)
 }
 
-func newClaim(audience string, issued, expiry time.Time) claim {
-	c := claim{audience: audience, issued: issued, expiry: expiry}
-	if !expiry.IsZero() {
-		c.next = refreshAt(issued, expiry)
-	}
-	return c
+// SASTokenProvider returns a TokenProvider that signs SAS tokens with a
+// shared access key, each valid for lifetime (the Azure SDKs use 2 h; must
+// be > 0).
+func SASTokenProvider(keyName, key string, lifetime time.Duration) TokenProvider {
+	return sasProvider{keyName: keyName, key: key, lifetime: lifetime, now: time.Now}
 }
 
-// giveUpAt is when the connection is dropped if no refresh has succeeded.
-func (c *claim) giveUpAt() time.Time {
-	return c.expiry.Add(-min(refreshGiveUp, max(0, c.expiry.Sub(c.issued))/10))
+type sasProvider struct {
+	keyName, key string
+	lifetime     time.Duration
+	now          func() time.Time
 }
 
-// refreshAt is when a token issued at issued and expiring at expiry is
-// replaced: 10 minutes before it expires (as the Azure SDKs do), or, for a
-// token shorter-lived than 20 minutes, halfway.
-func refreshAt(issued, expiry time.Time) time.Time {
-	return expiry.Add(-min(10*time.Minute, max(0, expiry.Sub(issued))/2))
+func (p sasProvider) Token(_ context.Context, audience string) (Token, error) {
+	expiry := p.now().Add(p.lifetime).Truncate(time.Second)
+	return Token{Type: TokenTypeSAS, Value: servicebus.SignSAS(p.keyName, p.key, audience, expiry.Unix()), Expiry: expiry}, nil
 }
 
-// retryWait is the wait before the failures-th retry of a refresh: "equal
-// jitter", between half the backoff ceiling and all of it.
-func retryWait(failures int) time.Duration {
-	c := backoff.Ceiling(failures-1, refreshRetryFloor, refreshRetryMax)
-	return c/2 + rand.N(c/2+1) //nolint:gosec // G404: jitter spreads retries; nothing secret depends on it
+// staticSAS is a pre-made SharedAccessSignature: used as it is, never
+// refreshed.
+type staticSAS string
+
+func (s staticSAS) Token(context.Context, string) (Token, error) {
+	return Token{Type: TokenTypeSAS, Value: string(s)}, nil
 }
 
-// refresher keeps a connection's tokens on $cbs: it puts each again before
-// it expires, tries a failed refresh again until shortly before the token
-// in place expires, and drops the connection (abort) then, or at once when
-// the service refuses a token (it will not take the next either); the
-// subscriber then reconnects, which claims anew. Its goroutine is started
-// by startRefresher and ended by stop.
-type refresher struct {
-	// put gets a token for audience and puts it; it returns the token's
-	// expiry.
-	put    func(ctx context.Context, audience string) (time.Time, error)
-	abort  func()
-	log    *zap.Logger
-	cancel context.CancelFunc
-	done   chan struct{}
-}
-
-// newRefresher puts a token for each audience on conn's $cbs node, within
-// ctx, and starts the refresher. On an error the caller aborts conn.
-func newRefresher(ctx context.Context, conn *connection, tp TokenProvider, audiences []string, log *zap.Logger) (*refresher, error) {
-	sess, err := conn.conn.NewSession(ctx, nil)
-	if err != nil {
-		return nil, fmt.Errorf("amqpsub: session for $cbs: %w", err)
-	}
-	cbs, err := newRPC(ctx, sess, "$cbs")
-	if err != nil {
-		return nil, fmt.Errorf("%w (%s)", err, notServiceBus)
-	}
-	p := &cbsPutter{cbs: cbs, tp: tp}
-	claims := make([]claim, len(audiences))
-	for i, a := range audiences {
-		issued := time.Now()
-		expiry, err := p.put(ctx, a)
-		if err != nil {
-			if errors.As(err, new(noAnswer)) {
-				err = fmt.Errorf("%w (%s)", err, notServiceBus)
-			}
-			return nil, err
-		}
-		claims[i] = newClaim(a, issued, expiry)
-	}
-	return startRefresher(claims, p.put, conn.abort, log), nil
-}
-
-// notServiceBus is the hint of an error that a server which is not Service
-// Bus would cause.
-const notServiceBus = "no answer to claims-based security: is this a Service Bus endpoint?"
-
-// startRefresher starts refreshing claims with put; abort drops the
-// connection. log (nil: none) hears of failed refreshes.
-func startRefresher(claims []claim, put func(context.Context, string) (time.Time, error), abort func(), log *zap.Logger) *refresher {
-	ctx, cancel := context.WithCancel(context.Background())
-	if log == nil {
-		log = zap.NewNop()
-	}
-	r := &refresher{put: put, abort: abort, log: log, cancel: cancel, done: make(chan struct{})}
-	go r.run(ctx, claims)
-	return r
-}
-
-func (r *refresher) run(ctx context.Context, claims []claim) {
-	defer close(r.done)
-	timer := time.NewTimer(time.Hour)
-	defer timer.Stop()
-	for {
-		var c *claim
-		for i := range claims {
-			if !claims[i].next.IsZero() && (c == nil || claims[i].next.Before(c.next)) {
-				c = &claims[i]
-			}
-		}
-		if c == nil {
-			<-ctx.Done()
-			return
-		}
-		timer.Reset(time.Until(c.next))
-		select {
-		case <-ctx.Done():
-			return
-		case <-timer.C:
-		}
-		issued := time.Now()
-		// No later than the token in place expires: a refresh that ends
-		// after it is of no use.
-		pctx, cancel := context.WithDeadline(ctx, minTime(issued.Add(refreshTimeout), c.expiry))
-		expiry, err := r.put(pctx, c.audience)
-		cancel()
-		if ctx.Err() != nil {
-			return
-		}
-		if err == nil {
-			*c = newClaim(c.audience, issued, expiry)
-			continue
-		}
-		c.failures++
-		now := time.Now()
-		if giveUp := c.giveUpAt(); isCond(err, amqp.ErrCondUnauthorizedAccess) || !now.Before(giveUp) {
-			// The links would be detached when the token expires (or the
-			// service refuses our tokens): start afresh on a new
-			// connection now, which claims anew, and fails for good if
-			// the token is refused.
-			r.log.Error("token refresh failed and the token in place is about to expire (or was refused); reconnecting",
-				zap.String("audience", c.audience), zap.Int("attempt", c.failures), zap.Time("expiry", c.expiry), zap.Error(err))
-			r.abort()
-			return
-		}
-		c.next = minTime(now.Add(retryWait(c.failures)), c.giveUpAt())
-		r.log.Warn("token refresh failed; trying again", zap.String("audience", c.audience),
-			zap.Int("attempt", c.failures), zap.Duration("wait", time.Until(c.next)), zap.Time("expiry", c.expiry), zap.Error(err))
-	}
-}
-
-func minTime(a, b time.Time) time.Time {
-	if b.Before(a) {
-		return b
-	}
-	return a
-}
-
-// stop ends the refresher and waits for it. That is quick: a refresh in
-// progress is cancelled, and a TokenProvider that does not return is left
-// behind (tokenWithin). The $cbs session ends with the connection, which
-// the caller closes next.
-func (r *refresher) stop() {
-	r.cancel()
-	<-r.done
-}
-
-// cbsPutter puts tokens on a connection's $cbs node.
-type cbsPutter struct {
-	cbs *rpc
-	tp  TokenProvider
-}
-
-// noAnswer wraps put's error when $cbs did not answer (or is gone).
-type noAnswer struct{ error }
-
-func (e noAnswer) Unwrap() error { return e.error }
-
-// put gets a token for audience from the TokenProvider and puts it on
-// $cbs, both within ctx; it returns the token's expiry (zero: never).
-func (p *cbsPutter) put(ctx context.Context, audience string) (time.Time, error) {
-	tok, err := tokenWithin(ctx, p.tp, audience)
-	if err != nil {
-		return time.Time{}, fmt.Errorf("amqpsub: token for %s: %w", audience, err)
-	}
-	if tok.Expiry.IsZero() && tok.Type != TokenTypeSAS {
-		return time.Time{}, fmt.Errorf("amqpsub: token for %s: the TokenProvider gave a %q token with no Expiry: "+
-			"it would never be refreshed, and Service Bus detaches the links when it expires "+
-			"(only a pre-made SAS token may have none): %w", audience, tok.Type, ErrInvalidOption)
-	}
-	expiration := "0"
-	if !tok.Expiry.IsZero() {
-		expiration = strconv.FormatInt(tok.Expiry.Unix(), 10)
-	}
-	req := &amqp.Message{Value: tok.Value, ApplicationProperties: map[string]any{
-		"operation": "put-token", "type": tok.Type, "name": audience, "expiration": expiration,
-	}}
-	resp, err := p.cbs.call(ctx, req)
-	if err != nil {
-		return time.Time{}, fmt.Errorf("amqpsub: put-token for %s: %w", audience, noAnswer{err})
-	}
-	code, desc := status(resp)
-	switch {
-	case code >= 200 && code < 300:
-	case code == 401 || code == 403:
-		return time.Time{}, fmt.Errorf("amqpsub: Service Bus refused the token for %s (status %d: %s): %w",
-			audience, code, desc, &amqp.Error{Condition: amqp.ErrCondUnauthorizedAccess, Description: desc})
-	default:
-		return time.Time{}, fmt.Errorf("amqpsub: put-token for %s: status %d: %s", audience, code, desc)
-	}
-	return tok.Expiry, nil
-}
-
-// tokenWithin calls tp.Token and returns at ctx's end at the latest. A
-// provider that ignores ctx is left to return in its own time, in a
-// goroutine that then only hands its result to a buffered channel nobody
-// reads: no stop waits on user code.
-func tokenWithin(ctx context.Context, tp TokenProvider, audience string) (Token, error) {
-	if err := ctx.Err(); err != nil {
-		return Token{}, err
-	}
-	type result struct {
-		tok Token
-		err error
-	}
-	ch := make(chan result, 1)
-	go func() {
+// tokenFunc is tp as the refresher calls it. A token with no Expiry that is
+// not a pre-made SAS token is refused with an error wrapping
+// ErrInvalidOption (IsFatal): it would never be refreshed, and Service Bus
+// detaches the links when it expires.
+func tokenFunc(tp TokenProvider) servicebus.TokenFunc {
+	return func(ctx context.Context, audience string) (servicebus.Token, error) {
 		tok, err := tp.Token(ctx, audience)
-		ch <- result{tok, err}
-	}()
-	select {
-	case r := <-ch:
-		return r.tok, r.err
-	case <-ctx.Done():
-		return Token{}, fmt.Errorf("the TokenProvider did not return in time: %w", ctx.Err())
+		if err == nil && tok.Expiry.IsZero() && tok.Type != TokenTypeSAS {
+			err = fmt.Errorf("the TokenProvider gave a %q token with no Expiry: "+
+				"it would never be refreshed, and Service Bus detaches the links when it expires "+
+				"(only a pre-made SAS token may have none): %w", tok.Type, ErrInvalidOption)
+		}
+		return servicebus.Token(tok), err
 	}
 }
 
-// management is an entity's $management node on a link's session. Its rpc
-// attaches a new link pair when one dies; when that fails, abandonLink
-// gives up the receive link too (see renewer and sessionSource).
-type management struct {
-	*rpc
-	linkName string // the receive link, named in each request
-
-	abandoned atomic.Bool // abandonLink has run
+// validate gives a subscriber on a Service Bus connector the
+// AzureServiceBus profile (no other will do), and checks the queue against
+// the connection string's EntityPath.
+func (c *sbConnector) validate(cfg *config, queue string) {
+	serviceBusProfile(cfg)
+	if c.entity != "" && c.entity != queue {
+		cfg.invalid("queue %q: the connection string's EntityPath is %q", queue, c.entity)
+	}
 }
 
-// lockLostStatus is the status code $management answers for a lock that
-// is lost (or unknown).
-const lockLostStatus = 410
-
-// RenewLocks renews message locks (lease.Renewer). Its errors are
-// request's; a 200 whose expirations are not one per token wraps
-// lease.ErrIncomplete. The lease book decides what each means for the
-// locks.
-func (m *management) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
-	const op = "com.microsoft:renew-lock"
-	resp, err := m.request(ctx, op, map[string]any{"lock-tokens": tokens})
-	if err != nil {
-		return nil, err
-	}
-	body, _ := resp.Value.(map[string]any)
-	exp, ok := body["expirations"].([]time.Time)
-	if !ok || len(exp) != len(tokens) {
-		return nil, fmt.Errorf("amqpsub: %s: %d expirations for %d locks: %w", op, len(exp), len(tokens), lease.ErrIncomplete)
-	}
-	return exp, nil
-}
-
-// errorCondition is the errorCondition application property of a
-// $management answer, which Service Bus sets on a failure ("" if none).
-func errorCondition(m *amqp.Message) amqp.ErrCond {
-	switch v := m.ApplicationProperties["errorCondition"].(type) {
-	case amqp.Symbol:
-		return amqp.ErrCond(v)
-	case string:
-		return amqp.ErrCond(v)
-	}
-	return ""
-}
-
-// request sends operation with body and returns the answer, or an error:
-// a *statusError for an answer that is not a success (wrapping
-// lease.ErrLockLost for status 410, lease.ErrBadRequest for 400, and
-// lease.ErrServerBusy for 503 or an errorCondition of
-// com.microsoft:server-busy, which the .NET client maps both to
-// ServiceBusy), one wrapping errNodeGone when the $management link pair is
-// gone for good, or the link's error. ctx bounds it; when ctx ends first,
-// the operation is in doubt.
-func (m *management) request(ctx context.Context, operation string, body map[string]any) (*amqp.Message, error) {
-	props := map[string]any{"operation": operation, "associated-link-name": m.linkName}
-	if dl, ok := ctx.Deadline(); ok {
-		props["com.microsoft:server-timeout"] = millis32(time.Until(dl))
-	}
-	resp, err := m.call(ctx, &amqp.Message{Value: body, ApplicationProperties: props})
-	if err != nil {
-		return nil, err
-	}
-	code, desc := status(resp)
-	if code >= 200 && code < 300 {
-		return resp, nil
-	}
-	e := &statusError{op: operation, code: code, desc: desc}
+// serviceBusProfile sets the AzureServiceBus profile unless another was
+// given, which is an error.
+func serviceBusProfile(cfg *config) {
 	switch {
-	case code == lockLostStatus:
-		e.kind = errLockLost
-	case code == 400:
-		e.kind = lease.ErrBadRequest
-	case code == 503 || errorCondition(resp) == errCondServerBusy:
-		e.kind = lease.ErrServerBusy
+	case !cfg.profileSet:
+		cfg.profile = AzureServiceBus
+	case !cfg.profile.peekLock:
+		cfg.invalid("WithProfile(%s) with a Service Bus connector: use AzureServiceBus", cfg.profile)
 	}
-	return nil, e
 }
 
-// statusError is a $management answer with a status that is not a
-// success; kind, when not nil, is the sentinel it wraps.
-type statusError struct {
-	op   string
-	code int
-	desc string
-	kind error
-}
-
-func (e *statusError) Error() string {
-	if e.kind != nil {
-		return fmt.Sprintf("amqpsub: %s: status %d: %s: %v", e.op, e.code, e.desc, e.kind)
+// validateSessions checks Sessions and SessionIDs.
+func validateSessions(cfg *config) {
+	if !cfg.sessions() {
+		return
 	}
-	return fmt.Sprintf("amqpsub: %s: status %d: %s", e.op, e.code, e.desc)
-}
-
-func (e *statusError) Unwrap() error { return e.kind }
-
-// transientStatus reports whether a $management request that failed with
-// err may succeed if sent again: the service was busy (503), failed
-// inside (500), or timed out (408), as azservicebus retries them
-// (internal/errors.go).
-func transientStatus(err error) bool {
-	var se *statusError
-	if !errors.As(err, &se) {
-		return false
+	switch {
+	case !cfg.profile.peekLock:
+		cfg.invalid("Sessions and SessionIDs need the AzureServiceBus profile")
+	case cfg.maxSessions > 0 && len(cfg.sessionIDs) > 0:
+		cfg.invalid("give Sessions or SessionIDs, not both")
 	}
-	switch se.code {
-	case 408, 500, 503:
-		return true
-	}
-	return errors.Is(se, lease.ErrServerBusy)
-}
-
-// abandonLink closes rcv, the receive link the node serves, once its
-// $management link pair is gone for good: no lock of it can be renewed any
-// more, so the pump is made to attach both anew (held deliveries are
-// redelivered by the service). ctx bounds the wait for the service's
-// answer; the link is closing either way. It reports whether this call
-// closed it (false after the first).
-func (m *management) abandonLink(ctx context.Context, rcv *amqp.Receiver) bool {
-	if rcv == nil || !m.abandoned.CompareAndSwap(false, true) {
-		return false
-	}
-	_ = rcv.Close(ctx)
-	return true
-}
-
-// errLockLost is the error users see (in events and $management errors)
-// for a lock the service says is lost: ErrLockLost.
-var errLockLost = lease.ErrLockLost
-
-// millis32 is d in whole milliseconds as an AMQP uint, clamped to its range
-// (a negative d is 0; past 49 days, the most a uint holds).
-func millis32(d time.Duration) uint32 {
-	ms := max(0, d/time.Millisecond)
-	if ms > math.MaxUint32 {
-		return math.MaxUint32
-	}
-	return uint32(ms)
 }

@@ -13,7 +13,7 @@ import (
 
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/internal/fake"
-	"github.com/amqpsub/amqpsub/lease"
+	"github.com/amqpsub/amqpsub/internal/servicebus"
 )
 
 // lockingSource is a fake receiver whose messages carry Service Bus locks
@@ -99,7 +99,7 @@ func TestNoLockExpiresWhileItsSettlementWaitsBehindAStuckOne(t *testing.T) {
 func tokenOf(i int) amqp.UUID {
 	tag := make([]byte, 16)
 	binary.BigEndian.PutUint64(tag[8:], uint64(i+1))
-	u, _ := lease.LockToken(tag)
+	u, _ := servicebus.LockToken(tag)
 	return u
 }
 

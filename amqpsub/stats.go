@@ -186,19 +186,7 @@ func (s *Subscriber) Stats() Stats {
 		locks.Skipped += q.LockLostSkipped
 		locks.LostAtSettle += q.LockLostAnswers
 		locks.SettleTimeouts += q.SettleTimeouts
-		if pp.book != nil {
-			b := pp.book.Stats()
-			locks.Held += b.Held
-			locks.RenewRequests += b.Requests
-			locks.Renewed += b.Renewed
-			locks.RenewFailures += b.Failures
-			locks.Lost += b.Lost
-			locks.Unrenewable += b.Unrenewable
-		}
-		if pp.fallback != nil {
-			locks.SettledByToken += pp.fallback.taken.Load()
-			locks.DispositionRequests += pp.fallback.requests.Load()
-		}
+		pp.kind.addLocks(&locks)
 	}
 	return Stats{
 		Lanes:        lanesSt,

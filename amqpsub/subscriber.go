@@ -103,21 +103,8 @@ func build(c Connector, queue string, opts []Option, batch bool) (*Subscriber, e
 		}
 		o.apply(&cfg)
 	}
-	sb, isSB := c.(*sbConnector)
-	sc, isSource := c.(sourceConnector)
-	if isSB || isSource && sc.serviceBus {
-		switch {
-		case !cfg.profileSet:
-			cfg.profile = AzureServiceBus
-		case !cfg.profile.peekLock:
-			cfg.invalid("WithProfile(%s) with a Service Bus connector: use AzureServiceBus", cfg.profile)
-		}
-	}
-	if isSB && sb.entity != "" && sb.entity != queue {
-		cfg.invalid("queue %q: the connection string's EntityPath is %q", queue, sb.entity)
-	}
-	if isSource && sc.serviceBus && cfg.sessions() {
-		cfg.invalid("Sessions and SessionIDs: %s does not play Service Bus sessions", sc)
+	if v, ok := c.(validator); ok {
+		v.validate(&cfg, queue)
 	}
 	if cfg.batchSet && !batch {
 		cfg.invalid("Batch needs a BatchHandler: use NewBatch")
@@ -125,14 +112,7 @@ func build(c Connector, queue string, opts []Option, batch bool) (*Subscriber, e
 	if cfg.balanced && !cfg.byKey {
 		cfg.invalid("BalanceKeys needs WorkersByKey")
 	}
-	if cfg.sessions() {
-		switch {
-		case !cfg.profile.peekLock:
-			cfg.invalid("Sessions and SessionIDs need the AzureServiceBus profile")
-		case cfg.maxSessions > 0 && len(cfg.sessionIDs) > 0:
-			cfg.invalid("give Sessions or SessionIDs, not both")
-		}
-	}
+	validateSessions(&cfg)
 	if err := errors.Join(cfg.errs...); err != nil {
 		return nil, err
 	}
@@ -212,3 +192,10 @@ func (s *Subscriber) pumpEvent(e pump.Event) {
 // Done returns a channel closed when Run has returned, or, for a subscriber
 // stopped (Close, Shutdown) before it ran, at the stop.
 func (s *Subscriber) Done() <-chan struct{} { return s.done }
+
+// validator is a Connector that checks the options it is given with (in
+// build, after they are applied): a Service Bus connector takes the
+// AzureServiceBus profile, say.
+type validator interface {
+	validate(cfg *config, queue string)
+}

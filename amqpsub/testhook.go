@@ -30,3 +30,15 @@ func (sourceConnector) connect(context.Context, connectRequest) (*connection, er
 }
 
 func (c sourceConnector) String() string { return c.name }
+
+// validate: sources that play Service Bus take the AzureServiceBus profile,
+// and play no sessions.
+func (c sourceConnector) validate(cfg *config, _ string) {
+	if !c.serviceBus {
+		return
+	}
+	serviceBusProfile(cfg)
+	if cfg.sessions() {
+		cfg.invalid("Sessions and SessionIDs: %s does not play Service Bus sessions", c)
+	}
+}

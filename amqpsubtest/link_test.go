@@ -13,7 +13,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
-	"github.com/amqpsub/amqpsub/lease"
+	"github.com/amqpsub/amqpsub/internal/servicebus"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -334,8 +334,8 @@ func TestServiceBusLocksAtTheLink(t *testing.T) {
 			t.Fatal(err)
 		}
 		a, b := receive(t, l), receive(t, l)
-		ta, _ := lease.LockToken(a.DeliveryTag)
-		tb, _ := lease.LockToken(b.DeliveryTag)
+		ta, _ := servicebus.LockToken(a.DeliveryTag)
+		tb, _ := servicebus.LockToken(b.DeliveryTag)
 		ctx := t.Context()
 
 		time.Sleep(30 * time.Second)
@@ -344,7 +344,7 @@ func TestServiceBusLocksAtTheLink(t *testing.T) {
 			t.Fatalf("renew a: %v, %v", exp, err)
 		}
 		time.Sleep(31 * time.Second) // b's lock expired at 60 s
-		if _, err := l.renewLocks(ctx, []amqp.UUID{ta, tb}); !errors.Is(err, lease.ErrLockLost) {
+		if _, err := l.renewLocks(ctx, []amqp.UUID{ta, tb}); !errors.Is(err, servicebus.ErrLockLost) {
 			t.Fatalf("renew a and b: %v", err)
 		}
 		// All or nothing: a was not renewed by the refused request.
@@ -374,7 +374,7 @@ func TestServiceBusLocksAtTheLink(t *testing.T) {
 		if body(a2) != "a" || a2.Header.DeliveryCount != 1 || time.Since(start) != 90*time.Second {
 			t.Fatalf("redelivered %q count %d at %v", body(a2), a2.Header.DeliveryCount, time.Since(start))
 		}
-		if _, err := l.renewLocks(ctx, []amqp.UUID{ta}); !errors.Is(err, lease.ErrLockLost) {
+		if _, err := l.renewLocks(ctx, []amqp.UUID{ta}); !errors.Is(err, servicebus.ErrLockLost) {
 			t.Fatalf("renew a's first lock: %v", err)
 		}
 		// A release does not count; an abandon does, up to MaxDeliveryAttempts.
@@ -413,7 +413,7 @@ func TestServiceBusLostLinkKeepsItsLocks(t *testing.T) {
 			t.Fatal(err)
 		}
 		a, b := receive(t, l), receive(t, l)
-		tok, _ := lease.LockToken(a.DeliveryTag)
+		tok, _ := servicebus.LockToken(a.DeliveryTag)
 		q.LoseLinks(nil)
 		if _, err := open(t, q).renewLocks(t.Context(), []amqp.UUID{tok}); err != nil {
 			t.Fatalf("renew on another link: %v", err)

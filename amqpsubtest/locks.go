@@ -11,7 +11,7 @@ import (
 	"github.com/Azure/go-amqp"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
-	"github.com/amqpsub/amqpsub/lease"
+	"github.com/amqpsub/amqpsub/internal/servicebus"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -73,7 +73,7 @@ func now() time.Time { return time.Now().UTC().Truncate(time.Millisecond) }
 
 // tagOf is the delivery tag of lock token u: Service Bus writes it in
 // .NET's Guid layout, the first three fields little-endian (the inverse of
-// lease.LockToken, which swaps the same bytes back).
+// servicebus.LockToken, which swaps the same bytes back).
 func tagOf(u amqp.UUID) []byte {
 	t := u
 	t[0], t[1], t[2], t[3] = u[3], u[2], u[1], u[0]
@@ -162,7 +162,7 @@ func (q *Queue) nextExpiry() time.Time {
 // lease book's renewer calls it: see package internal/testhook).
 type serviceBusLink struct{ *link }
 
-// RenewLocks renews message locks (lease.Renewer): see renewLocks.
+// RenewLocks renews message locks (servicebus.Renewer): see renewLocks.
 func (l serviceBusLink) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
 	return l.renewLocks(ctx, tokens)
 }
@@ -170,7 +170,7 @@ func (l serviceBusLink) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]t
 // renewLocks renews the locks of tokens for the lock duration from now, as
 // com.microsoft:renew-lock on a Service Bus entity's $management node
 // does, and returns their new expiries. When a lock is expired, settled or
-// unknown it renews none and returns an error wrapping lease.ErrLockLost,
+// unknown it renews none and returns an error wrapping servicebus.ErrLockLost,
 // as amqpsub's renewer does for the service's status 410. A ctx that has
 // ended renews none; so does a link that ended (its error).
 func (l *link) renewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
@@ -188,7 +188,7 @@ func (l *link) renewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time,
 	for i, tok := range tokens {
 		if rs[i] = q.locks[tok]; rs[i] == nil {
 			return nil, fmt.Errorf("amqpsubtest: com.microsoft:renew-lock: status 410: lock token %s is expired, settled or unknown: %w",
-				tok, lease.ErrLockLost)
+				tok, servicebus.ErrLockLost)
 		}
 	}
 	until := now().Add(q.lockDuration)

@@ -13,7 +13,7 @@ import (
 
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/amqpsubtest"
-	"github.com/amqpsub/amqpsub/lease"
+	"github.com/amqpsub/amqpsub/internal/servicebus"
 )
 
 // The queue under WithProfile(amqpsub.AzureServiceBus), run by real
@@ -262,8 +262,8 @@ func TestServiceBusDeliveryCarriesItsLock(t *testing.T) {
 		var got []seen
 		sub := newSub(t, q, func(_ context.Context, d *amqpsub.Delivery) error {
 			msg := d.Message()
-			tok, ok := lease.LockToken(msg.DeliveryTag)
-			until, okUntil := lease.LockedUntil(msg)
+			tok, ok := servicebus.LockToken(msg.DeliveryTag)
+			until, okUntil := servicebus.LockedUntil(msg)
 			if !ok || !okUntil {
 				t.Errorf("delivery without a lock: tag %x, annotations %v", msg.DeliveryTag, msg.Annotations)
 			}

@@ -1,76 +1,4 @@
-// Package lease keeps the broker locks of every delivery a process holds
-// on Azure Service Bus, and renews them before they expire.
-//
-// In peek-lock mode Service Bus locks each message it delivers for the
-// queue's lock duration (30 s to 5 min), from the moment it sends it. A
-// consumer that holds a credit's worth of deliveries — waiting in the
-// pump's channel, in a lane, or in a handler — loses the locks of those
-// that wait longest, and the service delivers them again to someone else.
-// The Book knows every delivery the pump holds (the pump feeds it through
-// pump.Leases) with its lock token and expiry, and Run renews the locks:
-// for as long as a delivery waits for its handler, and up to MaxRenewal
-// after its handler began (Bind).
-//
-// # When a lock is renewed
-//
-// A lock is renewed once half the time it had left when it was received or
-// last renewed has passed: a 60 s lock every 30 s, a 30 s lock every 15 s, a
-// 2 s lock every second. Every lock that falls due within a round's window
-// of the earliest one (1 s, or half the time that lock has left, if less)
-// goes in the same request, up to MaxBatch tokens a request, so deliveries
-// that arrived close together cost one request a round, not one each.
-//
-// Each request is bounded by a third of the time left on the earliest lock
-// in it (and by Timeout), so a request that is never answered ends with two
-// thirds of that time still left, and its locks are asked again within a
-// second. The .NET processor renews at remaining − min(remaining/2, 10 s),
-// that is 10 s before expiry for any lock of 20 s or more; with a 10 s
-// request timeout, an unanswered request would end just as its locks
-// expire, with no time left to try again. Renewing at half costs more
-// renewals: two per lock duration, where the .NET rule makes 1.2 for a
-// 60 s lock (every 50 s) and 1.5 for a 30 s one (every 20 s).
-//
-// Run has at most MaxInFlight requests out at once, each on a goroutine
-// that Run starts and waits for before it returns, so one request that
-// hangs delays only the locks in it: locks falling due meanwhile go out in
-// requests of their own.
-//
-// # Losses
-//
-// A lock that is lost (the service says so, or it expired unrenewed) is
-// reported to OnLost once, with why; a handler's context bound to the
-// delivery is cancelled.
-//
-// No official client sends more than one token per renew-lock request
-// (azservicebus, Azure.Messaging.ServiceBus), so no source says how the
-// service answers a batch that holds one lost lock among live ones. The
-// book is safe whichever way it does: a batch refused whole (410, 400:
-// ErrLockLost, ErrBadRequest) or answered with fewer expirations than
-// tokens (ErrIncomplete) is asked again without the locks settled
-// meanwhile, then token by token, and only a token refused on its own
-// (410) is a lost lock. With one lost lock in a batch of 256 that costs
-// 257 requests and 512 tokens for the round (Stats.Split counts such
-// batches).
-//
-// A server-busy answer (ErrServerBusy: the service is throttling) holds
-// every renewal back for ServerBusyWait, 10 s, as Microsoft's .NET client
-// waits; other failures (no answer, a timeout, status 500) are tried
-// again within a second, until the lock expires. azservicebus retries a
-// renewal 3 times (its RetryOptions default); the book goes on trying for
-// as long as the lock lives.
-//
-// # Logs
-//
-// The book logs each lost lock at debug only: OnLost is where a loss is
-// reported (amqpsub logs it, limited, and passes it to OnEvent). A
-// delivery without a usable lock and a failed renewal request are logged
-// at warn at most once a minute each, and at debug otherwise (see package
-// internal/loglimit). A delivery whose settlement is being sent
-// (pump.Ticket.Sending) is neither renewed nor declared lost by the book,
-// and one whose settlement waits to be sent is renewed but not declared
-// lost: the settlement's answer decides, and the pump then removes it from
-// the book.
-package lease
+package servicebus
 
 import (
 	"context"
@@ -127,8 +55,8 @@ var ErrServerBusy = errors.New("amqpsub: the service is busy (throttling)")
 // expires meanwhile is lost.
 const ServerBusyWait = 10 * time.Second
 
-// Config configures a Book.
-type Config struct {
+// BookConfig configures a Book.
+type BookConfig struct {
 	// Renewer renews locks. nil renews none: the book then only binds
 	// handlers' contexts to their deliveries (LoseAll), as for the messages
 	// of a Service Bus session, which the session's lock covers.
@@ -164,8 +92,8 @@ type Config struct {
 	OnRenewed func(n int)
 }
 
-// Stats are a Book's counters.
-type Stats struct {
+// BookStats are a Book's counters.
+type BookStats struct {
 	Held          int    // deliveries in the book now, renewable or not
 	Requests      uint64 // renewal requests sent
 	Renewed       uint64 // locks renewed
@@ -178,16 +106,16 @@ type Stats struct {
 	ServerBusy    uint64 // requests answered server-busy
 }
 
-// Book is the lease book. Create it with New; run Run.
+// Book is the lease book. Create it with NewBook; run Run.
 type Book struct {
-	cfg     Config
+	cfg     BookConfig
 	log     *zap.Logger
 	limited *loglimit.Logger // lines that can fire once per delivery or request
 	wake    chan struct{}
 
 	mu      sync.Mutex
 	entries map[*pump.Delivery]*entry
-	stats   Stats
+	stats   BookStats
 	// busyUntil: no request goes out before it (a server-busy answer).
 	busyUntil time.Time
 }
@@ -203,11 +131,11 @@ type entry struct {
 	renewing bool // in a request now
 }
 
-// New returns a Book. It panics on a Config without OnLost, which callers
+// NewBook returns a Book. It panics on a BookConfig without OnLost, which callers
 // validate first.
-func New(cfg Config) *Book {
+func NewBook(cfg BookConfig) *Book {
 	if cfg.OnLost == nil {
-		panic("lease: Config needs OnLost")
+		panic("servicebus: BookConfig needs OnLost")
 	}
 	if cfg.MaxRenewal <= 0 {
 		cfg.MaxRenewal = 5 * time.Minute
@@ -275,7 +203,7 @@ func (b *Book) requestTimeout(now, until time.Time) time.Duration {
 
 // Add enters the delivery t in the book (pump.Leases). A delivery without
 // a usable lock token or expiry is kept (so Bind and Remove work) but never
-// renewed, counted (Stats.Unrenewable) and logged, limited.
+// renewed, counted (BookStats.Unrenewable) and logged, limited.
 func (b *Book) Add(t pump.Ticket) {
 	now := time.Now()
 	m := t.Message()
@@ -331,7 +259,7 @@ func (b *Book) signal() {
 }
 
 // Stats returns the book's counters; it may be called from any goroutine.
-func (b *Book) Stats() Stats {
+func (b *Book) Stats() BookStats {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	s := b.stats
@@ -472,13 +400,6 @@ func (b *Book) round(now time.Time, room int) (renew, lost []*entry, next time.T
 		e.renewing = true
 	}
 	return renew, lost, next
-}
-
-func minTime(a, b time.Time) time.Time {
-	if b.Before(a) {
-		return b
-	}
-	return a
 }
 
 // renew sends one request for es, on a request goroutine; when the service

@@ -1,4 +1,4 @@
-package amqpsub
+package servicebus
 
 import (
 	"context"
@@ -11,7 +11,6 @@ import (
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
 
-	"github.com/amqpsub/amqpsub/lease"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -27,32 +26,38 @@ import (
 // succeeding after a reconnect (azure-sdk-for-net #37676). So a link the
 // service detaches (an idle link after 10 minutes, or
 // amqp:link:detach-forced) costs no finished work: the pump keeps what the
-// link held (pump.Config.KeepAcrossLinks), and sbReceiver settles it this
+// link held (pump.Config.KeepAcrossLinks), and Receiver settles it this
 // way. Session messages are not settled so: their locks are the session's,
 // which ends with the session link.
 
-// sbReceiver is the receive link of a Service Bus queue or subscription
+// Receiver is the receive link of a Service Bus queue or subscription
 // without sessions, as the pump sees it: a settlement goes out on the link
 // while it is up and, once the link is gone, as update-disposition through
-// the pipe's dispositions.
-type sbReceiver struct {
+// Dispositions.
+type Receiver struct {
 	*amqp.Receiver
-	fb *dispositions
+	fb *Dispositions
 }
 
-func (r sbReceiver) AcceptMessage(ctx context.Context, msg *amqp.Message) error {
+// NewReceiver returns rcv as a pump.Source that settles through fb once
+// the link is gone.
+func NewReceiver(rcv *amqp.Receiver, fb *Dispositions) Receiver {
+	return Receiver{Receiver: rcv, fb: fb}
+}
+
+func (r Receiver) AcceptMessage(ctx context.Context, msg *amqp.Message) error {
 	return r.settle(ctx, msg, pump.Outcome{Kind: pump.Accept}, func() error { return r.Receiver.AcceptMessage(ctx, msg) })
 }
 
-func (r sbReceiver) ReleaseMessage(ctx context.Context, msg *amqp.Message) error {
+func (r Receiver) ReleaseMessage(ctx context.Context, msg *amqp.Message) error {
 	return r.settle(ctx, msg, pump.Outcome{Kind: pump.Release}, func() error { return r.Receiver.ReleaseMessage(ctx, msg) })
 }
 
-func (r sbReceiver) RejectMessage(ctx context.Context, msg *amqp.Message, e *amqp.Error) error {
+func (r Receiver) RejectMessage(ctx context.Context, msg *amqp.Message, e *amqp.Error) error {
 	return r.settle(ctx, msg, pump.Outcome{Kind: pump.Reject, Error: e}, func() error { return r.Receiver.RejectMessage(ctx, msg, e) })
 }
 
-func (r sbReceiver) ModifyMessage(ctx context.Context, msg *amqp.Message, o *amqp.ModifyMessageOptions) error {
+func (r Receiver) ModifyMessage(ctx context.Context, msg *amqp.Message, o *amqp.ModifyMessageOptions) error {
 	out := pump.Outcome{Kind: pump.Modify}
 	if o != nil {
 		out.DeliveryFailed, out.UndeliverableHere = o.DeliveryFailed, o.UndeliverableHere
@@ -67,7 +72,7 @@ func (r sbReceiver) ModifyMessage(ctx context.Context, msg *amqp.Message, o *amq
 // com.microsoft:operation-cancelled: retried by azservicebus,
 // internal/errors.go) sends it again, up to dispositionRetries times, within
 // ctx.
-func (r sbReceiver) settle(ctx context.Context, msg *amqp.Message, o pump.Outcome, onLink func() error) error {
+func (r Receiver) settle(ctx context.Context, msg *amqp.Message, o pump.Outcome, onLink func() error) error {
 	for attempt := 0; ; attempt++ {
 		err := onLink()
 		switch {
@@ -78,7 +83,7 @@ func (r sbReceiver) settle(ctx context.Context, msg *amqp.Message, o pump.Outcom
 		case attempt == dispositionRetries || !transientCond(err):
 			return err
 		}
-		if !sleep(ctx, reconnectWait(err, attempt, settleRetryFloor, settleRetryMax)) {
+		if !sleep(ctx, RetryWait(err, attempt, settleRetryFloor, settleRetryMax)) {
 			return err
 		}
 	}
@@ -87,7 +92,7 @@ func (r sbReceiver) settle(ctx context.Context, msg *amqp.Message, o pump.Outcom
 // transientCond reports whether err is an answer of the service that a
 // settlement sent again may not get.
 func transientCond(err error) bool {
-	return isCond(err, errCondServerBusy) || isCond(err, errCondTimeout) || isCond(err, "com.microsoft:operation-cancelled")
+	return IsCond(err, CondServerBusy) || IsCond(err, CondTimeout) || IsCond(err, "com.microsoft:operation-cancelled")
 }
 
 // linkGone reports whether err says that a settlement could not go out on
@@ -101,7 +106,7 @@ func linkGone(err error) bool {
 	return errors.As(err, &le) || errors.As(err, &se) || errors.As(err, &ce)
 }
 
-// Dispositions by lock token: what Run starts for a pipe of a Service Bus
+// Dispositions by lock token, for a receive path of a Service Bus
 // queue or subscription without sessions.
 const (
 	// dispositionBatch is the most lock tokens in one update-disposition.
@@ -110,24 +115,24 @@ const (
 	dispositionTimeout = 10 * time.Second
 	// dispositionRetries is how often a request that failed transiently
 	// is sent again (azservicebus's RetryOptions default: 3). After a
-	// server-busy answer the next waits serverBusyWait at least.
+	// server-busy answer the next waits ServerBusyWait at least.
 	dispositionRetries = 3
 	// A settlement sent again waits a jittered backoff between these
-	// (reconnectWait).
+	// (RetryWait).
 	settleRetryFloor = 100 * time.Millisecond
 	settleRetryMax   = 2 * time.Second
 )
 
-// dispositions sends the settlements of messages whose link is gone as
-// com.microsoft:update-disposition on the $management node of the pipe's
-// current link: all that are queued when it looks go in as few requests as
-// their outcomes allow (one per outcome and reason, at most
-// dispositionBatch tokens each). Its goroutine is Run's (run); settle is
-// called by the pump's settlers.
-type dispositions struct {
-	p    *pipe
-	log  *zap.Logger
-	wake chan struct{}
+// Dispositions sends the settlements of messages whose link is gone as
+// com.microsoft:update-disposition on the $management node of the current
+// link (nodes): all that are queued when it looks go in as few requests
+// as their outcomes allow (one per outcome and reason, at most
+// dispositionBatch tokens each). Run is its goroutine; settle is called by
+// the pump's settlers (through Receiver).
+type Dispositions struct {
+	nodes func(ctx context.Context) (*Management, error)
+	log   *zap.Logger
+	wake  chan struct{}
 
 	mu      sync.Mutex
 	queue   []*disposition
@@ -144,9 +149,18 @@ type disposition struct {
 	done  chan error // buffered: the sender never waits for the caller
 }
 
-func newDispositions(p *pipe) *dispositions {
-	return &dispositions{p: p, log: p.s.log, wake: make(chan struct{}, 1)}
+// NewDispositions returns the Dispositions of one receive path; nodes
+// gives the $management node of its current link, waiting within ctx for a
+// link while none is attached.
+func NewDispositions(nodes func(ctx context.Context) (*Management, error), log *zap.Logger) *Dispositions {
+	return &Dispositions{nodes: nodes, log: log, wake: make(chan struct{}, 1)}
 }
+
+// Requests counts the update-disposition requests sent.
+func (f *Dispositions) Requests() uint64 { return f.requests.Load() }
+
+// Taken counts the settlements the service took by lock token.
+func (f *Dispositions) Taken() uint64 { return f.taken.Load() }
 
 // errNoLock is returned for a message without a lock token.
 var errNoLock = errors.New("amqpsub: the message has no lock token (a 16-byte delivery tag) to settle it by")
@@ -159,8 +173,8 @@ var errNotRunning = errors.New("amqpsub: the subscriber is no longer running")
 // (pump.ErrCondLockLost) when the service says the lock is gone, or
 // another error. It returns when ctx ends, with ctx's error; the
 // settlement is then in doubt.
-func (f *dispositions) settle(ctx context.Context, msg *amqp.Message, o pump.Outcome) error {
-	token, ok := lease.LockToken(msg.DeliveryTag)
+func (f *Dispositions) settle(ctx context.Context, msg *amqp.Message, o pump.Outcome) error {
+	token, ok := LockToken(msg.DeliveryTag)
 	if !ok {
 		return errNoLock
 	}
@@ -184,9 +198,9 @@ func (f *dispositions) settle(ctx context.Context, msg *amqp.Message, o pump.Out
 	}
 }
 
-// run sends what settle queues until ctx ends; what is queued then fails
+// Run sends what settle queues until ctx ends; what is queued then fails
 // with errNotRunning.
-func (f *dispositions) run(ctx context.Context) {
+func (f *Dispositions) Run(ctx context.Context) {
 	defer func() {
 		f.mu.Lock()
 		f.stopped = true
@@ -276,15 +290,15 @@ func deadLetterReason(e *amqp.Error) (reason, description string) {
 // send sends one batch, splitting it token by token when the service says
 // a lock of it is lost, so that one lost lock does not fail the others;
 // it retries transient failures. It answers every disposition in batch.
-func (f *dispositions) send(ctx context.Context, batch []*disposition) {
+func (f *Dispositions) send(ctx context.Context, batch []*disposition) {
 	err := f.request(ctx, batch)
-	if errors.Is(err, lease.ErrLockLost) && len(batch) > 1 {
+	if errors.Is(err, ErrLockLost) && len(batch) > 1 {
 		for _, d := range batch {
 			f.send(ctx, []*disposition{d})
 		}
 		return
 	}
-	if errors.Is(err, lease.ErrLockLost) {
+	if errors.Is(err, ErrLockLost) {
 		err = &amqp.Error{Condition: pump.ErrCondLockLost, Description: err.Error()}
 	}
 	if err == nil {
@@ -296,12 +310,12 @@ func (f *dispositions) send(ctx context.Context, batch []*disposition) {
 }
 
 // request sends batch as one update-disposition on the current link's
-// $management node, waiting for a link while none is attached (but not
-// once the pipe is stopping), and sends it again, up to
+// $management node, waiting for a link while none is attached (nodes; not
+// once the receive path is stopping), and sends it again, up to
 // dispositionRetries times, when the service answers that it is busy or
 // timed out, or the node went while the request was out (a lost
 // connection: the next link's node takes it).
-func (f *dispositions) request(ctx context.Context, batch []*disposition) error {
+func (f *Dispositions) request(ctx context.Context, batch []*disposition) error {
 	status, reason, desc := dispositionOf(batch[0].o)
 	tokens := make([]amqp.UUID, len(batch))
 	for i, d := range batch {
@@ -314,18 +328,18 @@ func (f *dispositions) request(ctx context.Context, batch []*disposition) error 
 	}
 	var err error
 	for attempt := 0; ; attempt++ {
-		var m *management
-		if m, err = f.p.management(ctx); err != nil {
+		var m *Management
+		if m, err = f.nodes(ctx); err != nil {
 			return err
 		}
 		rctx, cancel := context.WithTimeout(ctx, dispositionTimeout)
 		f.requests.Add(1)
-		_, err = m.request(rctx, "com.microsoft:update-disposition", body)
+		_, err = m.Request(rctx, "com.microsoft:update-disposition", body)
 		cancel()
 		if err == nil || attempt == dispositionRetries || ctx.Err() != nil || !transientStatus(err) && !nodeGone(err) {
 			return err
 		}
-		wait := reconnectWait(err, attempt, settleRetryFloor, settleRetryMax)
+		wait := RetryWait(err, attempt, settleRetryFloor, settleRetryMax)
 		f.log.Debug("update-disposition failed; trying again", zap.Int("locks", len(batch)),
 			zap.Duration("wait", wait), zap.Error(err))
 		if !sleep(ctx, wait) {
@@ -337,26 +351,4 @@ func (f *dispositions) request(ctx context.Context, batch []*disposition) error 
 // nodeGone reports whether a request failed because the $management link
 // pair or its connection went while it was sent: it is sent again on the
 // next link's.
-func nodeGone(err error) bool { return errors.Is(err, errNodeGone) || linkGone(err) }
-
-// management returns the $management node of the pipe's current link,
-// waiting, within ctx, for a link while none is attached, or while the one
-// recorded is of a lost connection; it fails at once with errNoLink while
-// the pipe stops.
-func (p *pipe) management(ctx context.Context) (*management, error) {
-	for {
-		up := p.linkUp.Load()
-		if l := p.current.Load(); l != nil && l.mgmt != nil && l.conn.Err() == nil && !isClosed(l.mgmt.done) {
-			return l.mgmt, nil
-		}
-		// None, or the one still recorded is of a connection that is gone
-		// (the attacher has not replaced it yet): wait for the next.
-		select {
-		case <-*up:
-		case <-p.pump.Stopping():
-			return nil, errNoLink
-		case <-ctx.Done():
-			return nil, fmt.Errorf("%w: %w", errNoLink, ctx.Err())
-		}
-	}
-}
+func nodeGone(err error) bool { return errors.Is(err, ErrNodeGone) || linkGone(err) }

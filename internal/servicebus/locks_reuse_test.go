@@ -1,4 +1,4 @@
-package lease_test
+package servicebus_test
 
 import (
 	"context"
@@ -10,7 +10,7 @@ import (
 
 	"github.com/Azure/go-amqp"
 	"github.com/amqpsub/amqpsub/internal/fake"
-	"github.com/amqpsub/amqpsub/lease"
+	"github.com/amqpsub/amqpsub/internal/servicebus"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -30,7 +30,7 @@ func TestOnLostNamesTheMessageThatLostItsLock(t *testing.T) {
 		tickets := map[int]pump.Ticket{}
 		var reported []string
 		first := true
-		cfg := lease.Config{Renewer: svc, MaxRenewal: time.Nanosecond}
+		cfg := servicebus.BookConfig{Renewer: svc, MaxRenewal: time.Nanosecond}
 		cfg.OnLost = func(tk pump.Ticket, m *amqp.Message, _ error) {
 			mu.Lock()
 			defer mu.Unlock()
@@ -53,7 +53,7 @@ func TestOnLostNamesTheMessageThatLostItsLock(t *testing.T) {
 				reported = append(reported, fmt.Sprint(m.Value))
 			}
 		}
-		book := lease.New(cfg)
+		book := servicebus.NewBook(cfg)
 		p = pump.New(pump.Config{Credit: 256, Leases: book})
 		ctx, cancel := context.WithCancel(context.Background())
 		var wg sync.WaitGroup

@@ -1,4 +1,4 @@
-package lease_test
+package servicebus_test
 
 import (
 	"context"
@@ -10,7 +10,7 @@ import (
 
 	"github.com/Azure/go-amqp"
 
-	"github.com/amqpsub/amqpsub/lease"
+	"github.com/amqpsub/amqpsub/internal/servicebus"
 )
 
 // However the service answers a batch that holds one lost lock — refused
@@ -23,7 +23,7 @@ func TestAMixedBatchLosesOnlyItsLostLock(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				svc := newService(4 * time.Second)
 				svc.mixed = mode
-				r := newRig(t, svc, 256, lease.Config{})
+				r := newRig(t, svc, 256, servicebus.BookConfig{})
 				synctest.Wait()
 				svc.mu.Lock()
 				svc.lost[token(100)] = true
@@ -47,7 +47,7 @@ func TestAMixedBatchLosesOnlyItsLostLock(t *testing.T) {
 // not a lost lock: it is tried again, and renewed once the service answers.
 func TestASingleTokenRefusedWith400IsTriedAgain(t *testing.T) {
 	for _, answer := range []error{
-		fmt.Errorf("status 400: %w", lease.ErrBadRequest),
+		fmt.Errorf("status 400: %w", servicebus.ErrBadRequest),
 		nil, // 200 with no expirations
 	} {
 		synctest.Test(t, func(t *testing.T) {
@@ -63,7 +63,7 @@ func TestASingleTokenRefusedWith400IsTriedAgain(t *testing.T) {
 				}
 				return svc.RenewLocks(ctx, tokens)
 			})
-			r := newRig(t, svc, 1, lease.Config{Renewer: rn})
+			r := newRig(t, svc, 1, servicebus.BookConfig{Renewer: rn})
 			time.Sleep(20 * time.Second)
 			st := r.book.Stats()
 			r.stop()
@@ -96,11 +96,11 @@ func TestServerBusyHoldsRenewalsBackTenSeconds(t *testing.T) {
 			busy--
 			mu.Unlock()
 			if b {
-				return nil, fmt.Errorf("status 503: %w", lease.ErrServerBusy)
+				return nil, fmt.Errorf("status 503: %w", servicebus.ErrServerBusy)
 			}
 			return svc.RenewLocks(ctx, tokens)
 		})
-		r := newRig(t, svc, 10, lease.Config{Renewer: rn})
+		r := newRig(t, svc, 10, servicebus.BookConfig{Renewer: rn})
 		time.Sleep(2 * time.Minute)
 		st := r.book.Stats()
 		r.stop()
@@ -109,8 +109,8 @@ func TestServerBusyHoldsRenewalsBackTenSeconds(t *testing.T) {
 		if len(at) < 2 {
 			t.Fatalf("%d requests", len(at))
 		}
-		if gap := at[1].Sub(at[0]); gap < lease.ServerBusyWait {
-			t.Fatalf("the request after server-busy went out %v later, want ≥ %v", gap, lease.ServerBusyWait)
+		if gap := at[1].Sub(at[0]); gap < servicebus.ServerBusyWait {
+			t.Fatalf("the request after server-busy went out %v later, want ≥ %v", gap, servicebus.ServerBusyWait)
 		}
 		if r.lostOnes() != "[]" || st.ServerBusy != 1 || st.Renewed < 10 {
 			t.Fatalf("lost %s, stats %+v", r.lostOnes(), st)
@@ -123,10 +123,10 @@ func TestServerBusyHoldsRenewalsBackTenSeconds(t *testing.T) {
 func TestALockExpiringDuringTheServerBusyWaitIsLostOnTime(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(4 * time.Second)
-		svc.fail = fmt.Errorf("status 503: %w", lease.ErrServerBusy)
+		svc.fail = fmt.Errorf("status 503: %w", servicebus.ErrServerBusy)
 		start := time.Now()
 		var lostAt time.Time
-		r := newRig(t, svc, 1, lease.Config{})
+		r := newRig(t, svc, 1, servicebus.BookConfig{})
 		for r.lostOnes() == "[]" && time.Since(start) < time.Minute {
 			time.Sleep(100 * time.Millisecond)
 		}

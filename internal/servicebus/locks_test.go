@@ -1,4 +1,4 @@
-package lease_test
+package servicebus_test
 
 import (
 	"context"
@@ -13,7 +13,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/amqpsub/amqpsub/internal/fake"
-	"github.com/amqpsub/amqpsub/lease"
+	"github.com/amqpsub/amqpsub/internal/servicebus"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -25,12 +25,12 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 func TestLockTokenKnownAnswer(t *testing.T) {
 	dotNet := []byte{205, 89, 49, 187, 254, 253, 77, 205, 162, 38, 172, 76, 45, 235, 91, 225}
 	want := amqp.UUID{187, 49, 89, 205, 253, 254, 205, 77, 162, 38, 172, 76, 45, 235, 91, 225}
-	got, ok := lease.LockToken(dotNet)
+	got, ok := servicebus.LockToken(dotNet)
 	if !ok || got != want {
 		t.Fatalf("LockToken = %v, %v; want %v", got, ok, want)
 	}
 	for _, bad := range [][]byte{nil, make([]byte, 15), make([]byte, 17)} {
-		if _, ok := lease.LockToken(bad); ok {
+		if _, ok := servicebus.LockToken(bad); ok {
 			t.Fatalf("a %d-byte tag gave a lock token", len(bad))
 		}
 	}
@@ -76,7 +76,7 @@ func (s *service) leastLeft(i int) (time.Duration, bool) {
 func token(i int) amqp.UUID {
 	tag := make([]byte, 16)
 	copy(tag, fmt.Sprintf("%016d", i))
-	u, _ := lease.LockToken(tag)
+	u, _ := servicebus.LockToken(tag)
 	return u
 }
 
@@ -84,7 +84,7 @@ func token(i int) amqp.UUID {
 func (s *service) message(i int) *amqp.Message {
 	tag := make([]byte, 16)
 	copy(tag, fmt.Sprintf("%016d", i))
-	token, _ := lease.LockToken(tag)
+	token, _ := servicebus.LockToken(tag)
 	until := time.Now().Add(s.lockFor)
 	s.mu.Lock()
 	s.until[token] = until
@@ -124,9 +124,9 @@ func (s *service) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Ti
 			}
 			switch {
 			case len(tokens) == 1 || s.mixed == "" || s.mixed == "410":
-				return nil, fmt.Errorf("status 410: %w", lease.ErrLockLost)
+				return nil, fmt.Errorf("status 410: %w", servicebus.ErrLockLost)
 			case s.mixed == "400":
-				return nil, fmt.Errorf("status 400: %w", lease.ErrBadRequest)
+				return nil, fmt.Errorf("status 400: %w", servicebus.ErrBadRequest)
 			}
 			continue // "partial": left out of the answer
 		}
@@ -198,7 +198,7 @@ type rig struct {
 	svc   *service
 	src   *fake.Source
 	pump  *pump.Pump
-	book  *lease.Book
+	book  *servicebus.Book
 	lostM sync.Mutex
 	lost  []int
 	stop  func()
@@ -206,7 +206,7 @@ type rig struct {
 
 // newRig runs a pump holding n messages of svc, with a book renewing
 // their locks (through cfg.Renewer if set, else svc).
-func newRig(t *testing.T, svc *service, n int, cfg lease.Config) *rig {
+func newRig(t *testing.T, svc *service, n int, cfg servicebus.BookConfig) *rig {
 	msgs := make([]*amqp.Message, n)
 	for i := range msgs {
 		msgs[i] = svc.message(i)
@@ -215,7 +215,7 @@ func newRig(t *testing.T, svc *service, n int, cfg lease.Config) *rig {
 }
 
 // newRigWith is newRig with the source and the pump's configuration given.
-func newRigWith(t *testing.T, svc *service, src *fake.Source, cfg lease.Config, pc pump.Config) *rig {
+func newRigWith(t *testing.T, svc *service, src *fake.Source, cfg servicebus.BookConfig, pc pump.Config) *rig {
 	r := &rig{svc: svc, src: src}
 	if cfg.Renewer == nil {
 		cfg.Renewer = svc
@@ -226,7 +226,7 @@ func newRigWith(t *testing.T, svc *service, src *fake.Source, cfg lease.Config, 
 		r.lostM.Unlock()
 		r.pump.LoseLock(t)
 	}
-	r.book = lease.New(cfg)
+	r.book = servicebus.NewBook(cfg)
 	pc.Leases = r.book
 	r.pump = pump.New(pc)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -244,7 +244,7 @@ func newRigWith(t *testing.T, svc *service, src *fake.Source, cfg lease.Config, 
 func TestLocksOfWaitingDeliveriesAreRenewedInBatches(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
-		r := newRig(t, svc, 100, lease.Config{})
+		r := newRig(t, svc, 100, servicebus.BookConfig{})
 		time.Sleep(30 * time.Second) // nobody takes them from Out
 		st := r.book.Stats()
 		r.stop()
@@ -264,7 +264,7 @@ func TestLocksOfWaitingDeliveriesAreRenewedInBatches(t *testing.T) {
 func TestStaggeredLocksShareRequests(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
-		r := newRig(t, svc, 0, lease.Config{})
+		r := newRig(t, svc, 0, servicebus.BookConfig{})
 		for i := range 200 {
 			r.src.Push(svc.message(i))
 			time.Sleep(10 * time.Millisecond)
@@ -288,7 +288,7 @@ func TestStaggeredLocksShareRequests(t *testing.T) {
 func TestLostLockIsFoundAndOnlyItsDeliveryDisturbed(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
-		r := newRig(t, svc, 10, lease.Config{})
+		r := newRig(t, svc, 10, servicebus.BookConfig{})
 		synctest.Wait()
 		var tickets []pump.Ticket
 		for range 10 {
@@ -300,13 +300,13 @@ func TestLostLockIsFoundAndOnlyItsDeliveryDisturbed(t *testing.T) {
 		if !r.book.Bind(handled, cancel) {
 			t.Fatal("Bind refused a held delivery")
 		}
-		tok3, _ := lease.LockToken(handled.Message().DeliveryTag)
-		tok7, _ := lease.LockToken(tickets[7].Message().DeliveryTag)
+		tok3, _ := servicebus.LockToken(handled.Message().DeliveryTag)
+		tok7, _ := servicebus.LockToken(tickets[7].Message().DeliveryTag)
 		svc.mu.Lock()
 		svc.lost[tok3], svc.lost[tok7] = true, true
 		svc.mu.Unlock()
 		time.Sleep(5 * time.Second)
-		if context.Cause(hctx) != lease.ErrLockLost {
+		if context.Cause(hctx) != servicebus.ErrLockLost {
 			t.Fatalf("the handler's ctx: %v", context.Cause(hctx))
 		}
 		if r.lostOnes() != "[3 7]" {
@@ -337,14 +337,14 @@ func TestLostLockIsFoundAndOnlyItsDeliveryDisturbed(t *testing.T) {
 func TestThePumpHearsOfALostLockBeforeTheHandler(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
-		r := newRig(t, svc, 1, lease.Config{MaxRenewal: time.Nanosecond})
+		r := newRig(t, svc, 1, servicebus.BookConfig{MaxRenewal: time.Nanosecond})
 		tk := <-r.pump.Out()
 		tk.Begin()
 		var markedFirst atomic.Bool
 		cancelled := make(chan struct{})
 		cancel := func(cause error) {
 			markedFirst.Store(tk.Entry().LockLost())
-			if cause == lease.ErrLockLost {
+			if cause == servicebus.ErrLockLost {
 				close(cancelled)
 			}
 		}
@@ -371,7 +371,7 @@ func TestThePumpHearsOfALostLockBeforeTheHandler(t *testing.T) {
 func TestALockSettledDuringItsRenewalCostsOneMoreRequest(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
-		r := newRig(t, svc, 50, lease.Config{})
+		r := newRig(t, svc, 50, servicebus.BookConfig{})
 		synctest.Wait()
 		var tickets []pump.Ticket
 		for range 50 {
@@ -386,7 +386,7 @@ func TestALockSettledDuringItsRenewalCostsOneMoreRequest(t *testing.T) {
 			}
 			first = false
 			r.book.Remove(tickets[7].Entry()) // settled meanwhile
-			return fmt.Errorf("status 410: %w", lease.ErrLockLost)
+			return fmt.Errorf("status 410: %w", servicebus.ErrLockLost)
 		}
 		svc.mu.Unlock()
 		time.Sleep(1500 * time.Millisecond)
@@ -405,7 +405,7 @@ func TestALockSettledDuringItsRenewalCostsOneMoreRequest(t *testing.T) {
 func TestRenewalStopsMaxRenewalAfterTheHandlerBegan(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
-		r := newRig(t, svc, 1, lease.Config{MaxRenewal: 10 * time.Second})
+		r := newRig(t, svc, 1, servicebus.BookConfig{MaxRenewal: 10 * time.Second})
 		time.Sleep(20 * time.Second) // waiting in Out, twice MaxRenewal
 		if r.lostOnes() != "[]" {
 			t.Fatal("lost while it waited for a handler")
@@ -436,7 +436,7 @@ func TestFailingRenewalsAndUnrenewableDeliveries(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
 		svc.fail = context.DeadlineExceeded
-		r := newRig(t, svc, 1, lease.Config{Timeout: 100 * time.Millisecond})
+		r := newRig(t, svc, 1, servicebus.BookConfig{Timeout: 100 * time.Millisecond})
 		r.src.Push(&amqp.Message{DeliveryTag: []byte("short"), Value: 99})
 		time.Sleep(5 * time.Second)
 		st := r.book.Stats()
@@ -453,7 +453,7 @@ func TestStopDuringARenewalIsNotAFailure(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
 		h := &hanging{service: svc, hang: func(n int) bool { return n >= 2 }, linger: 10 * time.Millisecond}
-		r := newRig(t, svc, 1, lease.Config{Renewer: h})
+		r := newRig(t, svc, 1, servicebus.BookConfig{Renewer: h})
 		time.Sleep(2100 * time.Millisecond) // renewed at 1 s; the request sent at 2 s is out (for ⅓ s)
 		synctest.Wait()
 		if out, _ := h.counts(); out != 1 {
@@ -478,7 +478,7 @@ func TestLocksAreRenewedAtHalfTheirRemainingTime(t *testing.T) {
 		t.Run(lockFor.String(), func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				svc := newService(lockFor)
-				r := newRig(t, svc, 5, lease.Config{MaxRenewal: time.Hour})
+				r := newRig(t, svc, 5, servicebus.BookConfig{MaxRenewal: time.Hour})
 				time.Sleep(3*lockFor + lockFor/4) // renewals at ½, 1, … 3 lock durations
 				st := r.book.Stats()
 				r.stop()
@@ -505,7 +505,7 @@ func TestOneUnansweredRequestLosesNoLock(t *testing.T) {
 				start := time.Now()
 				svc := newService(lockFor)
 				h := &hanging{service: svc, hang: func(n int) bool { return n == 1 }}
-				r := newRig(t, svc, 20, lease.Config{Renewer: h})
+				r := newRig(t, svc, 20, servicebus.BookConfig{Renewer: h})
 				time.Sleep(max(2*lockFor, 25*time.Second))
 				st := r.book.Stats()
 				r.stop()
@@ -536,7 +536,7 @@ func TestAHangingRequestHoldsUpNoOtherLock(t *testing.T) {
 		const lockFor = 60 * time.Second
 		svc := newService(lockFor)
 		h := &hanging{service: svc, hang: func(n int) bool { return n == 1 }}
-		r := newRig(t, svc, 1, lease.Config{Renewer: h}) // 0: due at 30 s; its request hangs until 40 s
+		r := newRig(t, svc, 1, servicebus.BookConfig{Renewer: h}) // 0: due at 30 s; its request hangs until 40 s
 		for i := 1; i <= 4; i++ {
 			time.Sleep(2 * time.Second)
 			r.src.Push(svc.message(i)) // due at 32, 34, 36, 38 s
@@ -564,7 +564,7 @@ func TestRequestsInFlightAreBoundedAndAwaited(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
 		h := &hanging{service: svc, hang: func(int) bool { return true }, linger: 10 * time.Millisecond}
-		r := newRig(t, svc, 10, lease.Config{Renewer: h, MaxBatch: 1, MaxInFlight: 3})
+		r := newRig(t, svc, 10, servicebus.BookConfig{Renewer: h, MaxBatch: 1, MaxInFlight: 3})
 		time.Sleep(1100 * time.Millisecond) // all 10 due at 1 s; each request given ⅓ s
 		synctest.Wait()
 		if out, maxOut := h.counts(); out != 3 || maxOut != 3 {
@@ -591,7 +591,7 @@ func TestASettlingDeliveryIsNotReportedLost(t *testing.T) {
 			// 1 stays in a handler: its renewals wake the book.
 			src := fake.New(true, svc.message(0), svc.message(1))
 			src.SettleDelay = 2 * time.Second
-			r := newRigWith(t, svc, src, lease.Config{}, pump.Config{Credit: 4, Settlers: 1, SettleTimeout: 30 * time.Second})
+			r := newRigWith(t, svc, src, servicebus.BookConfig{}, pump.Config{Credit: 4, Settlers: 1, SettleTimeout: 30 * time.Second})
 			tk, other := <-r.pump.Out(), <-r.pump.Out()
 			tk.Begin()
 			other.Begin()
@@ -610,7 +610,7 @@ func TestASettlingDeliveryIsNotReportedLost(t *testing.T) {
 			svc := newService(2 * time.Second)
 			src := fake.New(true, svc.message(0))
 			src.SettleDelay = 2 * time.Second
-			r := newRigWith(t, svc, src, lease.Config{}, pump.Config{Credit: 4, Settlers: 1, SettleTimeout: 30 * time.Second})
+			r := newRigWith(t, svc, src, servicebus.BookConfig{}, pump.Config{Credit: 4, Settlers: 1, SettleTimeout: 30 * time.Second})
 			tk := <-r.pump.Out()
 			tk.Begin()
 			svc.mu.Lock()
@@ -619,7 +619,7 @@ func TestASettlingDeliveryIsNotReportedLost(t *testing.T) {
 				// the settlement and refuses the renewal (and any that
 				// follows before the settler has begun to send it).
 				r.pump.Settle(tk, pump.Outcome{Kind: pump.Accept})
-				return fmt.Errorf("status 410: %w", lease.ErrLockLost)
+				return fmt.Errorf("status 410: %w", servicebus.ErrLockLost)
 			}
 			svc.mu.Unlock()
 			time.Sleep(5 * time.Second)

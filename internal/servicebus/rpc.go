@@ -1,4 +1,4 @@
-package amqpsub
+package servicebus
 
 import (
 	"context"
@@ -22,7 +22,7 @@ import (
 // attaches a new pair on the same session, so that lock renewal goes on
 // without the receive link; requests made meanwhile wait for it. It gives
 // up (and every later call fails at once with an error wrapping
-// errNodeGone) when the session or connection is gone, when the new pair
+// ErrNodeGone) when the session or connection is gone, when the new pair
 // cannot be attached, or when a pair died before it answered anything and
 // within rpcHealthy of its attach: a node that drops every pair at once is
 // not attached again in a loop. done is closed when it has given up.
@@ -42,9 +42,9 @@ type rpc struct {
 	err       error // why no pair is attached, while snd is nil
 }
 
-// errNodeGone is wrapped by the error of a call to a node whose link pair is
+// ErrNodeGone is wrapped by the error of a call to a node whose link pair is
 // gone for good (see rpc).
-var errNodeGone = errors.New("amqpsub: the link pair to the node is gone")
+var ErrNodeGone = errors.New("amqpsub: the link pair to the node is gone")
 
 // rpcHealthy is how long a pair that never answered must have lived for the
 // routing goroutine to attach a new one when it dies.
@@ -122,7 +122,7 @@ func (r *rpc) route(rcv *amqp.Receiver) {
 			r.reopening = reopened
 		} else {
 			r.err = fmt.Errorf("%w: %w (it died %v after it was attached, before it answered)",
-				errNodeGone, err, time.Since(opened).Round(time.Millisecond))
+				ErrNodeGone, err, time.Since(opened).Round(time.Millisecond))
 		}
 		r.mu.Unlock()
 		ctx, cancel := context.WithTimeout(context.Background(), rpcReattachTimeout)
@@ -140,7 +140,7 @@ func (r *rpc) route(rcv *amqp.Receiver) {
 		if aerr == nil {
 			r.snd, r.rcv, r.reply, r.err = snd, nrcv, reply, nil
 		} else {
-			r.err = fmt.Errorf("%w: %w (attaching a new pair after: %v)", errNodeGone, aerr, err)
+			r.err = fmt.Errorf("%w: %w (attaching a new pair after: %v)", ErrNodeGone, aerr, err)
 		}
 		r.mu.Unlock()
 		close(reopened)
@@ -179,7 +179,7 @@ func (r *rpc) serve(rcv *amqp.Receiver) (answered bool, err error) {
 // ends first: the request is then in doubt (it may have been carried out).
 // While a new pair is being attached it waits for it, within ctx; once the
 // pair is gone for good it fails at once with an error wrapping
-// errNodeGone.
+// ErrNodeGone.
 func (r *rpc) call(ctx context.Context, req *amqp.Message) (*amqp.Message, error) {
 	id := randomID()
 	ch := make(chan *amqp.Message, 1)

@@ -5,10 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"strings"
 	"time"
 
 	"github.com/Azure/go-amqp"
+	"github.com/amqpsub/amqpsub/pump"
 	"go.uber.org/zap"
 )
 
@@ -18,10 +18,9 @@ type link struct {
 	sess *amqp.Session
 	rcv  *amqp.Receiver
 	dlq  deadLetterSender // DeadLetterCopy's sender on sess
-	mgmt *management      // the entity's $management node (peek-lock profiles)
-	// session is the source of a Service Bus session link (session
-	// consumers only).
-	session *sessionSource
+	src  pump.Source      // what the pump receives from: rcv, or what the kind made of it
+	kind brokerKind       // the pipe's, which releases what it added
+	sb   *sbLink          // what Service Bus added (sblink.go); nil elsewhere
 }
 
 // attach connects (or takes the given connection), opens a session and
@@ -45,7 +44,7 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 		if err != nil {
 			return nil, fmt.Errorf("amqpsub: connect to %s: %w", s.connector, err)
 		}
-		l, by = &link{connection: c}, cby
+		l, by = &link{connection: c, kind: p.kind}, cby
 	}
 	ctx, cancel := context.WithDeadline(ctx, by)
 	defer cancel()
@@ -75,18 +74,12 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 		SourceCapabilities: s.cfg.profile.sourceCaps,
 		Name:               s.cfg.linkName,
 	}
-	if s.cfg.profile.peekLock {
-		ro.SettlementMode = amqp.ReceiverSettleModeSecond.Ptr()
-	}
-	if s.cfg.sessions() {
-		// The service answers with com.microsoft:timeout when no session
-		// became free within this; the attacher asks again.
-		sessionReceiverOptions(ro, p.session, s.cfg.dialTimeout/2)
-	}
+	p.kind.receiverOptions(ro)
 	l.rcv, err = l.sess.NewReceiver(ctx, addr, ro)
 	if err != nil {
-		if s.cfg.sessions() && isNoSession(err) && live(conn) {
-			// The service refused the link and nothing else: the
+		if r, _ := p.kind.refused(err, 0); r != refusedNot && live(conn) {
+			// The broker refused the link for want of something to give
+			// it (a Service Bus session) and nothing else: the
 			// connection and session stay for the next attach.
 			l.rcv = nil
 			p.att.spare = l
@@ -94,18 +87,11 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 		}
 		return fail("attach receiver", err)
 	}
-	if s.cfg.profile.peekLock {
-		r, err := newRPC(ctx, l.sess, strings.TrimSuffix(addr, "/$DeadLetterQueue")+"/$management")
-		if err != nil {
-			return fail("attach $management", err)
-		}
-		l.mgmt = &management{rpc: r, linkName: l.rcv.LinkName()}
+	src, step, err := p.kind.attached(ctx, l)
+	if err != nil {
+		return fail(step, err)
 	}
-	if s.cfg.sessions() {
-		if l.session, err = s.startSession(p, l); err != nil {
-			return fail("accept session", err)
-		}
-	}
+	l.src = src
 	return l, nil
 }
 
@@ -194,33 +180,23 @@ func (s *Subscriber) closeLink(ctx context.Context, l *link, why error) {
 	}
 }
 
-// closeSession closes what l opened on its connection, before ctx ends: a
-// Service Bus session's lock renewal, the receiver, and the AMQP session
-// (and with it the $management link pair). The connection, and what runs
-// beside it, stay.
+// closeSession closes what l opened on its connection, before ctx ends:
+// what its kind added (a Service Bus session's lock renewal, the
+// $management link pair), the receiver, and the AMQP session. The
+// connection, and what runs beside it, stay.
 func (s *Subscriber) closeSession(ctx context.Context, l *link, why error) {
-	if l.session != nil {
-		l.session.stop()
-		s.log.Info("session released", zap.String("session_id", l.session.id), zap.Int("slot", l.session.p.index),
-			zap.Error(why))
-	}
-	if l.rcv != nil && s.cfg.profile.detach {
-		if err := l.rcv.Close(ctx); err != nil {
-			s.log.Debug("close receiver", zap.Error(err))
+	l.kind.release(ctx, l, why, func() {
+		if l.rcv != nil && s.cfg.profile.detach {
+			if err := l.rcv.Close(ctx); err != nil {
+				s.log.Debug("close receiver", zap.Error(err))
+			}
 		}
-	}
-	if l.sess != nil {
-		if err := l.sess.Close(ctx); err != nil {
-			s.log.Debug("close session", zap.Error(err))
+		if l.sess != nil {
+			if err := l.sess.Close(ctx); err != nil {
+				s.log.Debug("close session", zap.Error(err))
+			}
 		}
-	}
-	if l.mgmt != nil {
-		// Its routing goroutine ends with the session.
-		select {
-		case <-l.mgmt.done:
-		case <-ctx.Done():
-		}
-	}
+	})
 }
 
 // live reports whether conn is still open.
@@ -239,3 +215,44 @@ func (s *Subscriber) closeWithin(l *link, by time.Time) {
 	defer cancel()
 	s.closeLink(ctx, l, nil)
 }
+
+// attacher gives the pump its links: the first one at start, and a new one,
+// after backoff, each time a link is lost. The pump calls it from one
+// goroutine at a time, and Run reads current once the pump has returned.
+type attacher struct {
+	s          *Subscriber
+	p          *pipe
+	current    *link // nil under the test source
+	before     bool  // a link was attached before: this is a reconnect
+	attachedAt time.Time
+	// quick counts the links in a row lost soon after they were attached.
+	// A link the broker or go-amqp ends at once, every time, would
+	// otherwise be reattached in a tight loop: go-amqp v1.7 closes the link
+	// on a message it cannot decode (an AMQP char, say), and the broker
+	// sends that message first again.
+	quick int
+	// from is where the next connect starts in a DialFailover list: the
+	// address after the one whose connection ended last, lost or closed
+	// after a failed attach (see attach). Only this attacher's goroutine
+	// reads or moves it.
+	from int
+	// served is set once the service has answered an attach of a session
+	// consumer that holds no session yet (no session free, or the one
+	// named held elsewhere): the queue and the credentials are good, so a
+	// later failure, such as a lost connection, is reconnected like the
+	// loss of a link, not reported as the first attach's.
+	served bool
+	// connected is set by attach when its connect succeeded and the
+	// session or link then failed: with DialFailover, the first attach
+	// goes on to the next address rather than fail.
+	connected bool
+	// spare is, for a session consumer, the connection (and AMQP session,
+	// if any) kept for the next attach: the service refused the last one
+	// for want of a session, or this slot moved on from an idle session.
+	// attach takes it; the attacher closes it when it returns without.
+	spare *link
+}
+
+// healthy is how long a link must have lived for its loss to count as
+// unrelated to the one before.
+const healthy = 10 * time.Second

@@ -1,0 +1,91 @@
+package amqpsub
+
+import (
+	"context"
+	"time"
+
+	"github.com/Azure/go-amqp"
+
+	"github.com/amqpsub/amqpsub/pump"
+)
+
+// brokerKind is what a kind of broker adds to the links of one pipe, and
+// the only place where kinds differ beyond their Profile's settings. The
+// core (attach.go, reconnect.go, pipe.go, run.go, handle.go) calls these
+// methods and nothing else of a kind.
+//
+// plainKind, for Artemis, RabbitMQ and any other AMQP 1.0 broker, adds
+// nothing. Service Bus's kind (sblink.go) adds peek-lock: the lease book
+// that renews locks, settlement by lock token once a link is gone, the
+// $management node beside each link, and sessions.
+type brokerKind interface {
+	// configure adds to the pipe's pump configuration, once, as the pipe
+	// is made.
+	configure(pc *pump.Config)
+	// start starts what runs beside the pipe while Run runs; stop ends it
+	// and waits for it, after the pump has returned.
+	start(ctx context.Context) (stop func())
+	// receiverOptions adds to the options of the pipe's receive links.
+	receiverOptions(ro *amqp.ReceiverOptions)
+	// attached runs once l's receiver is attached, within ctx: it opens
+	// what the kind adds beside the receiver and returns the source the
+	// pump receives from. On an error, step names what failed, and the
+	// caller closes l.
+	attached(ctx context.Context, l *link) (src pump.Source, step string, err error)
+	// attachedSource is told of a test source attached in place of a link
+	// (package amqpsubtest), and of nil when it is lost.
+	attachedSource(src pump.Source)
+	// release closes what l opened on its AMQP session, within ctx:
+	// detach closes the receiver and the session, between what the kind
+	// ends before (a session's lock renewal) and what it waits for after.
+	// why is what ended the link (nil: a stop), for the log.
+	release(ctx context.Context, l *link, why error, detach func())
+	// refused reads an attach error of the attempt-th attempt in a row
+	// (from 0); for refusedHeld, wait is how long to wait before the next.
+	refused(err error, attempt int) (r refusal, wait time.Duration)
+	// leastWait is the least wait before the next attempt after err (a
+	// reconnect, or a link lost for err): 0 but where the broker asked
+	// for more.
+	leastWait(err error) time.Duration
+	// handlerContext returns the context for a handler of ts, derived from
+	// ctx; done releases it.
+	handlerContext(ctx context.Context, ts ...pump.Ticket) (hctx context.Context, done func())
+	// addLocks adds the kind's lock counters to l.
+	addLocks(l *Locks)
+}
+
+// refusal is how a kind reads an attach error.
+type refusal uint8
+
+const (
+	// refusedNot: a failure like any other, judged by FatalErrors and
+	// retried after backoff.
+	refusedNot refusal = iota
+	// refusedNoneFree: nothing became free to attach to in time (no
+	// Service Bus session): ask again at once, on the same connection.
+	refusedNoneFree
+	// refusedHeld: what was asked for is held by another receiver (a
+	// named session): ask again on the same connection, after
+	// the wait refused gives.
+	refusedHeld
+)
+
+// plainKind is the kind of every broker but Service Bus: it adds nothing.
+type plainKind struct{}
+
+func (plainKind) configure(*pump.Config)                                     {}
+func (plainKind) start(context.Context) func()                               { return func() {} }
+func (plainKind) receiverOptions(*amqp.ReceiverOptions)                      {}
+func (plainKind) attachedSource(pump.Source)                                 {}
+func (plainKind) refused(error, int) (refusal, time.Duration)                { return refusedNot, 0 }
+func (plainKind) leastWait(error) time.Duration                              { return 0 }
+func (plainKind) addLocks(*Locks)                                            {}
+func (plainKind) release(_ context.Context, _ *link, _ error, detach func()) { detach() }
+
+func (plainKind) attached(_ context.Context, l *link) (pump.Source, string, error) {
+	return l.rcv, "", nil
+}
+
+func (plainKind) handlerContext(ctx context.Context, _ ...pump.Ticket) (context.Context, func()) {
+	return ctx, func() {}
+}

@@ -1,0 +1,216 @@
+package amqpsub
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/amqpsub/amqpsub/internal/backoff"
+	"github.com/amqpsub/amqpsub/pump"
+)
+
+// reconnectWait is the wait before reconnect attempt k after err: the
+// jittered backoff, and at least what the pipe's kind asks after err (10 s
+// after Service Bus said it is throttling: the ServerBusyBaseSleepTime of
+// Microsoft's .NET clients; azservicebus has no such floor).
+func (a *attacher) reconnectWait(err error, k int) time.Duration {
+	return max(backoff.Jittered(k, a.s.cfg.backoffMin, a.s.cfg.backoffMax), a.p.kind.leastWait(err))
+}
+
+func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) {
+	s := a.s
+	a.p.lostLink()
+	a.p.kind.attachedSource(nil)
+	first := 0
+	moveOn := errors.Is(lost, pump.ErrSourceDone) // a session consumer's next session
+	defer a.closeSpare(ctx)
+	if a.current != nil {
+		a.from = a.current.index
+		if !moveOn {
+			a.from++ // a lost link: its address is tried last
+		}
+		a.p.current.Store(nil)
+		if moveOn && live(a.current.conn) {
+			// The next session is asked for on the same connection.
+			cctx, cancel := context.WithTimeout(ctx, s.cfg.closeTimeout)
+			s.closeSession(cctx, a.current, lost)
+			cancel()
+			a.spare = &link{connection: a.current.connection, kind: a.p.kind}
+		} else {
+			s.closeLink(ctx, a.current, lost)
+		}
+		a.current = nil
+	}
+	if lost != nil && !moveOn {
+		if time.Since(a.attachedAt) < healthy {
+			a.quick++
+			first = a.quick // start further up the backoff
+			wait := a.reconnectWait(lost, first-1)
+			// Debug: the pump logged the loss ("link lost").
+			s.log.Debug("link lost soon after it was attached; backing off", zap.Error(lost),
+				zap.Int("in_a_row", a.quick), zap.Duration("wait", wait))
+			if !sleep(ctx, wait) {
+				return nil, ctx.Err()
+			}
+		} else {
+			a.quick = 0
+			if wait := a.p.kind.leastWait(lost); wait > 0 {
+				// A healthy link the broker ended for throttling:
+				// reattaching at once would only be refused again.
+				if !sleep(ctx, wait) {
+					return nil, ctx.Err()
+				}
+			}
+		}
+	}
+	passes := 0        // first attach with DialFailover: addresses that connected but failed
+	var failed []error // their errors, for the one Run returns
+	for attempt := first; ; attempt++ {
+		a.connected = false
+		asked := time.Now()
+		src, l, err := s.attachOnce(ctx, a.p)
+		if err == nil {
+			a.current, a.attachedAt = l, time.Now()
+			a.p.attachedLink(l)
+			s.attached(a.p, l)
+			if l == nil {
+				a.p.kind.attachedSource(src)
+			}
+			if a.before && !moveOn {
+				n := attempt - first + 1
+				broker := s.connector.String()
+				if l != nil { // nil under a test source
+					broker = l.addr
+				}
+				s.reconnects.Add(1)
+				s.log.Info("reconnected", zap.Int("attempt", n), zap.String("broker", broker), zap.Error(lost))
+				s.events.send(Event{Kind: EventReconnected, Err: lost, Queue: s.queue, Lane: -1, Attempt: n, Broker: broker})
+				if s.cfg.onReconnect != nil {
+					s.inOnReconnect.Add(1)
+					s.cfg.onReconnect(n, lost)
+					s.inOnReconnect.Add(-1)
+				}
+			}
+			a.before = true
+			if ctx.Err() != nil {
+				// Stopped while OnReconnect ran: nobody will use the new
+				// link, and Run no longer closes it.
+				a.p.current.Store(nil)
+				a.p.kind.attachedSource(nil)
+				a.current = nil
+				if l != nil { // nil under a test source
+					s.closeLink(context.WithoutCancel(ctx), l, nil)
+				}
+				return nil, ctx.Err()
+			}
+			return src, nil
+		}
+		refused, heldWait := a.p.kind.refused(err, attempt-first)
+		noSession := refused != refusedNot
+		waiting := s.cfg.waitForQueue && isNotFound(err) || noSession
+		switch {
+		case ctx.Err() != nil:
+			return nil, ctx.Err()
+		case refused == refusedNoneFree:
+			// The service waited for a session to become free and none
+			// did: ask again at once (on the same connection).
+			a.served = true
+			s.log.Debug("no session available; asking again", zap.Error(err))
+			attempt = first - 1
+			if time.Since(asked) < s.cfg.backoffMin {
+				// Answered at once rather than after waiting (the service
+				// waits up to the accept timeout): do not ask in a loop.
+				if !sleep(ctx, s.cfg.backoffMin) {
+					return nil, ctx.Err()
+				}
+			}
+			continue
+		case waiting:
+			// The service answered: what fails after this is a reconnect.
+			a.served = a.served || noSession
+			if attempt == first {
+				s.log.Info("the queue or session is not available (yet); waiting for it", zap.Error(err))
+			}
+		case !a.before && !a.served && a.connected && s.failoverLeft(&passes) && !s.cfg.isFatal(err):
+			// The first connection, on an address that answered but could
+			// not serve the queue: try the others before giving up.
+			s.log.Warn("attach failed on an address that answered; trying the next", zap.Error(err))
+			failed = append(failed, err)
+			attempt = first - 1
+			continue
+		case !a.before && !a.served:
+			// The first connection: report it rather than wait, with what
+			// the addresses passed over said.
+			return nil, errors.Join(append(failed, err)...)
+		case s.cfg.isFatal(err):
+			// Run logs it as it stops ("stopping after a fatal error").
+			if errors.Is(err, ErrLinkLost) {
+				return nil, err
+			}
+			return nil, fmt.Errorf("%w: reconnecting failed: %w", ErrLinkLost, err)
+		}
+		wait := a.reconnectWait(err, attempt)
+		if refused == refusedHeld {
+			// Another receiver holds what was asked for (a named
+			// session): ask again, on the same connection, after the
+			// kind's wait.
+			wait = heldWait
+		}
+		if !waiting {
+			s.log.Warn("reconnect failed; trying again", zap.Int("attempt", attempt-first+1), zap.Duration("wait", wait), zap.Error(err))
+			s.events.send(Event{Kind: EventReconnectFailed, Err: err, Queue: s.queue, Lane: -1, Attempt: attempt - first + 1})
+		}
+		if !sleep(ctx, wait) {
+			return nil, ctx.Err()
+		}
+	}
+}
+
+// failoverLeft reports, for a DialFailover connector, whether another
+// address is left to try on the first attach, counting the one that failed.
+func (s *Subscriber) failoverLeft(passes *int) bool {
+	f, ok := s.connector.(*failover)
+	if !ok {
+		return false
+	}
+	*passes++
+	return *passes < len(f.addrs)
+}
+
+// sleep waits d or until ctx ends; false means ctx ended.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// attachOnce opens a connection, session and receiver, or takes the test
+// source.
+func (s *Subscriber) attachOnce(ctx context.Context, p *pipe) (pump.Source, *link, error) {
+	if c, ok := s.connector.(sourceConnector); ok {
+		src, err := c.next(ctx)
+		return src, nil, err
+	}
+	l, err := s.attach(ctx, p)
+	if err != nil {
+		return nil, nil, err
+	}
+	return l.src, l, nil
+}
+
+// closeSpare closes the connection kept for the next attach, if the
+// attacher returns without having used it.
+func (a *attacher) closeSpare(ctx context.Context) {
+	if a.spare != nil {
+		a.s.closeLink(ctx, a.spare, nil)
+		a.spare = nil
+	}
+}

@@ -1,0 +1,331 @@
+package amqpsub
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"github.com/Azure/go-amqp"
+	"go.uber.org/zap"
+
+	"github.com/amqpsub/amqpsub/internal/servicebus"
+	"github.com/amqpsub/amqpsub/pump"
+)
+
+// sbKind is Service Bus's brokerKind for one pipe: peek-lock links with
+// their locks kept by a lease book, settlement by lock token once a link
+// is gone (queues and subscriptions without sessions), and session links
+// (Sessions, SessionIDs). The mechanics are in package internal/servicebus;
+// this is where they meet the pipe.
+type sbKind struct {
+	s *Subscriber
+	p *pipe
+	// session is the session id the pipe asks for ("" for the next
+	// available one); used by session consumers only.
+	session  string
+	sessions bool // a session consumer
+	book     *servicebus.Book
+	// fallback settles, by lock token, the deliveries of a lost link;
+	// nil for session consumers, whose locks end with the session link.
+	fallback *servicebus.Dispositions
+	// sourceRenewer renews locks in place of a link's $management node
+	// when the pipe receives from a test source that can (package
+	// amqpsubtest's Service Bus queue); nil on a broker's link.
+	sourceRenewer atomic.Pointer[servicebus.Renewer]
+}
+
+// sbLink is what Service Bus adds to one link.
+type sbLink struct {
+	mgmt *servicebus.Management // the entity's $management node, on the link's session
+	// session is the source of a session link (session consumers only).
+	session *servicebus.Session
+}
+
+func newServiceBusKind(p *pipe, session string) brokerKind {
+	return &sbKind{s: p.s, p: p, session: session, sessions: p.s.cfg.sessions()}
+}
+
+func (k *sbKind) configure(pc *pump.Config) {
+	s := k.s
+	bc := servicebus.BookConfig{
+		MaxRenewal: s.cfg.maxLockRenewal,
+		OnLost:     k.lockLost,
+		Logger:     s.log,
+	}
+	if s.rec != nil {
+		bc.OnRenewed = s.rec.LocksRenewed
+	}
+	if !k.sessions {
+		// A session's messages are covered by the session's lock, which
+		// the session link renews.
+		bc.Renewer = renewer{k}
+	}
+	k.book = servicebus.NewBook(bc)
+	pc.Leases = k.book
+	// Enough settlements in flight that a round trip of a few
+	// milliseconds does not cap the rate (32 at 5 ms: 6,400/s).
+	pc.Settlers = max(1, min(pc.Credit, 64))
+	pc.SettleTimeout = s.cfg.settleTimeout
+	if !k.sessions {
+		// A message's lock outlives its link (see servicebus.Receiver):
+		// what a lost link held is kept, and settled by lock token.
+		pc.KeepAcrossLinks = true
+		k.fallback = servicebus.NewDispositions(k.management, s.log)
+	}
+}
+
+// start runs the lease book and, without sessions, the dispositions by
+// lock token. The dispositions end first: the pump's settlers use them
+// until the pump has returned, which is before stop is called.
+func (k *sbKind) start(ctx context.Context) func() {
+	bctx, stopBook := context.WithCancel(ctx)
+	bookDone := make(chan struct{})
+	go func() { defer close(bookDone); k.book.Run(bctx) }()
+	stopFallback, fallbackDone := func() {}, make(chan struct{})
+	if k.fallback != nil {
+		var fctx context.Context
+		fctx, stopFallback = context.WithCancel(ctx)
+		go func() { defer close(fallbackDone); k.fallback.Run(fctx) }()
+	} else {
+		close(fallbackDone)
+	}
+	return func() {
+		stopFallback()
+		<-fallbackDone
+		stopBook()
+		<-bookDone
+	}
+}
+
+func (k *sbKind) receiverOptions(ro *amqp.ReceiverOptions) {
+	ro.SettlementMode = amqp.ReceiverSettleModeSecond.Ptr()
+	if k.sessions {
+		// The service answers with com.microsoft:timeout when no session
+		// became free within this; the attacher asks again.
+		servicebus.SessionReceiverOptions(ro, k.session, k.s.cfg.dialTimeout/2)
+	}
+}
+
+// attached attaches the $management node beside l's receiver and, for a
+// session consumer, accepts the session the service granted, once no
+// handler of that session runs here any more (awaitSession).
+func (k *sbKind) attached(ctx context.Context, l *link) (pump.Source, string, error) {
+	s := k.s
+	mgmt, err := servicebus.NewManagement(ctx, l.sess, s.cfg.profile.address(s.queue), l.rcv.LinkName())
+	if err != nil {
+		return nil, "attach $management", err
+	}
+	l.sb = &sbLink{mgmt: mgmt}
+	if !k.sessions {
+		return servicebus.NewReceiver(l.rcv, k.fallback), "", nil
+	}
+	src, err := servicebus.AcceptSession(l.rcv, mgmt, servicebus.SessionConfig{
+		Idle: s.cfg.sessionIdle, Slot: k.p.index, Book: k.book, Held: k.p.pump.Held, Log: s.log, Limited: s.limited,
+	})
+	if err != nil {
+		return nil, "accept session", err
+	}
+	l.sb.session = src
+	if err := k.awaitSession(ctx, src); err != nil {
+		return nil, "wait for the session's handlers", err
+	}
+	return src, "", nil
+}
+
+func (k *sbKind) attachedSource(src pump.Source) {
+	if rn, ok := src.(servicebus.Renewer); ok {
+		// A test source that renews its own locks (see renewer).
+		k.sourceRenewer.Store(&rn)
+		return
+	}
+	k.sourceRenewer.Store(nil)
+}
+
+// release ends a session's lock renewal before the link closes, and waits
+// for the $management node's routing goroutine, which ends with the
+// session, after.
+func (k *sbKind) release(ctx context.Context, l *link, why error, detach func()) {
+	if l.sb != nil && l.sb.session != nil {
+		l.sb.session.Stop()
+		k.s.log.Info("session released", zap.String("session_id", l.sb.session.ID()), zap.Int("slot", l.sb.session.Slot()),
+			zap.Error(why))
+	}
+	detach()
+	if l.sb != nil {
+		select {
+		case <-l.sb.mgmt.Done():
+		case <-ctx.Done():
+		}
+	}
+}
+
+// refused reads the attach errors of a session consumer that mean
+// "wait": no session became free before the service's timeout (ask again
+// at once), or the session asked for is held by another receiver (ask
+// again after servicebus.SessionLockedWait).
+func (k *sbKind) refused(err error, attempt int) (refusal, time.Duration) {
+	switch {
+	case !k.sessions:
+		return refusedNot, 0
+	case servicebus.IsCond(err, servicebus.CondTimeout):
+		return refusedNoneFree, 0
+	case servicebus.IsCond(err, servicebus.CondSessionCannotBeLocked):
+		return refusedHeld, servicebus.SessionLockedWait(attempt)
+	}
+	return refusedNot, 0
+}
+
+// leastWait is ServerBusyWait after the service said it is throttling.
+func (k *sbKind) leastWait(err error) time.Duration {
+	if servicebus.Busy(err) {
+		return servicebus.ServerBusyWait
+	}
+	return 0
+}
+
+// handlerContext returns a context that is cancelled (cause ErrLockLost)
+// when the lock of any of ts is lost.
+func (k *sbKind) handlerContext(ctx context.Context, ts ...pump.Ticket) (context.Context, func()) {
+	hctx, cancel := context.WithCancelCause(ctx)
+	for _, t := range ts {
+		if !k.book.Bind(t, cancel) {
+			// Out of the book already: its lock was lost between the
+			// lane's Begin and now (or went with its link). The handler
+			// must hear of it as it would have a moment later.
+			cancel(ErrLockLost)
+		}
+	}
+	return hctx, func() { cancel(nil) }
+}
+
+func (k *sbKind) addLocks(l *Locks) {
+	b := k.book.Stats()
+	l.Held += b.Held
+	l.RenewRequests += b.Requests
+	l.Renewed += b.Renewed
+	l.RenewFailures += b.Failures
+	l.Lost += b.Lost
+	l.Unrenewable += b.Unrenewable
+	if k.fallback != nil {
+		l.SettledByToken += k.fallback.Taken()
+		l.DispositionRequests += k.fallback.Requests()
+	}
+}
+
+// lockLost is told by the lease book of a lost lock, and why (wrapping
+// ErrLockLost): the delivery is dropped if no handler has it, its
+// settlement skipped if one has (the book has cancelled the handler's
+// context).
+func (k *sbKind) lockLost(t pump.Ticket, m *amqp.Message, why error) {
+	// Reported only when it changed anything: a delivery already settling
+	// or settled hears of its lock from the settlement's answer.
+	if k.p.pump.LoseLock(t) && m != nil {
+		s := k.s
+		d := &Delivery{msg: m, lane: -1}
+		s.limited.Warn("message lock lost; the service delivers the message again", s.fields(d, why)...)
+		s.events.send(s.event(d, EventLockLost, why))
+	}
+}
+
+var errNoLink = errors.New("amqpsub: no link to renew locks on")
+
+// renewer renews the locks of a pipe's current link (servicebus.Renewer).
+type renewer struct{ k *sbKind }
+
+// RenewLocks renews tokens on the current link's $management node, within
+// ctx. When that node's link pair is gone for good (it could not be
+// attached again), no lock of the link can be renewed any more: the receive
+// link is closed too, so that the pump attaches both anew, and the service
+// delivers again what the link held.
+//
+// A test source attached in place of a link renews its own locks, if it
+// can: attachedSource sets sourceRenewer then. A broker's link never
+// reaches that branch.
+func (r renewer) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
+	p := r.k.p
+	l := p.current.Load()
+	if l == nil || l.sb == nil {
+		if sr := r.k.sourceRenewer.Load(); sr != nil {
+			return (*sr).RenewLocks(ctx, tokens)
+		}
+		return nil, errNoLink
+	}
+	exp, err := l.sb.mgmt.RenewLocks(ctx, tokens)
+	if errors.Is(err, servicebus.ErrNodeGone) && p.current.Load() == l && l.sb.mgmt.AbandonLink(ctx, l.rcv) {
+		r.k.s.log.Warn("the $management link is gone and could not be attached again; closing the receive link to attach both anew",
+			zap.Error(err))
+	}
+	return exp, err
+}
+
+// management returns the $management node of the pipe's current link,
+// waiting, within ctx, for a link while none is attached, or while the one
+// recorded is of a lost connection; it fails at once with errNoLink while
+// the pipe stops.
+func (k *sbKind) management(ctx context.Context) (*servicebus.Management, error) {
+	p := k.p
+	for {
+		up := p.linkUp.Load()
+		if l := p.current.Load(); l != nil && l.sb != nil && l.conn.Err() == nil && !isClosed(l.sb.mgmt.Done()) {
+			return l.sb.mgmt, nil
+		}
+		// None, or the one still recorded is of a connection that is gone
+		// (the attacher has not replaced it yet): wait for the next.
+		select {
+		case <-*up:
+		case <-p.pump.Stopping():
+			return nil, errNoLink
+		case <-ctx.Done():
+			return nil, fmt.Errorf("%w: %w", errNoLink, ctx.Err())
+		}
+	}
+}
+
+// sessionBusyPoll is how often a slot that waits for a session's old
+// handlers looks again.
+const sessionBusyPoll = 20 * time.Millisecond
+
+// handlersOf counts the handlers of session id running in this process, in
+// any slot.
+func (s *Subscriber) handlersOf(id string) int {
+	n := 0
+	for _, p := range s.pipes {
+		p.pump.Each(func(d *pump.Delivery) bool {
+			if m := d.Message(); m != nil && d.State() == pump.Handling && groupID(m) == id {
+				n++
+			}
+			return true
+		})
+	}
+	return n
+}
+
+// awaitSession returns once no handler of src's session runs in this
+// process, before the session's link is handed to the pump: a session whose
+// link was lost while a handler of it ran goes back to the service, which
+// gives it to the first receiver that asks (another slot, or this one
+// again), and its messages, the one in that handler first, would otherwise
+// run beside it. Those handlers' contexts were cancelled with the loss (see
+// Receive); one that does not return keeps the session's messages waiting
+// here, its lock renewed, until it does. ctx ends the wait with its error.
+func (k *sbKind) awaitSession(ctx context.Context, src *servicebus.Session) error {
+	s := k.s
+	n := s.handlersOf(src.ID())
+	if n == 0 {
+		return nil
+	}
+	s.log.Info("the session's handlers from its lost link still run here; waiting for them before taking its messages",
+		zap.String("session_id", src.ID()), zap.Int("slot", src.Slot()), zap.Int("handlers", n))
+	t := time.NewTicker(sessionBusyPoll)
+	defer t.Stop()
+	for s.handlersOf(src.ID()) > 0 {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+	return nil
+}

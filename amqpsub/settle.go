@@ -1,0 +1,102 @@
+package amqpsub
+
+import (
+	"errors"
+
+	"github.com/amqpsub/amqpsub/pump"
+	"github.com/cespare/xxhash/v2"
+)
+
+// settle maps a handler's result to the broker settlement, and counts it.
+//
+// A delivery whose lock is gone (the lease book cancelled the handler's
+// context) is settled all the same: the pump skips sending it and counts
+// it, and the service delivers the message again. Its result still counts,
+// and the outcome it would have had is what the Recorder and OnSettled
+// hear (with ErrNotSettled); nothing else of it is done (no dead-letter
+// copy, no event).
+func (s *Subscriber) settle(d *Delivery, err error) {
+	if s.cut.Load() {
+		if s.debug() {
+			s.log.Debug("result of an abandoned handler ignored", s.fields(d, err)...)
+		}
+		return
+	}
+	lost := d.t.Entry().LockLost()
+	if lost && s.debug() {
+		s.log.Debug("result of a delivery whose lock was lost not sent", s.fields(d, err)...)
+	}
+	var o pump.Outcome
+	switch result, oe := decide(err); result {
+	case ResultAccept:
+		s.results.accept.Add(1)
+		o = pump.Outcome{Kind: pump.Accept}
+	case ResultRelease:
+		s.results.release.Add(1)
+		o = pump.Outcome{Kind: pump.Release}
+	case ResultReject:
+		if !oe.poisoned {
+			s.results.reject.Add(1)
+		}
+		o = s.rejection(d, oe, lost)
+	default:
+		s.results.retry.Add(1)
+		o = s.cfg.profile.retry
+		if !lost {
+			if !errors.Is(err, ErrHandlerPanic) && s.debug() {
+				// Debug: a failing handler fails once per delivery. OnEvent
+				// and Stats().Results.Retry report it.
+				s.log.Debug("handler failed; the delivery goes back to the broker as a failed attempt", s.fields(d, err)...)
+			}
+			s.events.send(s.event(d, EventHandlerFailed, err))
+		}
+	}
+	d.p.settle(d.t, o, d.lane)
+}
+
+// rejection is the settlement of a Reject: with DeadLetterCopy, an accept
+// once the copy was taken; otherwise, or when the copy failed, rejected
+// with the profile's condition (or the Reject's own). A delivery whose lock
+// is gone gets no copy.
+func (s *Subscriber) rejection(d *Delivery, oe *OutcomeError, lost bool) pump.Outcome {
+	if s.cfg.deadLetterCopy != "" && !lost {
+		err := s.copyToDeadLetter(d, oe)
+		if err == nil {
+			s.deadLetterCopies.Add(1)
+			return pump.Outcome{Kind: pump.Accept}
+		}
+		if err != errNoDeadLetterLink && !s.cut.Load() {
+			s.deadLetterCopyFailures.Add(1)
+			s.limited.Warn("dead-letter copy not taken; rejecting without keeping the reason", s.fields(d, err)...)
+			s.events.send(s.event(d, EventDeadLetterCopyFailed, err))
+		}
+	}
+	cond := s.cfg.profile.rejectCond
+	if oe.cond != "" {
+		cond = oe.cond
+	}
+	return pump.Outcome{Kind: pump.Reject, Error: oe.rejectError(cond)}
+}
+
+// settle hands t's settlement to the pump. Where settlements are sent
+// concurrently (Settlers: Service Bus), those of one group go out in the
+// order they were decided, each once the one before was answered, so that
+// a lost link cannot leave a group's earlier message to come back after a
+// later one was settled; keyless deliveries under WorkersByKey are ordered
+// by lane, the others not at all.
+// lane is the delivery's lane, -1 when it is not known (a release at a
+// stop).
+func (p *pipe) settle(t pump.Ticket, o pump.Outcome, lane int) {
+	if !p.ordered {
+		p.pump.Settle(t, o)
+		return
+	}
+	switch g := groupID(t.Message()); {
+	case g != "":
+		p.pump.SettleInOrder(t, o, xxhash.Sum64String(g))
+	case p.s.cfg.byKey && lane >= 0:
+		p.pump.SettleInOrder(t, o, uint64(lane))
+	default:
+		p.pump.Settle(t, o)
+	}
+}

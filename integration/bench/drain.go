@@ -21,7 +21,7 @@ import (
 type scenario struct {
 	name  string // flag value
 	title string
-	group string // "a", "b" or "c" in issue 5; "r", a reference consumer
+	group string // "a" the loop, "b" no-op amqpsub, "c" 1 ms amqpsub; "r", a reference consumer
 	// loop: the hand-written go-amqp loop; ref: a reference consumer (a key
 	// of refConsumers), run as cmd; otherwise amqpsub with opts.
 	loop bool

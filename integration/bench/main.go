@@ -1,12 +1,13 @@
 // Command bench measures amqpsub against a hand-written go-amqp loop on real
-// brokers (issue 5, docs/performance.md).
+// brokers (docs/performance.md).
 //
 // For each broker and payload it preloads a queue, then drains it with each
 // scenario in turn: (a) the best plain go-amqp loop, the reference; (b)
 // amqpsub with a no-op handler under Workers(1), Workers(8),
 // WorkersByKey(8) and NewBatch; (c) amqpsub with a 1 ms handler under
-// WorkersByKey(n) for n = 1, 4, 16, 64; (r) reference consumers from other
-// ecosystems, what a user would pick instead (issue 10): a Qpid JMS
+// WorkersByKey(n) for n = 1, 4, 8, 16, 64, and with BalanceKeys for n = 8,
+// 16, 64; (r) reference consumers from other
+// ecosystems, what a user would pick instead: a Qpid JMS
 // consumer, Proton C's receive example and a Proton Python receiver, each a
 // child process with the same credit, accepting each message (see
 // reference.go). Runs are interleaved (every scenario once, then again), so

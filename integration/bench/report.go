@@ -117,10 +117,9 @@ func table(all []*series, loop *series, credit int) string {
 }
 
 // target says where the scenario stands against the targets: the no-op
-// shapes against issue 5's 1.25 × (a); the 1 ms shapes against issue 10's
-// 90 % of the lowest of n/c (c the measured sleep), (a), and what the key
-// spread allows (the hottest lane under hash placement, the hottest group
-// under either).
+// shapes against 1.25 × (a); the 1 ms shapes against 90 % of the lowest
+// of n/c (c the measured sleep), (a), and what the key spread allows (the
+// hottest lane under hash placement, the hottest group under either).
 func target(s *series, rate, loopRate float64) string {
 	switch {
 	case s.sc.loop:

@@ -38,7 +38,7 @@ func (r *outcomeRec) Dropped(int)         {}
 // A handler whose lock is lost returns Retry (its ctx's error). Nothing is
 // sent, and OnSettled and Recorder.Settled say so with ErrNotSettled, with
 // the outcome the handler asked for (modified: an abandon), not another;
-// Stats counts the result. (An outside review found "accepted" here.)
+// Stats counts the result.
 func TestLockLostSettlementNamesTheHandlersOutcome(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		q := amqpsubtest.NewQueue(amqpsubtest.WithProfile(amqpsub.AzureServiceBus))
@@ -100,8 +100,7 @@ func (r *countRec) Dropped(n int)                                 { r.mu.Lock();
 
 // Deliveries buffered when their link is lost are dropped (Stats.Dropped):
 // the Recorder hears of them too, so that after a drain received equals
-// settled plus dropped, as in Stats. (An outside review found them
-// missing.)
+// settled plus dropped, as in Stats.
 func TestRecorderHearsOfDroppedDeliveries(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		q := amqpsubtest.NewQueue()
@@ -151,8 +150,7 @@ func TestRecorderHearsOfDroppedDeliveries(t *testing.T) {
 
 // After a stop that cuts handlers short (GracePeriod(0)), the deliveries
 // still held when Run returns reach the Recorder as dropped, so that
-// received = settled + dropped, as Recorder.Dropped says. (Found by an
-// outside review.)
+// received = settled + dropped, as Recorder.Dropped says.
 func TestRecorderCountsAfterAStopWithoutGrace(t *testing.T) {
 	q := amqpsubtest.NewQueue()
 	for range 4 {

@@ -300,9 +300,9 @@ func TestBalancedBatchLaneIsWokenForItsKey(t *testing.T) {
 	})
 }
 
-// A batch lane running its handler is not on the pool's idle list: the
-// next key goes to the lane that is really idle, not to it (it was, when
-// a poll that found nothing left it listed as idle).
+// A batch lane running its handler is not on the pool's idle list, even
+// after a poll of its queue that found nothing: the next key goes to the
+// lane that is really idle, not to it.
 func TestBalancedBusyBatchLaneIsNotWokenForANewKey(t *testing.T) {
 	for _, wait := range []time.Duration{time.Millisecond, 0} {
 		t.Run(wait.String(), func(t *testing.T) {

@@ -115,7 +115,7 @@ func TestLostLinkDropsWhatWaitsAtOnce(t *testing.T) {
 // LoseLock reports whether it acted, which decides whether amqpsub reports
 // a lost lock (EventLockLost, the warning): true for a buffered or handled
 // delivery of the ticket's generation, false once it settles or its entry
-// holds the next delivery. (Pinned after an outside review.)
+// holds the next delivery.
 func TestLoseLockReportsWhetherItActed(t *testing.T) {
 	src := fake.New(false, fake.Messages(3)...)
 	p := pump.New(pump.Config{Credit: 1})
@@ -157,7 +157,7 @@ func TestLoseLockReportsWhetherItActed(t *testing.T) {
 // while it settles and after its entry holds the next delivery, never make
 // a delivery's own function go unheard: a call that lands after the
 // settlement began puts back what it replaced, and one for an earlier
-// delivery never replaces a later one's. (An outside review found both.)
+// delivery never replaces a later one's.
 func TestOnSettledFromLeftBehindGoroutines(t *testing.T) {
 	const n = 3000
 	src := fake.New(false, fake.Messages(n)...)
@@ -208,8 +208,7 @@ func (m *countMeter) Settled(pump.Kind, error) { m.mu.Lock(); m.settled++; m.mu.
 func (m *countMeter) Dropped(n int)            { m.mu.Lock(); m.dropped += n; m.mu.Unlock() }
 
 // A delivery whose lock is lost before a handler takes it reaches the
-// Meter as dropped: received = settled + dropped on that path too. (Pinned
-// after an outside review.)
+// Meter as dropped: received = settled + dropped on that path too.
 func TestMeterHearsOfALockLostBeforeAHandler(t *testing.T) {
 	src := fake.New(false, fake.Messages(3)...)
 	m := &countMeter{}

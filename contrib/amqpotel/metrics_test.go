@@ -456,7 +456,6 @@ func BenchmarkRecorder(b *testing.B) {
 
 // A collection running while New makes a subscriber calls its Stats
 // (registered by Recorder) before New has finished: it must not race.
-// (Found by an outside review.)
 func TestCollectDuringNewDoesNotRace(t *testing.T) {
 	m, reader := newMetrics(t)
 	stop, done := make(chan struct{}), make(chan struct{})

@@ -566,8 +566,8 @@ func (t countingTracer) Start(ctx context.Context, name string, opts ...trace.Sp
 
 // A process span that is sampled out asks for no settle span: counted at
 // the provider, since a span recorder behind a NeverSample provider sees
-// no span whatever the code does. (An outside review found that
-// TestNotRecorded alone cannot fail on this.)
+// no span whatever the code does: TestNotRecorded, which counts recorded
+// spans, cannot fail on this.
 func TestNotRecordedStartsNoSettleSpan(t *testing.T) {
 	rec := tracetest.NewSpanRecorder()
 	never := &countingProvider{inner: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec), sdktrace.WithSampler(sdktrace.NeverSample()))}

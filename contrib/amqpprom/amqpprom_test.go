@@ -213,8 +213,7 @@ func gather(t *testing.T, g prometheus.Gatherer, name string) []*dto.MetricFamil
 // Two running subscribers of one queue in one process (replicas) share a
 // Metrics, as the package documentation says: their gauges are summed into
 // one series each (two series with the same labels would fail the whole
-// scrape), and a subscriber whose Run returned is forgotten. (An outside
-// review found the failing scrape.)
+// scrape), and a subscriber whose Run returned is forgotten.
 func TestTwoSubscribersOfOneQueueShareTheirGauges(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	m := amqpprom.New(reg)
@@ -262,7 +261,6 @@ func TestTwoSubscribersOfOneQueueShareTheirGauges(t *testing.T) {
 // A scrape while a subscriber is being made (a process that serves
 // /metrics and starts a subscriber later) must not race with New, which
 // hands MetricsInfo.Stats to the adapter before the subscriber is whole.
-// (Found by an outside review.)
 func TestScrapeDuringNewDoesNotRace(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	m := amqpprom.New(reg)
@@ -293,7 +291,7 @@ func TestScrapeDuringNewDoesNotRace(t *testing.T) {
 // A subscriber closed before it ran, or made and dropped (a start-up that
 // failed further on), is not reported for ever: the gauges forget the first
 // at once (its Done is closed by Close) and the others once they are
-// garbage collected (they are held weakly). (Found by an outside review.)
+// garbage collected (they are held weakly).
 func TestNeverRunSubscribersLeaveTheGauges(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	m := amqpprom.New(reg)

@@ -815,7 +815,7 @@ func TestGroupOrder(t *testing.T) {
 
 // A graceful stop drains the link's credit, as Artemis does with amqpsub's
 // drain: the deliveries it releases are not sent back to the stopping link
-// while a handler finishes. (A user trial saw 255 redeliveries here.)
+// while a handler finishes.
 func TestStopDoesNotRedeliverToTheStoppingLink(t *testing.T) {
 	q := amqpsubtest.NewQueue()
 	q.Publish(amqpsubtest.Message("a", "1"), amqpsubtest.Message("a", "2"))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two multi-broker Artemis topologies for the cluster and HA tests (issue 12),
+# Two multi-broker Artemis topologies for the cluster and HA tests,
 # each node an instance run by integration/artemis.sh (same download, same
 # `artemis create`, same stop-by-PID), on 127.0.0.1 with its own ports and
 # directories under $AMQPSUB_CACHE (default ~/.cache/amqpsub).
@@ -55,6 +55,9 @@ set -euo pipefail
 
 readonly HOST=127.0.0.1
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+SCRIPT_NAME=artemis-cluster.sh
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$SCRIPT_DIR/lib.sh"
 ARTEMIS_SH="$SCRIPT_DIR/artemis.sh"
 SRC_XML="$SCRIPT_DIR/artemis/broker.xml"
 CACHE=$(realpath -m "${AMQPSUB_CACHE:-${HOME:-/root}/.cache/amqpsub}")
@@ -72,8 +75,6 @@ readonly CLUSTER_PASSWORD=amqpsub-cluster-secret
 # milliseconds.
 readonly GROUPING_TIMEOUT_MS=1000
 
-log() { echo "artemis-cluster.sh: $*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
 usage() {
   cat >&2 <<'EOF'
 usage: artemis-cluster.sh cluster start|stop|status|reset
@@ -134,13 +135,10 @@ art() {
 
 node_log() { echo "$(node_home "$1")/log/console.log"; }
 node_running() { art "$1" pid >/dev/null 2>&1; }
-port_open() { timeout 2 bash -c "exec 3<>/dev/tcp/$HOST/$1" 2>/dev/null; }
+node_open() { port_open "$HOST" "$(node_port "$1")"; }
 
-with_lock() {
-  mkdir -p "$CACHE"
-  exec 8>"$CACHE/.artemis-cluster.lock"
-  flock -w 600 8 || die "could not lock $CACHE/.artemis-cluster.lock"
-}
+# fd 8, not 9: artemis.sh takes its own lock on 9.
+with_lock() { take_lock "$CACHE/.artemis-cluster.lock" 600 8; }
 
 # ---- broker.xml ---------------------------------------------------------------
 
@@ -271,16 +269,13 @@ write_xml() {
 # wait_log NODE CODE WHAT: until the node's console log (rotated on each
 # start) has CODE; fails if the node dies or after FORM_TIMEOUT.
 wait_log() {
-  local node=$1 code=$2 what=$3 deadline=$((SECONDS + FORM_TIMEOUT)) f
+  local node=$1 code=$2 what=$3 f rc=0
   f=$(node_log "$node")
-  until grep -q "$code" "$f" 2>/dev/null; do
-    node_running "$node" || { tail -n 40 "$f" >&2 || true; die "$node died while waiting for $what"; }
-    if [ "$SECONDS" -ge "$deadline" ]; then
-      tail -n 40 "$f" >&2 || true
-      die "$node: no $what ($code in $f) within ${FORM_TIMEOUT}s"
-    fi
-    sleep 0.2
-  done
+  wait_for "$FORM_TIMEOUT" "node_running $node" grep -q "$code" "$f" 2>/dev/null || rc=$?
+  [ "$rc" = 0 ] && return 0
+  tail -n 40 "$f" >&2 || true
+  [ "$rc" = 1 ] && die "$node died while waiting for $what"
+  die "$node: no $what ($code in $f) within ${FORM_TIMEOUT}s"
 }
 
 # ---- commands -------------------------------------------------------------------
@@ -319,7 +314,7 @@ ha_start() {
   start_node backup
   # A backup that already took over is live; one that waits announces
   # itself to the primary through the cluster connection.
-  if ! port_open "$(node_port backup)"; then
+  if ! node_open backup; then
     wait_log backup AMQ221031 "backup announcement"
   fi
   log "ha pair up: primary amqp://$HOST:5711, backup (passive) amqp://$HOST:5712 in $((SECONDS - t0))s"
@@ -351,15 +346,14 @@ topology_status() {
 }
 
 wait_live() {
-  local node=$1 secs=${2:-60} port t0 deadline
+  local node=$1 secs=${2:-60} port t0 rc=0
+  # The time printed is the failover's: asked for often.
+  local WAIT_POLL=0.05
   port=$(node_port "$node")
   t0=$EPOCHREALTIME
-  deadline=$((SECONDS + secs))
-  until port_open "$port"; do
-    node_running "$node" || die "$node is not running"
-    [ "$SECONDS" -lt "$deadline" ] || die "$node did not accept on $HOST:$port within ${secs}s"
-    sleep 0.05
-  done
+  wait_port "$HOST" "$port" "$secs" "node_running $node" || rc=$?
+  [ "$rc" = 1 ] && die "$node is not running"
+  [ "$rc" = 2 ] && die "$node did not accept on $HOST:$port within ${secs}s"
   awk -v a="$t0" -v b="$EPOCHREALTIME" -v n="$node" -v u="amqp://$HOST:$port" 'BEGIN { printf "%s live on %s after %.2fs of waiting\n", n, u, b - a }'
 }
 
@@ -394,7 +388,7 @@ case "$cmd" in
     with_lock
     start_node "$node"
     [ "$topo" = cluster ] && wait_formed "$node"
-    if [ "$node" = backup ] && ! port_open "$(node_port backup)" && node_running primary; then
+    if [ "$node" = backup ] && ! node_open backup && node_running primary; then
       wait_log backup AMQ221031 "backup announcement"
     fi ;;
   stop-node)

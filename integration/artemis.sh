@@ -50,6 +50,9 @@ readonly PORT=${AMQPSUB_ARTEMIS_PORT:-5672}
 readonly CORE_PORT=${AMQPSUB_ARTEMIS_CORE_PORT:-61616}
 
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+SCRIPT_NAME=artemis.sh
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$SCRIPT_DIR/lib.sh"
 CACHE=$(realpath -m "${AMQPSUB_CACHE:-${HOME:-/root}/.cache/amqpsub}")
 DIST="$CACHE/apache-artemis-$ARTEMIS_VERSION"
 TARBALL="$CACHE/apache-artemis-$ARTEMIS_VERSION-bin.tar.gz"
@@ -68,37 +71,16 @@ STOP_TIMEOUT=30
 DEFAULT_JAVA_ARGS="-XX:AutoBoxCacheMax=20000 -XX:+UseG1GC -XX:+UseStringDeduplication -Xms512M -Xmx1536M -XX:+HeapDumpOnOutOfMemoryError -XX:HeapDumpPath=$INSTANCE/log/oom_dump.hprof -Dlog4j2.disableJmx=true --add-opens java.base/jdk.internal.misc=ALL-UNNAMED"
 JAVA_ARGS_TO_USE="${AMQPSUB_ARTEMIS_JAVA_ARGS:-$DEFAULT_JAVA_ARGS} -Damqpsub.port=$PORT -Damqpsub.coreport=$CORE_PORT"
 
-log() { echo "artemis.sh: $*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
-
-port_open() { timeout 2 bash -c "exec 3<>/dev/tcp/$HOST/$PORT" 2>/dev/null; }
+amqp_open() { port_open "$HOST" "$PORT"; }
 
 # is_broker PID: the process exists and is the java broker of THIS instance.
-is_broker() {
-  local pid=$1 cmd
-  [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
-  cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
-  [[ "$cmd" == *"org.apache.activemq.artemis.boot.Artemis"* && "$cmd" == *"-Dartemis.instance=$INSTANCE "* ]]
-}
+is_broker() { cmdline_has "${1:-}" org.apache.activemq.artemis.boot.Artemis "-Dartemis.instance=$INSTANCE "; }
 
 # broker_pid: PID from the pid file if valid, else a java process started for
 # this instance directory (pid file lost). Prints nothing if none.
-broker_pid() {
-  local pid="" p
-  [ -f "$PIDFILE" ] && pid=$(cat "$PIDFILE" 2>/dev/null || true)
-  if is_broker "$pid"; then echo "$pid"; return 0; fi
-  for p in /proc/[0-9]*; do
-    p=${p#/proc/}
-    if is_broker "$p"; then echo "$p"; return 0; fi
-  done
-  return 0
-}
+broker_pid() { find_pid "$PIDFILE" is_broker; }
 
-with_lock() {
-  mkdir -p "$CACHE"
-  exec 9>"$CACHE/.artemis.lock"
-  flock -w 300 9 || die "could not lock $CACHE/.artemis.lock"
-}
+with_lock() { take_lock "$CACHE/.artemis.lock" 300; }
 
 check_java() {
   command -v java >/dev/null || die "java not found (need Java 17+)"
@@ -150,65 +132,30 @@ ensure_instance() {
   touch "$INSTANCE/.amqpsub-created"
 }
 
-# live PID: the process exists and is not a zombie (a child of this shell
-# that exited stays a zombie until we exit, and kill -0 still succeeds).
-live() {
-  local st
-  st=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
-  st=${st##*) }
-  [ "${st%% *}" != Z ]
-}
-
-wait_port() {
-  local pid=$1 deadline=$((SECONDS + START_TIMEOUT))
-  while ! port_open; do
-    if ! live "$pid"; then
-      log "broker process $pid exited during start-up; last lines of $LOG:"
-      tail -n 60 "$LOG" >&2 || true
-      rm -f "$PIDFILE"
-      exit 1
-    fi
-    if [ "$SECONDS" -ge "$deadline" ]; then
-      log "broker (pid $pid) did not accept on $HOST:$PORT within ${START_TIMEOUT}s; last lines of $LOG:"
-      tail -n 60 "$LOG" >&2 || true
-      exit 1
-    fi
-    sleep 0.25
-  done
-}
-
-# wait_process PID: until PID is this instance's java process (bin/artemis
-# has exec'd java), for a broker whose port is not expected to open.
-wait_process() {
-  local pid=$1 deadline=$((SECONDS + START_TIMEOUT))
-  until is_broker "$pid"; do
-    if ! live "$pid"; then
-      log "broker process $pid exited during start-up; last lines of $LOG:"
-      tail -n 60 "$LOG" >&2 || true
-      rm -f "$PIDFILE"
-      exit 1
-    fi
-    [ "$SECONDS" -lt "$deadline" ] || die "pid $pid did not become the broker's java process within ${START_TIMEOUT}s"
-    sleep 0.1
-  done
-}
-
+# wait_ready PID: until the AMQP port accepts (AMQPSUB_ARTEMIS_WAIT=port) or
+# PID is this instance's java process, i.e. bin/artemis has exec'd java
+# (process: a broker whose port is not expected to open). Exits 1 if PID
+# dies first or the wait outlasts START_TIMEOUT.
 wait_ready() {
-  if [ "$WAIT_FOR" = process ]; then wait_process "$1"; else wait_port "$1"; fi
+  local pid=$1 rc=0
+  if [ "$WAIT_FOR" = process ]; then
+    wait_for "$START_TIMEOUT" "pid_alive $pid" is_broker "$pid" || rc=$?
+  else
+    wait_port "$HOST" "$PORT" "$START_TIMEOUT" "pid_alive $pid" || rc=$?
+  fi
+  case $rc in
+    0) return 0 ;;
+    1) fail_with_log "broker process $pid exited during start-up" "$LOG" 60 "$PIDFILE" ;;
+  esac
+  [ "$WAIT_FOR" = process ] && die "pid $pid did not become the broker's java process within ${START_TIMEOUT}s"
+  fail_with_log "broker (pid $pid) did not accept on $HOST:$PORT within ${START_TIMEOUT}s" "$LOG" 60
 }
 
 cmd_start() {
   with_lock
   local pid
-  pid=$(broker_pid)
-  if [ -n "$pid" ]; then
-    echo "$pid" >"$PIDFILE"
-    wait_ready "$pid"
-    log "already running (pid $pid) on $HOST:$PORT"
-    return 0
-  fi
-  rm -f "$PIDFILE"
-  port_open && die "$HOST:$PORT already accepts connections, but not from this instance ($INSTANCE)"
+  adopt_running "$(broker_pid)" "$PIDFILE" wait_ready "$HOST:$PORT" && return 0
+  amqp_open && die "$HOST:$PORT already accepts connections, but not from this instance ($INSTANCE)"
   check_java
   ensure_instance
   # Our config wins over what `artemis create` wrote, on every start.
@@ -217,12 +164,9 @@ cmd_start() {
   mkdir -p "$INSTANCE/log"
   [ -f "$LOG" ] && mv -f "$LOG" "$LOG.1"
   local t0=$SECONDS
-  # setsid+nohup: detach from the caller's session and signals. Both exec,
-  # and bin/artemis execs java, so $! is the java PID. Close the lock fd.
-  JAVA_ARGS="$JAVA_ARGS_TO_USE" setsid nohup "$INSTANCE/bin/artemis" run \
-      </dev/null >"$LOG" 2>&1 9>&- &
-  pid=$!
-  echo "$pid" >"$PIDFILE"
+  # bin/artemis execs java, so BG_PID is the java PID.
+  JAVA_ARGS="$JAVA_ARGS_TO_USE" start_bg "$PIDFILE" "$LOG" "$INSTANCE/bin/artemis" run
+  pid=$BG_PID
   wait_ready "$pid"
   # Belt and braces: make sure the PID is the java process itself.
   if ! is_broker "$pid"; then
@@ -239,37 +183,9 @@ cmd_start() {
   fi
 }
 
-# wait_gone PID SECS: until PID has exited. A zombie counts as gone: it
-# holds no port, file lock or memory, and whoever reaps it (here often PID 1,
-# since the broker is detached) may take seconds to do so.
-wait_gone() {
-  local pid=$1 secs=$2 deadline
-  deadline=$((SECONDS + secs))
-  while live "$pid"; do
-    [ "$SECONDS" -ge "$deadline" ] && return 1
-    sleep 0.2
-  done
-  return 0
-}
-
 cmd_stop() {
   with_lock
-  local pid
-  pid=$(broker_pid)
-  if [ -z "$pid" ]; then
-    rm -f "$PIDFILE"
-    log "not running"
-    return 0
-  fi
-  log "stopping pid $pid"
-  kill -TERM "$pid" 2>/dev/null || true
-  if ! wait_gone "$pid" "$STOP_TIMEOUT"; then
-    log "pid $pid still alive after ${STOP_TIMEOUT}s; sending SIGKILL"
-    kill -KILL "$pid" 2>/dev/null || true
-    wait_gone "$pid" 10 || die "pid $pid survived SIGKILL"
-  fi
-  rm -f "$PIDFILE"
-  log "stopped"
+  stop_service "$(broker_pid)" "$PIDFILE" "$STOP_TIMEOUT"
 }
 
 cmd_kill9() {
@@ -286,9 +202,8 @@ cmd_kill9() {
 cmd_status() {
   local pid
   pid=$(broker_pid)
-  if [ -z "$pid" ]; then echo "stopped"; return 3; fi
-  if port_open; then echo "running pid $pid amqp://$HOST:$PORT"; return 0; fi
-  echo "starting-or-unhealthy pid $pid ($HOST:$PORT not accepting)"; return 1
+  report_status "$pid" amqp_open "running pid $pid amqp://$HOST:$PORT" \
+    "starting-or-unhealthy pid $pid ($HOST:$PORT not accepting)"
 }
 
 cmd_reset() {

@@ -28,6 +28,11 @@
 #   AMQPSUB_RABBITMQ_PORT  AMQP port (default 5682)
 set -euo pipefail
 
+SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+SCRIPT_NAME=rabbitmq.sh
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$SCRIPT_DIR/lib.sh"
+
 readonly HOST=127.0.0.1
 PORT=${AMQPSUB_RABBITMQ_PORT:-5682}
 DIST_PORT=$((PORT + 20000))       # 25682
@@ -43,9 +48,6 @@ WRAPPER_PIDFILE="$RDIR/server.pid"   # the rabbitmq-server shell wrapper
 BEAM_PIDFILE="$RDIR/rabbitmq.pid"    # written by RabbitMQ: the Erlang VM
 EPMD_PIDFILE="$RDIR/epmd.pid"        # only if this script started epmd
 CONSOLE_LOG="$RDIR/log/console.log"
-
-log() { echo "rabbitmq.sh: $*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
 
 # Everything RabbitMQ and its CLI tools read. /etc/rabbitmq is ignored.
 export RABBITMQ_NODENAME=$NODE
@@ -64,16 +66,6 @@ export ERL_EPMD_PORT=$EPMD_PORT
 # Erlang cookie lives in $HOME; keep ours private to this node.
 export HOME="$RDIR/home"
 
-port_open() { timeout 2 bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null; }
-
-alive() { [ -n "${1:-}" ] && kill -0 "$1" 2>/dev/null; }
-
-# cmd_has PID STRING: /proc/PID/cmdline contains STRING
-cmd_has() {
-  [ -r "/proc/$1/cmdline" ] || return 1
-  [[ "$(tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null)" == *"$2"* ]]
-}
-
 # children PID: PIDs whose parent is PID (no procps needed).
 children() {
   local f line fields
@@ -88,13 +80,13 @@ children() {
 beam_pid() {
   local p=""
   [ -f "$BEAM_PIDFILE" ] && p=$(tr -dc '0-9' <"$BEAM_PIDFILE" 2>/dev/null || true)
-  if alive "$p" && cmd_has "$p" "-home $HOME "; then echo "$p"; return 0; fi
+  if pid_alive "$p" && cmdline_has "$p" "-home $HOME "; then echo "$p"; return 0; fi
   # PID file not written yet (or lost): the VM is the wrapper's child.
   local w
   w=$(wrapper_pid)
   if [ -n "$w" ]; then
     for p in $(children "$w"); do
-      cmd_has "$p" "-home $HOME " && { echo "$p"; return 0; }
+      cmdline_has "$p" "-home $HOME " && { echo "$p"; return 0; }
     done
   fi
   return 0
@@ -103,28 +95,27 @@ beam_pid() {
 wrapper_pid() {
   local p=""
   [ -f "$WRAPPER_PIDFILE" ] && p=$(cat "$WRAPPER_PIDFILE" 2>/dev/null || true)
-  if alive "$p" && cmd_has "$p" "rabbitmq-server"; then echo "$p"; fi
+  if pid_alive "$p" && cmdline_has "$p" "rabbitmq-server"; then echo "$p"; fi
   return 0
 }
 
 epmd_pid() {
   local p=""
   [ -f "$EPMD_PIDFILE" ] && p=$(cat "$EPMD_PIDFILE" 2>/dev/null || true)
-  if alive "$p" && cmd_has "$p" "epmd"; then echo "$p"; fi
+  if pid_alive "$p" && cmdline_has "$p" "epmd"; then echo "$p"; fi
   return 0
 }
 
 ctl() { "$RMQ_BIN/rabbitmqctl" -n "$NODE" "$@"; }
 
-with_lock() {
-  mkdir -p "$RDIR"
-  exec 9>"$RDIR/.lock"
-  flock -w 300 9 || die "could not lock $RDIR/.lock"
-}
+with_lock() { take_lock "$RDIR/.lock" 300; }
+
+# node_alive: the wrapper or the Erlang VM runs.
+node_alive() { [ -n "$(wrapper_pid)$(beam_pid)" ]; }
 
 ensure_installed() {
   [ -x "$RMQ_BIN/rabbitmq-server" ] && command -v epmd >/dev/null && return 0
-  bash "$(dirname "${BASH_SOURCE[0]}")/prereqs.sh" rabbitmq
+  bash "$SCRIPT_DIR/prereqs.sh" rabbitmq
   [ -x "$RMQ_BIN/rabbitmq-server" ] || die "rabbitmq-server still missing after install"
 }
 
@@ -158,13 +149,8 @@ ensure_epmd() {
     log "using the epmd already listening on $HOST:$EPMD_PORT (not ours; stop will leave it)"
     return 0
   fi
-  setsid nohup epmd -address "$HOST" -port "$EPMD_PORT" </dev/null >"$RDIR/log/epmd.log" 2>&1 9>&- &
-  echo $! >"$EPMD_PIDFILE"
-  for _ in $(seq 1 50); do
-    port_open "$HOST" "$EPMD_PORT" && return 0
-    sleep 0.1
-  done
-  die "epmd did not start (see $RDIR/log/epmd.log)"
+  start_bg "$EPMD_PIDFILE" "$RDIR/log/epmd.log" epmd -address "$HOST" -port "$EPMD_PORT"
+  wait_port "$HOST" "$EPMD_PORT" 5 "pid_alive $BG_PID" || die "epmd did not start (see $RDIR/log/epmd.log)"
 }
 
 fail_start() {
@@ -190,32 +176,22 @@ cmd_start() {
     local t0=$SECONDS
     # The wrapper runs the Erlang VM as its child and turns SIGTERM into a
     # clean stop; RabbitMQ writes the VM's PID to $BEAM_PIDFILE.
-    (cd "$RDIR" && exec setsid nohup "$RMQ_BIN/rabbitmq-server" </dev/null >"$CONSOLE_LOG" 2>&1 9>&-) &
-    w=$!
-    echo "$w" >"$WRAPPER_PIDFILE"
+    start_bg -C "$RDIR" "$WRAPPER_PIDFILE" "$CONSOLE_LOG" "$RMQ_BIN/rabbitmq-server"
+    w=$BG_PID
     log "starting node $NODE (wrapper pid $w)"
   else
     log "already running (wrapper pid ${w:-?}, vm pid ${b:-?})"
   fi
-  local deadline=$((SECONDS + START_TIMEOUT))
-  while ! port_open "$HOST" "$PORT"; do
-    [ -n "$(wrapper_pid)$(beam_pid)" ] || fail_start "RabbitMQ exited during start-up"
-    [ "$SECONDS" -lt "$deadline" ] || fail_start "RabbitMQ did not accept on $HOST:$PORT within ${START_TIMEOUT}s"
-    sleep 0.25
-  done
+  local rc=0
+  wait_port "$HOST" "$PORT" "$START_TIMEOUT" node_alive || rc=$?
+  case $rc in
+    1) fail_start "RabbitMQ exited during start-up" ;;
+    2) fail_start "RabbitMQ did not accept on $HOST:$PORT within ${START_TIMEOUT}s" ;;
+  esac
   ctl -q await_startup --timeout "$START_TIMEOUT" </dev/null >/dev/null 2>&1 \
     || fail_start "rabbitmqctl await_startup failed"
   [ -n "${t0:-}" ] && log "started (vm pid $(beam_pid)) on $HOST:$PORT in $((SECONDS - t0))s; logs: $RDIR/log"
   return 0
-}
-
-wait_gone() {
-  local pid=$1 secs=$2 deadline
-  deadline=$((SECONDS + secs))
-  while kill -0 "$pid" 2>/dev/null; do
-    [ "$SECONDS" -ge "$deadline" ] && return 1
-    sleep 0.2
-  done
 }
 
 cmd_stop() {
@@ -224,12 +200,7 @@ cmd_stop() {
   w=$(wrapper_pid); b=$(beam_pid)
   if [ -n "$b" ]; then
     log "stopping node $NODE (vm pid $b)"
-    kill -TERM "$b" 2>/dev/null || true
-    if ! wait_gone "$b" "$STOP_TIMEOUT"; then
-      log "vm pid $b still alive after ${STOP_TIMEOUT}s; sending SIGKILL"
-      kill -KILL "$b" 2>/dev/null || true
-      wait_gone "$b" 10 || die "vm pid $b survived SIGKILL"
-    fi
+    stop_pid "$b" "$STOP_TIMEOUT" "vm pid" || die "vm pid $b survived SIGKILL"
   elif [ -n "$w" ]; then
     kill -TERM "$w" 2>/dev/null || true
   fi

@@ -1,7 +1,7 @@
 package integration
 
-// Scale-out by replicas (issue 3): several consumer processes, built from
-// examples/replicas, on one Artemis queue. Each replica writes a line per
+// Replicas scale a queue out: several consumer processes, built from
+// examples/replicas, share one Artemis queue. Each replica writes a line per
 // handled message to its stdout before the handler returns (so before the
 // message is accepted); the test merges the lines of all replicas by their
 // wall-clock time and checks, per group: nothing lost, duplicates, which

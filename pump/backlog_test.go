@@ -10,8 +10,8 @@ import (
 	"github.com/amqpsub/amqpsub/pump"
 )
 
-// Proposed replacement: a delivery really waits for room in Out (the broker
-// sends past the credit), and settlements of the ones handed out still apply.
+// While a delivery waits for room in Out (the broker sent past the
+// credit), the settlements of the ones handed out still apply.
 func TestSettlementsAppliedWhileADeliveryWaitsForOut(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(true, fake.Messages(100)...)

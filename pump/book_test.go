@@ -3,6 +3,7 @@ package pump_test
 import (
 	"context"
 	"errors"
+	"sync"
 	"testing"
 	"testing/synctest"
 
@@ -109,4 +110,128 @@ func TestLostLinkDropsWhatWaitsAtOnce(t *testing.T) {
 			t.Fatalf("Run = %v", err)
 		}
 	})
+}
+
+// LoseLock reports whether it acted, which decides whether amqpsub reports
+// a lost lock (EventLockLost, the warning): true for a buffered or handled
+// delivery of the ticket's generation, false once it settles or its entry
+// holds the next delivery.
+func TestLoseLockReportsWhetherItActed(t *testing.T) {
+	src := fake.New(false, fake.Messages(3)...)
+	p := pump.New(pump.Config{Credit: 1})
+	cancel, errc := start(t, p, attachTo(src))
+	defer func() { cancel(); <-errc }()
+
+	a := <-p.Out()
+	a.Begin()
+	if !p.LoseLock(a) {
+		t.Error("LoseLock of a delivery in a handler = false, want true")
+	}
+	if p.LoseLock(a) {
+		t.Error("second LoseLock of the same delivery = true, want false")
+	}
+	p.Settle(a, pump.Outcome{Kind: pump.Accept})
+	b := <-p.Out() // the same entry, the next delivery
+	if b.Entry() != a.Entry() {
+		t.Fatal("entry not reused")
+	}
+	if p.LoseLock(a) {
+		t.Error("LoseLock of a settled delivery whose entry holds the next = true, want false")
+	}
+	if !p.LoseLock(b) {
+		t.Error("LoseLock of a buffered delivery = false, want true")
+	}
+	if b.Begin() {
+		t.Error("Begin after its lock was lost")
+	}
+	p.Settle(b, pump.Outcome{Kind: pump.Drop})
+	c := <-p.Out()
+	c.Begin()
+	p.Settle(c, pump.Outcome{Kind: pump.Accept})
+	if p.LoseLock(c) {
+		t.Error("LoseLock of a settling or settled delivery = true, want false")
+	}
+}
+
+// Goroutines a handler left behind, calling OnSettled for its delivery
+// while it settles and after its entry holds the next delivery, never make
+// a delivery's own function go unheard: a call that lands after the
+// settlement began puts back what it replaced, and one for an earlier
+// delivery never replaces a later one's.
+func TestOnSettledFromLeftBehindGoroutines(t *testing.T) {
+	const n = 3000
+	src := fake.New(false, fake.Messages(n)...)
+	p := pump.New(pump.Config{Credit: 1}) // one entry, reused by every delivery
+	cancel, errc := start(t, p, attachTo(src))
+	var leftBehind sync.WaitGroup
+	lost := 0
+	for i := range n {
+		tk := <-p.Out()
+		tk.Begin()
+		heard := make(chan struct{})
+		var once sync.Once
+		f := func(pump.Kind, error) { once.Do(func() { close(heard) }) }
+		if !tk.OnSettled(f) {
+			t.Fatal("OnSettled refused in the handler")
+		}
+		// Goroutines the handler left behind, asking for its delivery.
+		for range 2 {
+			leftBehind.Go(func() {
+				for tk.OnSettled(f) {
+				}
+			})
+		}
+		p.Settle(tk, pump.Outcome{Kind: pump.Accept})
+		for p.Stats().Accepted != uint64(i+1) {
+		}
+		select {
+		case <-heard:
+		default:
+			lost++
+		}
+	}
+	leftBehind.Wait()
+	cancel()
+	<-errc
+	if lost > 0 {
+		t.Fatalf("%d of %d deliveries settled without their OnSettled function being called", lost, n)
+	}
+}
+
+type countMeter struct {
+	mu                         sync.Mutex
+	received, settled, dropped int
+}
+
+func (m *countMeter) Received()                { m.mu.Lock(); m.received++; m.mu.Unlock() }
+func (m *countMeter) Settled(pump.Kind, error) { m.mu.Lock(); m.settled++; m.mu.Unlock() }
+func (m *countMeter) Dropped(n int)            { m.mu.Lock(); m.dropped += n; m.mu.Unlock() }
+
+// A delivery whose lock is lost before a handler takes it reaches the
+// Meter as dropped: received = settled + dropped on that path too.
+func TestMeterHearsOfALockLostBeforeAHandler(t *testing.T) {
+	src := fake.New(false, fake.Messages(3)...)
+	m := &countMeter{}
+	p := pump.New(pump.Config{Credit: 3, Meter: m})
+	_, errc := start(t, p, attachTo(src))
+	a, b, c := <-p.Out(), <-p.Out(), <-p.Out()
+	if !p.LoseLock(b) { // buffered: dropped
+		t.Fatal("LoseLock of a buffered delivery = false")
+	}
+	for _, tk := range []pump.Ticket{a, b, c} {
+		if tk.Begin() {
+			p.Settle(tk, pump.Outcome{Kind: pump.Accept})
+		} else {
+			p.Settle(tk, pump.Outcome{Kind: pump.Drop})
+		}
+	}
+	p.Stop()
+	if err := <-errc; !errors.Is(err, pump.ErrStopped) {
+		t.Fatalf("Run = %v", err)
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.received != 3 || m.settled != 2 || m.dropped != 1 {
+		t.Fatalf("Meter heard %d received, %d settled, %d dropped; want 3, 2, 1", m.received, m.settled, m.dropped)
+	}
 }

@@ -162,8 +162,7 @@ func (w *liveRemoves) Remove(d *pump.Delivery) {
 // LoseLock drops a buffered delivery and then queues its lost-lock note; a
 // consumer that sees it dropped in between reclaims the entry, which the
 // pump reuses for the next delivery before it applies the note. The note
-// must not then remove the next delivery's lease (found by review: 138
-// such removals in 3 s).
+// must not then remove the next delivery's lease.
 func TestLoseLockRacingReclaimKeepsTheNextLease(t *testing.T) {
 	src := fake.New(false)
 	src.Recycle = true

@@ -12,6 +12,7 @@ import (
 	"github.com/Azure/go-amqp"
 	"go.opentelemetry.io/otel/attribute"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
@@ -451,4 +452,36 @@ func BenchmarkRecorder(b *testing.B) {
 		r.Handled(call)
 		r.Settled(amqpsub.OutcomeAccepted, nil)
 	}
+}
+
+// A collection running while New makes a subscriber calls its Stats
+// (registered by Recorder) before New has finished: it must not race.
+func TestCollectDuringNewDoesNotRace(t *testing.T) {
+	m, reader := newMetrics(t)
+	stop, done := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+				var rm metricdata.ResourceMetrics
+				_ = reader.Collect(context.Background(), &rm)
+			}
+		}
+	}()
+	nop := amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil })
+	subs := make([]*amqpsub.Subscriber, 0, 200)
+	for i := range 200 {
+		q := amqpsubtest.NewQueue()
+		s, err := amqpsub.New(q.Connector(), fmt.Sprint("q", i), nop, amqpsub.WithMetrics(m))
+		if err != nil {
+			t.Fatal(err)
+		}
+		subs = append(subs, s)
+	}
+	close(stop)
+	<-done
+	runtime.KeepAlive(subs) // the Metrics holds them weakly: alive while collected
 }

@@ -3,11 +3,15 @@ package amqpprom_test
 import (
 	"context"
 	"errors"
+	"net/http"
+	"net/http/httptest"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	dto "github.com/prometheus/client_model/go"
 
@@ -204,4 +208,106 @@ func gather(t *testing.T, g prometheus.Gatherer, name string) []*dto.MetricFamil
 		}
 	}
 	return out
+}
+
+// Two running subscribers of one queue in one process (replicas) share a
+// Metrics, as the package documentation says: their gauges are summed into
+// one series each (two series with the same labels would fail the whole
+// scrape), and a subscriber whose Run returned is forgotten.
+func TestTwoSubscribersOfOneQueueShareTheirGauges(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	m := amqpprom.New(reg)
+	q := amqpsubtest.NewQueue()
+	q.Publish(amqpsubtest.Message("", "x"), amqpsubtest.Message("", "y"))
+	nop := amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil })
+	ctx, cancel := context.WithCancel(t.Context())
+	var runs []chan error
+	for range 2 {
+		sub, err := amqpsub.New(q.Connector(), "orders", nop, amqpsub.WithMetrics(m), amqpsub.Credit(100))
+		if err != nil {
+			t.Fatal(err)
+		}
+		errc := make(chan error, 1)
+		go func() { errc <- sub.Run(ctx) }()
+		runs = append(runs, errc)
+	}
+	if err := q.Wait(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	defer srv.Close()
+	resp, err := http.Get(srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if _, err := reg.Gather(); err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET /metrics: %s; Gather: %v", resp.Status, err)
+	}
+	if c := gaugeValue(t, reg, "amqpsub_credit"); c != 200 {
+		t.Errorf("credit gauge %v, want the two subscribers' 100 + 100", c)
+	}
+	cancel()
+	for _, errc := range runs {
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if fams := gather(t, reg, "amqpsub_credit"); len(fams) != 0 {
+		t.Errorf("credit gauge still collected after both Runs returned: %v", fams)
+	}
+}
+
+// A scrape while a subscriber is being made (a process that serves
+// /metrics and starts a subscriber later) must not race with New, which
+// hands MetricsInfo.Stats to the adapter before the subscriber is whole.
+func TestScrapeDuringNewDoesNotRace(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	m := amqpprom.New(reg)
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+				_, _ = reg.Gather()
+			}
+		}
+	}()
+	nop := amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil })
+	for i := range 200 {
+		q := amqpsubtest.NewQueue()
+		if _, err := amqpsub.New(q.Connector(), "q"+string(rune('a'+i%26))+string(rune('a'+i/26)), nop, amqpsub.WithMetrics(m)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	close(stop)
+	<-done
+}
+
+// A subscriber closed before it ran, or made and dropped (a start-up that
+// failed further on), is not reported for ever: the gauges forget the first
+// at once (its Done is closed by Close) and the others once they are
+// garbage collected (they are held weakly).
+func TestNeverRunSubscribersLeaveTheGauges(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	m := amqpprom.New(reg)
+	nop := amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil })
+	sub, err := amqpsub.New(amqpsubtest.NewQueue().Connector(), "orders", nop, amqpsub.WithMetrics(m), amqpsub.Credit(100))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = sub.Close() // never run
+	for range 10 {
+		if _, err := amqpsub.New(amqpsubtest.NewQueue().Connector(), "orders", nop, amqpsub.WithMetrics(m), amqpsub.Credit(100)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	runtime.GC()
+	if fams := gather(t, reg, "amqpsub_credit"); len(fams) != 0 {
+		t.Errorf("amqpsub_credit reported with no subscriber running (one closed before Run, ten dropped): %v", fams)
+	}
 }

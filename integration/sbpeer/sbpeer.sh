@@ -45,6 +45,9 @@ readonly KEY=${AMQPSUB_SBPEER_KEY:-c2JwZWVyLXRlc3Qta2V5LW5vdC1hLXNlY3JldA==}
 readonly PYTHON=/usr/bin/python3
 
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+SCRIPT_NAME=sbpeer.sh
+# shellcheck source-path=SCRIPTDIR source=../lib.sh
+. "$SCRIPT_DIR/../lib.sh"
 PEER="$SCRIPT_DIR/peer.py"
 CACHE=$(realpath -m "${AMQPSUB_CACHE:-${HOME:-/root}/.cache/amqpsub}")
 STATE="$CACHE/sbpeer"
@@ -53,11 +56,6 @@ LOG="$STATE/sbpeer.log"
 START_TIMEOUT=${AMQPSUB_START_TIMEOUT:-30}
 STOP_TIMEOUT=10
 CONTROL_URL="http://$HOST:$CONTROL_PORT"
-
-log() { echo "sbpeer.sh: $*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
-
-port_open() { timeout 2 bash -c "exec 3<>/dev/tcp/$HOST/$1" 2>/dev/null; }
 
 # ctl_request METHOD PATH [JSON]: one control request; prints the answer.
 ctl_request() {
@@ -86,122 +84,54 @@ PY
 healthy() { ctl_request GET /health 2>/dev/null | grep -q '"listening": true'; }
 
 # is_peer PID: the process exists and is peer.py serving OUR port.
-is_peer() {
-  local pid=$1 cmd
-  [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
-  cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
-  [[ "$cmd" == *"$PEER "* && "$cmd" == *"--port $PORT "* ]]
-}
+is_peer() { cmdline_has "${1:-}" "$PEER " "--port $PORT "; }
 
 # peer_pid: PID from the pid file if valid, else a peer.py process for this
 # port (pid file lost). Prints nothing if none.
-peer_pid() {
-  local pid="" p
-  [ -f "$PIDFILE" ] && pid=$(cat "$PIDFILE" 2>/dev/null || true)
-  if is_peer "$pid"; then echo "$pid"; return 0; fi
-  for p in /proc/[0-9]*; do
-    p=${p#/proc/}
-    if is_peer "$p"; then echo "$p"; return 0; fi
-  done
-  return 0
-}
+peer_pid() { find_pid "$PIDFILE" is_peer; }
 
-with_lock() {
-  mkdir -p "$STATE"
-  exec 9>"$STATE/.lock"
-  flock -w 60 9 || die "could not lock $STATE/.lock"
-}
+with_lock() { take_lock "$STATE/.lock" 60; }
 
-# live PID: exists and is not a zombie.
-live() {
-  local st
-  st=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
-  st=${st##*) }
-  [ "${st%% *}" != Z ]
-}
-
+# wait_ready PID: until the peer is healthy; exits 1 if PID dies first or
+# the wait outlasts START_TIMEOUT.
 wait_ready() {
-  local pid=$1 deadline=$((SECONDS + START_TIMEOUT))
-  while ! healthy; do
-    if ! live "$pid"; then
-      log "peer process $pid exited during start-up; last lines of $LOG:"
-      tail -n 40 "$LOG" >&2 || true
-      rm -f "$PIDFILE"
-      exit 1
-    fi
-    if [ "$SECONDS" -ge "$deadline" ]; then
-      log "peer (pid $pid) not ready on $HOST:$PORT / $CONTROL_URL within ${START_TIMEOUT}s; last lines of $LOG:"
-      tail -n 40 "$LOG" >&2 || true
-      exit 1
-    fi
-    sleep 0.1
-  done
+  local pid=$1 rc=0
+  wait_for "$START_TIMEOUT" "pid_alive $pid" healthy || rc=$?
+  case $rc in
+    0) return 0 ;;
+    1) fail_with_log "peer process $pid exited during start-up" "$LOG" 40 "$PIDFILE" ;;
+  esac
+  fail_with_log "peer (pid $pid) not ready on $HOST:$PORT / $CONTROL_URL within ${START_TIMEOUT}s" "$LOG" 40
 }
 
 cmd_start() {
   with_lock
   local pid
-  pid=$(peer_pid)
-  if [ -n "$pid" ]; then
-    echo "$pid" >"$PIDFILE"
-    wait_ready "$pid"
-    log "already running (pid $pid) on $HOST:$PORT, control $CONTROL_URL"
-    return 0
-  fi
-  rm -f "$PIDFILE"
-  port_open "$PORT" && die "$HOST:$PORT already accepts connections, but not from sbpeer"
-  port_open "$CONTROL_PORT" && die "$HOST:$CONTROL_PORT already accepts connections, but not from sbpeer"
+  adopt_running "$(peer_pid)" "$PIDFILE" wait_ready "$HOST:$PORT, control $CONTROL_URL" && return 0
+  port_open "$HOST" "$PORT" && die "$HOST:$PORT already accepts connections, but not from sbpeer"
+  port_open "$HOST" "$CONTROL_PORT" && die "$HOST:$CONTROL_PORT already accepts connections, but not from sbpeer"
   "$PYTHON" -c 'import proton' 2>/dev/null \
     || die "$PYTHON cannot import proton; install python3-qpid-proton (bash integration/prereqs.sh test)"
   [ -f "$LOG" ] && mv -f "$LOG" "$LOG.1"
-  # setsid+nohup: detach from the caller's session and signals; python is
-  # exec'd, so $! is the peer itself. Close the lock fd.
+  # python is exec'd, so BG_PID is the peer itself.
   # shellcheck disable=SC2086
-  AMQPSUB_SBPEER_KEY="$KEY" setsid nohup "$PYTHON" "$PEER" --port "$PORT" \
-      --control-port "$CONTROL_PORT" --key-name "$KEY_NAME" ${AMQPSUB_SBPEER_ARGS:-} \
-      </dev/null >"$LOG" 2>&1 9>&- &
-  pid=$!
-  echo "$pid" >"$PIDFILE"
+  AMQPSUB_SBPEER_KEY="$KEY" start_bg "$PIDFILE" "$LOG" "$PYTHON" "$PEER" --port "$PORT" \
+      --control-port "$CONTROL_PORT" --key-name "$KEY_NAME" ${AMQPSUB_SBPEER_ARGS:-}
+  pid=$BG_PID
   wait_ready "$pid"
   log "started (pid $pid) on $HOST:$PORT, control $CONTROL_URL; log: $LOG"
 }
 
-wait_gone() {
-  local pid=$1 secs=$2 deadline
-  deadline=$((SECONDS + secs))
-  while kill -0 "$pid" 2>/dev/null; do
-    [ "$SECONDS" -ge "$deadline" ] && return 1
-    sleep 0.1
-  done
-  return 0
-}
-
 cmd_stop() {
   with_lock
-  local pid
-  pid=$(peer_pid)
-  if [ -z "$pid" ]; then
-    rm -f "$PIDFILE"
-    log "not running"
-    return 0
-  fi
-  log "stopping pid $pid"
-  kill -TERM "$pid" 2>/dev/null || true
-  if ! wait_gone "$pid" "$STOP_TIMEOUT"; then
-    log "pid $pid still alive after ${STOP_TIMEOUT}s; sending SIGKILL"
-    kill -KILL "$pid" 2>/dev/null || true
-    wait_gone "$pid" 10 || die "pid $pid survived SIGKILL"
-  fi
-  rm -f "$PIDFILE"
-  log "stopped"
+  stop_service "$(peer_pid)" "$PIDFILE" "$STOP_TIMEOUT"
 }
 
 cmd_status() {
   local pid
   pid=$(peer_pid)
-  if [ -z "$pid" ]; then echo "stopped"; return 3; fi
-  if healthy; then echo "running pid $pid amqp://$HOST:$PORT control $CONTROL_URL"; return 0; fi
-  echo "starting-or-unhealthy pid $pid"; return 1
+  report_status "$pid" healthy "running pid $pid amqp://$HOST:$PORT control $CONTROL_URL" \
+    "starting-or-unhealthy pid $pid"
 }
 
 case "${1:-}" in

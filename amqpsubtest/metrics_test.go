@@ -38,7 +38,7 @@ func (r *outcomeRec) Dropped(int)         {}
 // A handler whose lock is lost returns Retry (its ctx's error). Nothing is
 // sent, and OnSettled and Recorder.Settled say so with ErrNotSettled, with
 // the outcome the handler asked for (modified: an abandon), not another;
-// Stats counts the result. (An outside review found "accepted" here.)
+// Stats counts the result.
 func TestLockLostSettlementNamesTheHandlersOutcome(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		q := amqpsubtest.NewQueue(amqpsubtest.WithProfile(amqpsub.AzureServiceBus))
@@ -100,8 +100,7 @@ func (r *countRec) Dropped(n int)                                 { r.mu.Lock();
 
 // Deliveries buffered when their link is lost are dropped (Stats.Dropped):
 // the Recorder hears of them too, so that after a drain received equals
-// settled plus dropped, as in Stats. (An outside review found them
-// missing.)
+// settled plus dropped, as in Stats.
 func TestRecorderHearsOfDroppedDeliveries(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		q := amqpsubtest.NewQueue()
@@ -147,4 +146,42 @@ func TestRecorderHearsOfDroppedDeliveries(t *testing.T) {
 				rec.received, rec.settled, rec.dropped, st.Dropped)
 		}
 	})
+}
+
+// After a stop that cuts handlers short (GracePeriod(0)), the deliveries
+// still held when Run returns reach the Recorder as dropped, so that
+// received = settled + dropped, as Recorder.Dropped says.
+func TestRecorderCountsAfterAStopWithoutGrace(t *testing.T) {
+	q := amqpsubtest.NewQueue()
+	for range 4 {
+		q.Publish(amqpsubtest.Message("", "x"))
+	}
+	rec := &countRec{}
+	began := make(chan struct{}, 4)
+	h := amqpsub.HandlerFunc(func(ctx context.Context, _ *amqpsub.Delivery) error {
+		began <- struct{}{}
+		<-ctx.Done()
+		return ctx.Err()
+	})
+	sub, err := amqpsub.New(q.Connector(), "orders", h, amqpsub.WithMetrics(rec), amqpsub.Workers(2), amqpsub.GracePeriod(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	errc := make(chan error, 1)
+	go func() { errc <- sub.Run(ctx) }()
+	<-began
+	<-began
+	cancel()
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	st := sub.Stats()
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	t.Logf("Recorder: received %d settled %d dropped %d; Stats: received %d held %d", rec.received, rec.settled, rec.dropped, st.Received, st.Held)
+	if rec.received != rec.settled+rec.dropped {
+		t.Errorf("after a stop the Recorder heard %d received, %d settled, %d dropped: %d deliveries unaccounted for",
+			rec.received, rec.settled, rec.dropped, rec.received-rec.settled-rec.dropped)
+	}
 }

@@ -209,46 +209,31 @@ func (s *Subscriber) pause(ctx context.Context, p *pipe, d time.Duration) bool {
 
 // poison rejects, before a handler sees it, a delivery larger than
 // MaxMessageSize or delivered more often than MaxDeliveryCount allows, and
-// returns the Reject (nil for a delivery to handle).
-//
-// On Service Bus both go out as the profile's dead-letter (condition
-// com.microsoft:dead-letter) with a DeadLetterReason and a
-// DeadLetterErrorDescription, the way the service and its clients
-// dead-letter; elsewhere an oversized delivery is rejected with
-// amqp:link:message-size-exceeded.
-//
-// The delivery count is the AMQP header's delivery-count: the earlier
-// deliveries. Service Bus's own count (and its clients' DeliveryCount) is
-// that + 1, and an entity's MaxDeliveryCount of n handles the n-th
-// delivery and dead-letters the next; on that profile MaxDeliveryCount(n)
-// means the same, so a delivery-count of n or more is rejected. Elsewhere a
-// delivery-count above n is.
+// returns the Reject (nil for a delivery to handle). How it counts and what
+// the Reject carries are the profile's (see [Profile]'s countBase and
+// namedReasons): Service Bus counts from 1 and names its reasons.
 func (s *Subscriber) poison(d *Delivery) error {
-	sb := s.cfg.profile.peekLock
 	if s.cfg.maxMessageSize > 0 {
 		if size := pump.Size(d.msg); size > s.cfg.maxMessageSize {
 			s.results.oversize.Add(1)
 			detail := fmt.Sprintf("amqpsub: message body of %d bytes is past the limit of %d", size, s.cfg.maxMessageSize)
-			err := &OutcomeError{kind: ResultReject, poisoned: true, cond: condMessageSizeExceeded, reason: detail}
-			if sb {
-				err = &OutcomeError{kind: ResultReject, poisoned: true, reason: reasonMessageSizeExceeded, description: detail}
-			}
+			err := s.cfg.profile.unhandledReject(reasonMessageSizeExceeded, detail, condMessageSizeExceeded)
 			s.limited.Warn("message larger than MaxMessageSize; dead-lettering it unhandled", s.fields(d, err)...)
 			s.events.send(s.event(d, EventOversize, err))
 			return err
 		}
 	}
 	limit := s.cfg.maxDelivery
-	if limit == 0 || d.DeliveryCount() < limit || !sb && d.DeliveryCount() == limit {
+	n := uint64(d.DeliveryCount()) + uint64(s.cfg.profile.countBase)
+	if limit == 0 || n <= uint64(limit) {
 		return nil
 	}
 	s.results.poisoned.Add(1)
 	detail := fmt.Sprintf("amqpsub: delivery count %d is past the limit %d", d.DeliveryCount(), limit)
-	err := &OutcomeError{kind: ResultReject, poisoned: true, reason: detail}
-	if sb {
-		detail = fmt.Sprintf("amqpsub: delivery %d is past MaxDeliveryCount %d", d.DeliveryCount()+1, limit)
-		err = &OutcomeError{kind: ResultReject, poisoned: true, reason: reasonMaxDeliveryCountExceeded, description: detail}
+	if s.cfg.profile.namedReasons {
+		detail = fmt.Sprintf("amqpsub: delivery %d is past MaxDeliveryCount %d", n, limit)
 	}
+	err := s.cfg.profile.unhandledReject(reasonMaxDeliveryCountExceeded, detail, "")
 	s.limited.Warn("delivery count past MaxDeliveryCount; dead-lettering it unhandled", s.fields(d, err)...)
 	s.events.send(s.event(d, EventPoisoned, err))
 	return err
@@ -263,45 +248,27 @@ const (
 
 // call runs the handler, turning a panic into a Retry.
 func (s *Subscriber) call(ctx context.Context, d *Delivery) (err error) {
-	s.running.Add(1)
-	defer s.running.Add(-1)
-	var began time.Time
-	if s.rec != nil {
-		began = time.Now()
-	}
+	began := s.begin()
 	defer func() {
 		r := recover()
 		if r != nil {
 			err = s.recovered(r, d)
 		}
-		if s.rec != nil {
-			s.rec.Handled(HandlerCall{Lane: d.lane, Deliveries: 1, Took: time.Since(began),
-				Result: ResultOf(err), Panicked: r != nil})
-		}
+		s.end(began, d.lane, 1, ResultOf(err), r != nil)
 	}()
 	return s.handler.Handle(ctx, d)
 }
 
+// callBatch runs the batch handler, turning a panic, or a result slice of
+// the wrong length, into a Retry of the whole batch.
 func (s *Subscriber) callBatch(ctx context.Context, batch []*Delivery) (results []error) {
-	s.running.Add(1)
-	defer s.running.Add(-1)
-	var began time.Time
-	if s.rec != nil {
-		began = time.Now()
-	}
+	began := s.begin()
 	defer func() {
 		r := recover()
 		if r != nil {
 			results = fill(len(batch), s.recovered(r, nil))
 		}
-		if s.rec != nil {
-			worst := ResultAccept
-			for _, err := range results {
-				worst = mostSevere(worst, ResultOf(err))
-			}
-			s.rec.Handled(HandlerCall{Lane: batch[0].lane, Deliveries: len(batch), Took: time.Since(began),
-				Result: worst, Panicked: r != nil})
-		}
+		s.end(began, batch[0].lane, len(batch), worst(results), r != nil)
 	}()
 	results = s.batch.HandleBatch(ctx, batch)
 	switch {
@@ -313,6 +280,33 @@ func (s *Subscriber) callBatch(ctx context.Context, batch []*Delivery) (results 
 		return fill(len(batch), err)
 	}
 	return results
+}
+
+// begin counts a handler call as running, and returns when it began for
+// the Recorder (zero without one).
+func (s *Subscriber) begin() time.Time {
+	s.running.Add(1)
+	if s.rec == nil {
+		return time.Time{}
+	}
+	return time.Now()
+}
+
+// end counts a handler call begun at began done, and tells the Recorder.
+func (s *Subscriber) end(began time.Time, lane, n int, result Result, panicked bool) {
+	if s.rec != nil {
+		s.rec.Handled(HandlerCall{Lane: lane, Deliveries: n, Took: time.Since(began), Result: result, Panicked: panicked})
+	}
+	s.running.Add(-1)
+}
+
+// worst is the most severe result of a batch's.
+func worst(results []error) Result {
+	w := ResultAccept
+	for _, err := range results {
+		w = mostSevere(w, ResultOf(err))
+	}
+	return w
 }
 
 func fill(n int, err error) []error {

@@ -81,6 +81,18 @@ func defaultConfig() config {
 // sessions reports whether the subscriber is a session consumer.
 func (c *config) sessions() bool { return c.maxSessions > 0 || len(c.sessionIDs) > 0 }
 
+// checked returns the option that applies set when ok, and otherwise
+// reports "name(v): rule" as invalid.
+func checked(name string, v any, ok bool, rule string, set func(*config)) Option {
+	return optionFunc(func(c *config) {
+		if !ok {
+			c.invalid("%s(%v): %s", name, v, rule)
+			return
+		}
+		set(c)
+	})
+}
+
 func (c *config) invalid(format string, args ...any) {
 	c.errs = append(c.errs, fmt.Errorf("%w: "+format, append([]any{ErrInvalidOption}, args...)...))
 }
@@ -89,11 +101,7 @@ func (c *config) invalid(format string, args ...any) {
 // the most the process holds at once (waiting, in lanes and in handlers).
 // Must be ≥ 1. Default: 256.
 func Credit(n int) Option {
-	return optionFunc(func(c *config) {
-		if n < 1 || n > 1<<20 {
-			c.invalid("Credit(%d): must be between 1 and 1048576", n)
-			return
-		}
+	return checked("Credit", n, n >= 1 && n <= 1<<20, "must be between 1 and 1048576", func(c *config) {
 		c.credit = n
 	})
 }
@@ -186,11 +194,7 @@ func Batch(size int, wait time.Duration) Option {
 //
 // Must be ≥ 0. Default: 30 s.
 func GracePeriod(d time.Duration) Option {
-	return optionFunc(func(c *config) {
-		if d < 0 {
-			c.invalid("GracePeriod(%v): must be ≥ 0", d)
-			return
-		}
+	return checked("GracePeriod", d, d >= 0, "must be ≥ 0", func(c *config) {
 		c.grace = d
 	})
 }
@@ -199,11 +203,7 @@ func GracePeriod(d time.Duration) Option {
 // With DialFailover it bounds each address tried on its own: a pass through
 // n addresses takes up to n × DialTimeout. Must be > 0. Default: 10 s.
 func DialTimeout(d time.Duration) Option {
-	return optionFunc(func(c *config) {
-		if d <= 0 {
-			c.invalid("DialTimeout(%v): must be > 0", d)
-			return
-		}
+	return checked("DialTimeout", d, d > 0, "must be > 0", func(c *config) {
 		c.dialTimeout = d
 	})
 }
@@ -212,11 +212,7 @@ func DialTimeout(d time.Duration) Option {
 // of Run, all steps together, and how long Run then still waits for
 // handlers whose context it cancelled. Must be > 0. Default: 5 s.
 func CloseTimeout(d time.Duration) Option {
-	return optionFunc(func(c *config) {
-		if d <= 0 {
-			c.invalid("CloseTimeout(%v): must be > 0", d)
-			return
-		}
+	return checked("CloseTimeout", d, d > 0, "must be > 0", func(c *config) {
 		c.closeTimeout = d
 	})
 }
@@ -262,11 +258,7 @@ func LinkName(name string) Option {
 // amqp.ConnOptions leave IdleTimeout at 0. Must be ≥ 100 ms: below that a
 // broker's heartbeats cannot keep a healthy connection alive. Default: 30 s.
 func IdleTimeout(d time.Duration) Option {
-	return optionFunc(func(c *config) {
-		if d < 100*time.Millisecond {
-			c.invalid("IdleTimeout(%v): must be ≥ 100ms", d)
-			return
-		}
+	return checked("IdleTimeout", d, d >= 100*time.Millisecond, "must be ≥ 100ms", func(c *config) {
 		c.idleTimeout = d
 	})
 }
@@ -404,11 +396,7 @@ func WaitForQueue() Option {
 // Default: off (the credit alone bounds what is held: 256 deliveries of
 // 1 MiB hold 256 MiB).
 func MaxHeldBytes(n int64) Option {
-	return optionFunc(func(c *config) {
-		if n < 0 {
-			c.invalid("MaxHeldBytes(%d): must be ≥ 0", n)
-			return
-		}
+	return checked("MaxHeldBytes", n, n >= 0, "must be ≥ 0", func(c *config) {
 		c.maxHeldBytes = n
 	})
 }
@@ -432,11 +420,7 @@ func MaxHeldBytes(n int64) Option {
 // are produced (Artemis: an address setting or a broker plugin). Must be
 // ≥ 0; 0 means no limit. Default: off.
 func MaxMessageSize(n int64) Option {
-	return optionFunc(func(c *config) {
-		if n < 0 {
-			c.invalid("MaxMessageSize(%d): must be ≥ 0", n)
-			return
-		}
+	return checked("MaxMessageSize", n, n >= 0, "must be ≥ 0", func(c *config) {
 		c.maxMessageSize = n
 	})
 }

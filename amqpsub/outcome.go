@@ -7,7 +7,6 @@ import (
 	"github.com/Azure/go-amqp"
 )
 
-
 // OutcomeError is the error a handler returns to choose how a delivery is
 // settled other than by accepting it. Make one with Release, Retry or
 // Reject; it may be wrapped (errors.As finds it). A nil *OutcomeError

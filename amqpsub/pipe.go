@@ -4,6 +4,7 @@ import (
 	"math"
 	"sync/atomic"
 
+	"github.com/amqpsub/amqpsub/internal/wait"
 	"github.com/amqpsub/amqpsub/lanes"
 	"github.com/amqpsub/amqpsub/pump"
 )
@@ -77,7 +78,7 @@ func (p *pipe) attachedLink(l *link) {
 func (p *pipe) lostLink() {
 	closed := make(chan struct{})
 	close(closed)
-	if old := p.linkDown.Swap(&closed); !isClosed(*old) {
+	if old := p.linkDown.Swap(&closed); !wait.Closed(*old) {
 		close(*old)
 	}
 }

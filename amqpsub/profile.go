@@ -28,6 +28,21 @@ type Profile struct {
 	// broker (sent by settlers), message locks renewed (the lease book),
 	// the entity's $management node attached beside the receiver.
 	peekLock bool
+	// countBase is added to the AMQP delivery-count (the earlier
+	// deliveries) to give the count MaxDeliveryCount(n) holds to n: 1 on
+	// Service Bus, whose own count (and its clients' DeliveryCount) is
+	// that + 1, and whose entity MaxDeliveryCount of n handles the n-th
+	// delivery and dead-letters the next; 0 elsewhere, where a
+	// delivery-count above n is rejected.
+	countBase uint32
+	// namedReasons: a dead-letter made before a handler ran (poison)
+	// carries a reason code (MaxDeliveryCountExceeded,
+	// MaxMessageSizeExceeded) as DeadLetterReason and what happened as
+	// DeadLetterErrorDescription, with the profile's condition, the way
+	// Service Bus and its clients dead-letter. Otherwise what happened is
+	// the reason, and an oversized delivery is rejected with
+	// amqp:link:message-size-exceeded.
+	namedReasons bool
 	// kind makes what the broker's kind adds to the links of a pipe
 	// (brokerKind); session is the Service Bus session the pipe asks for.
 	kind func(p *pipe, session string) brokerKind
@@ -74,14 +89,16 @@ var (
 
 func azureServiceBus() Profile {
 	return Profile{
-		name:       "servicebus",
-		address:    func(q string) string { return q },
-		retry:      pump.Outcome{Kind: pump.Modify},
-		creditMode: credit.Continuous,
-		detach:     true,
-		rejectCond: ErrCondDeadLetter,
-		peekLock:   true,
-		kind:       newServiceBusKind,
+		name:         "servicebus",
+		address:      func(q string) string { return q },
+		retry:        pump.Outcome{Kind: pump.Modify},
+		creditMode:   credit.Continuous,
+		detach:       true,
+		rejectCond:   ErrCondDeadLetter,
+		peekLock:     true,
+		countBase:    1,
+		namedReasons: true,
+		kind:         newServiceBusKind,
 	}
 }
 
@@ -131,3 +148,14 @@ func rabbitAddress(q string) string {
 
 // plain is the kind of every broker but Service Bus.
 func plain(*pipe, string) brokerKind { return plainKind{} }
+
+// unhandledReject is the Reject of a delivery dead-lettered before a
+// handler ran: reason is the code a profile with namedReasons gives,
+// detail what happened, cond the condition elsewhere ("" for the
+// profile's).
+func (p Profile) unhandledReject(reason, detail string, cond amqp.ErrCond) *OutcomeError {
+	if p.namedReasons {
+		return &OutcomeError{kind: ResultReject, poisoned: true, reason: reason, description: detail}
+	}
+	return &OutcomeError{kind: ResultReject, poisoned: true, reason: detail, cond: cond}
+}

@@ -9,6 +9,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/internal/backoff"
+	"github.com/amqpsub/amqpsub/internal/wait"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -48,19 +49,19 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 		if time.Since(a.attachedAt) < healthy {
 			a.quick++
 			first = a.quick // start further up the backoff
-			wait := a.reconnectWait(lost, first-1)
+			d := a.reconnectWait(lost, first-1)
 			// Debug: the pump logged the loss ("link lost").
 			s.log.Debug("link lost soon after it was attached; backing off", zap.Error(lost),
-				zap.Int("in_a_row", a.quick), zap.Duration("wait", wait))
-			if !sleep(ctx, wait) {
+				zap.Int("in_a_row", a.quick), zap.Duration("wait", d))
+			if !wait.Sleep(ctx, d) {
 				return nil, ctx.Err()
 			}
 		} else {
 			a.quick = 0
-			if wait := a.p.kind.leastWait(lost); wait > 0 {
+			if d := a.p.kind.leastWait(lost); d > 0 {
 				// A healthy link the broker ended for throttling:
 				// reattaching at once would only be refused again.
-				if !sleep(ctx, wait) {
+				if !wait.Sleep(ctx, d) {
 					return nil, ctx.Err()
 				}
 			}
@@ -123,7 +124,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			if time.Since(asked) < s.cfg.backoffMin {
 				// Answered at once rather than after waiting (the service
 				// waits up to the accept timeout): do not ask in a loop.
-				if !sleep(ctx, s.cfg.backoffMin) {
+				if !wait.Sleep(ctx, s.cfg.backoffMin) {
 					return nil, ctx.Err()
 				}
 			}
@@ -152,18 +153,18 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			}
 			return nil, fmt.Errorf("%w: reconnecting failed: %w", ErrLinkLost, err)
 		}
-		wait := a.reconnectWait(err, attempt)
+		pause := a.reconnectWait(err, attempt)
 		if refused == refusedHeld {
 			// Another receiver holds what was asked for (a named
 			// session): ask again, on the same connection, after the
 			// kind's wait.
-			wait = heldWait
+			pause = heldWait
 		}
 		if !waiting {
-			s.log.Warn("reconnect failed; trying again", zap.Int("attempt", attempt-first+1), zap.Duration("wait", wait), zap.Error(err))
+			s.log.Warn("reconnect failed; trying again", zap.Int("attempt", attempt-first+1), zap.Duration("wait", pause), zap.Error(err))
 			s.events.send(Event{Kind: EventReconnectFailed, Err: err, Queue: s.queue, Lane: -1, Attempt: attempt - first + 1})
 		}
-		if !sleep(ctx, wait) {
+		if !wait.Sleep(ctx, pause) {
 			return nil, ctx.Err()
 		}
 	}
@@ -178,18 +179,6 @@ func (s *Subscriber) failoverLeft(passes *int) bool {
 	}
 	*passes++
 	return *passes < len(f.addrs)
-}
-
-// sleep waits d or until ctx ends; false means ctx ended.
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
 }
 
 // attachOnce opens a connection, session and receiver, or takes the test

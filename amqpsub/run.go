@@ -9,6 +9,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/amqpsub/amqpsub/internal/wait"
 	"github.com/amqpsub/amqpsub/lanes"
 	"github.com/amqpsub/amqpsub/pump"
 )
@@ -95,7 +96,7 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	case <-s.closeReq:
 	}
 	stopAt := time.Now()
-	closing := isClosed(s.closeReq)
+	closing := wait.Closed(s.closeReq)
 	attached := uint64(0)
 	for _, p := range s.pipes {
 		attached += p.pump.Stats().Links
@@ -142,7 +143,7 @@ func (s *Subscriber) Run(ctx context.Context) error {
 		// The stop's bound holds, whatever graceful waited.
 		closeBy = minTime(closeBy, stopAt.Add(grace+s.cfg.closeTimeout))
 	}
-	if !isClosed(s.closeReq) { // Close, also one that cut the grace short, sends nothing more
+	if !wait.Closed(s.closeReq) { // Close, also one that cut the grace short, sends nothing more
 		for _, r := range runs {
 			r.p.pump.FlushBy(closeBy.Add(-s.cfg.closeTimeout / 4))
 		}
@@ -158,7 +159,7 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	}
 	var closings sync.WaitGroup
 	for _, r := range runs {
-		if !waitClosed(r.done, closeBy) {
+		if !wait.Until(r.done, closeBy, nil) {
 			if s.inOnReconnect.Load() > 0 {
 				// Its attach goroutine is in OnReconnect, user code that
 				// has not returned: the link it attached is closed once
@@ -180,7 +181,7 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	}
 	closings.Wait()
 	for _, r := range runs {
-		if !waitClosed(r.lanesDone, closeBy) {
+		if !wait.Until(r.lanesDone, closeBy, nil) {
 			if n := s.abandon(); n > 0 {
 				errs = append(errs, fmt.Errorf("%w: %d handlers had not returned %v after the stop began",
 					ErrAbandoned, n, time.Since(stopAt).Round(time.Millisecond)))
@@ -238,8 +239,8 @@ func (s *Subscriber) graceful(runs []*running) {
 	if s.cfg.grace == 0 {
 		by := time.Now().Add(s.cfg.closeTimeout / 4)
 		for _, r := range runs {
-			if !waitClosedOr(r.p.pump.Quiet(), by, s.closeReq) {
-				if !isClosed(s.closeReq) {
+			if !wait.Until(r.p.pump.Quiet(), by, s.closeReq) {
+				if !wait.Closed(s.closeReq) {
 					s.log.Warn("the receiver did not release what it held within a quarter of CloseTimeout; closing anyway",
 						zap.Int("slot", r.p.index))
 				}
@@ -250,8 +251,8 @@ func (s *Subscriber) graceful(runs []*running) {
 	}
 	by := time.Now().Add(s.cfg.grace)
 	for _, r := range runs {
-		if !waitClosedOr(r.done, by, s.closeReq) {
-			if !isClosed(s.closeReq) {
+		if !wait.Until(r.done, by, s.closeReq) {
+			if !wait.Closed(s.closeReq) {
 				held, handling := 0, 0
 				for _, r := range runs {
 					st := r.p.pump.Stats()
@@ -270,7 +271,7 @@ func (s *Subscriber) graceful(runs []*running) {
 func (s *Subscriber) waitGrace(runs []*running) {
 	by := time.Now().Add(s.cfg.grace)
 	for _, r := range runs {
-		if !waitClosedOr(r.lanesDone, by, s.closeReq) {
+		if !wait.Until(r.lanesDone, by, s.closeReq) {
 			return
 		}
 	}
@@ -300,42 +301,6 @@ func (s *Subscriber) abandon() int {
 	s.events.send(Event{Kind: EventAbandoned, Queue: s.queue, Lane: -1, Count: n,
 		Err: fmt.Errorf("%w: %d", ErrAbandoned, n)})
 	return n
-}
-
-// waitClosedOr waits for c to be closed until by, or until stop is closed;
-// true if c was closed.
-func waitClosedOr(c <-chan struct{}, by time.Time, stop <-chan struct{}) bool {
-	t := time.NewTimer(time.Until(by))
-	defer t.Stop()
-	select {
-	case <-c:
-		return true
-	case <-t.C:
-		return false
-	case <-stop:
-		return isClosed(c)
-	}
-}
-
-// waitClosed waits for c to be closed until by; true if it was.
-func waitClosed(c <-chan struct{}, by time.Time) bool {
-	t := time.NewTimer(time.Until(by))
-	defer t.Stop()
-	select {
-	case <-c:
-		return true
-	case <-t.C:
-		return false
-	}
-}
-
-func isClosed(c <-chan struct{}) bool {
-	select {
-	case <-c:
-		return true
-	default:
-		return false
-	}
 }
 
 // Shutdown starts a graceful stop (see Run) and waits until Run has returned

@@ -11,6 +11,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/internal/servicebus"
+	"github.com/amqpsub/amqpsub/internal/wait"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -268,7 +269,7 @@ func (k *sbKind) management(ctx context.Context) (*servicebus.Management, error)
 	p := k.p
 	for {
 		up := p.linkUp.Load()
-		if l := p.current.Load(); l != nil && l.sb != nil && l.conn.Err() == nil && !isClosed(l.sb.mgmt.Done()) {
+		if l := p.current.Load(); l != nil && l.sb != nil && l.conn.Err() == nil && !wait.Closed(l.sb.mgmt.Done()) {
 			return l.sb.mgmt, nil
 		}
 		// None, or the one still recorded is of a connection that is gone

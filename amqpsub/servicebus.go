@@ -175,11 +175,7 @@ func (c *sbConnector) connect(ctx context.Context, req connectRequest) (*connect
 // processor's MaxAutoLockRenewalDuration, which also counts from the
 // handler's start.
 func MaxLockRenewal(d time.Duration) Option {
-	return optionFunc(func(c *config) {
-		if d < 0 {
-			c.invalid("MaxLockRenewal(%v): must be ≥ 0", d)
-			return
-		}
+	return checked("MaxLockRenewal", d, d >= 0, "must be ≥ 0", func(c *config) {
 		c.maxLockRenewal = d
 		if d == 0 {
 			c.maxLockRenewal = time.Nanosecond
@@ -250,11 +246,7 @@ func SessionIDs(ids ...string) Option {
 // second four waiting for the first four to idle out). Must be > 0.
 // Default: 1 min.
 func SessionIdleTimeout(d time.Duration) Option {
-	return optionFunc(func(c *config) {
-		if d <= 0 {
-			c.invalid("SessionIdleTimeout(%v): must be > 0", d)
-			return
-		}
+	return checked("SessionIdleTimeout", d, d > 0, "must be > 0", func(c *config) {
 		c.sessionIdle = d
 	})
 }
@@ -267,11 +259,7 @@ func SessionIdleTimeout(d time.Duration) Option {
 // a busy connection would be torn down and handled messages delivered
 // again. Must be ≥ 1 s. Default: 30 s.
 func SettleTimeout(d time.Duration) Option {
-	return optionFunc(func(c *config) {
-		if d < time.Second {
-			c.invalid("SettleTimeout(%v): must be ≥ 1s (it is also the frame's write deadline)", d)
-			return
-		}
+	return checked("SettleTimeout", d, d >= time.Second, "must be ≥ 1s (it is also the frame's write deadline)", func(c *config) {
 		c.settleTimeout = d
 	})
 }

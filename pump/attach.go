@@ -3,6 +3,8 @@ package pump
 import (
 	"context"
 	"sync"
+
+	"github.com/amqpsub/amqpsub/internal/wait"
 )
 
 // attach asks for a source while still applying settlements (which, for
@@ -27,7 +29,7 @@ func (p *Pump) attach(ctx context.Context, attach AttachFunc, lost error) (Sourc
 		select {
 		case r := <-res:
 			if r.err != nil {
-				if isClosed(p.stop) {
+				if wait.Closed(p.stop) {
 					p.markQuiet()
 					return nil, p.waitIdle(ctx)
 				}

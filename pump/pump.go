@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/credit"
+	"github.com/amqpsub/amqpsub/internal/wait"
 )
 
 // Source is the set of receiver calls the pump makes. *amqp.Receiver
@@ -218,7 +219,7 @@ func (p *Pump) markQuiet() { p.quietOnce.Do(func() { close(p.quiet) }) }
 // settlement: only handlers and settlers have any. Called on the Run
 // goroutine while stopping; it scans the book until Quiet is closed.
 func (p *Pump) checkQuiet() {
-	if isClosed(p.quiet) || len(p.backlog) > 0 || p.settle.pending() {
+	if wait.Closed(p.quiet) || len(p.backlog) > 0 || p.settle.pending() {
 		return
 	}
 	settling := 0
@@ -393,7 +394,7 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 	}()
 
 	stop := p.stop
-	stopping := isClosed(stop)
+	stopping := wait.Closed(stop)
 	if stopping {
 		stop = nil
 		p.drainThenRelease(ctx, rctx, src, &wg)
@@ -587,14 +588,5 @@ func Size(m *amqp.Message) int64 {
 func (p *Pump) event(e Event) {
 	if p.cfg.OnEvent != nil {
 		p.cfg.OnEvent(e)
-	}
-}
-
-func isClosed(c <-chan struct{}) bool {
-	select {
-	case <-c:
-		return true
-	default:
-		return false
 	}
 }

@@ -1,7 +1,6 @@
 package servicebus
 
 import (
-	"context"
 	"errors"
 	"time"
 
@@ -48,16 +47,4 @@ func RetryWait(err error, k int, floor, ceiling time.Duration) time.Duration {
 		wait = max(wait, ServerBusyWait)
 	}
 	return wait
-}
-
-// sleep waits d or until ctx ends; false means ctx ended.
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
 
+	"github.com/amqpsub/amqpsub/internal/wait"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -83,7 +84,7 @@ func (r Receiver) settle(ctx context.Context, msg *amqp.Message, o pump.Outcome,
 		case attempt == dispositionRetries || !transientCond(err):
 			return err
 		}
-		if !sleep(ctx, RetryWait(err, attempt, settleRetryFloor, settleRetryMax)) {
+		if !wait.Sleep(ctx, RetryWait(err, attempt, settleRetryFloor, settleRetryMax)) {
 			return err
 		}
 	}
@@ -339,10 +340,10 @@ func (f *Dispositions) request(ctx context.Context, batch []*disposition) error 
 		if err == nil || attempt == dispositionRetries || ctx.Err() != nil || !transientStatus(err) && !nodeGone(err) {
 			return err
 		}
-		wait := RetryWait(err, attempt, settleRetryFloor, settleRetryMax)
+		d := RetryWait(err, attempt, settleRetryFloor, settleRetryMax)
 		f.log.Debug("update-disposition failed; trying again", zap.Int("locks", len(batch)),
-			zap.Duration("wait", wait), zap.Error(err))
-		if !sleep(ctx, wait) {
+			zap.Duration("wait", d), zap.Error(err))
+		if !wait.Sleep(ctx, d) {
 			return err
 		}
 	}

@@ -128,15 +128,11 @@ func rabbitMQ3() Profile {
 }
 
 func generic() Profile {
-	return Profile{
-		name:       "generic",
-		address:    func(q string) string { return q },
-		retry:      pump.Outcome{Kind: pump.Modify, DeliveryFailed: true},
-		creditMode: credit.Continuous,
-		detach:     true,
-		rejectCond: RejectCondition,
-		kind:       plain,
-	}
+	// Artemis's settings but for the capability, which other brokers may
+	// not know.
+	p := artemis()
+	p.name, p.sourceCaps = "generic", nil
+	return p
 }
 
 func rabbitAddress(q string) string {

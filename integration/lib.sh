@@ -175,3 +175,22 @@ stop_pid() {
   kill -KILL "$pid" 2>/dev/null || true
   wait_gone "$pid" 10
 }
+
+# cached_or_lock ARTIFACT DIR: a build script's cache check. When ARTIFACT
+# (a file) exists and is not empty, print its path and exit 0; otherwise
+# take an exclusive flock on DIR/.lock (FD 9, held until the script exits:
+# a concurrent build of the same thing is waited for), and check again.
+# Returns when the caller has to build ARTIFACT.
+cached_or_lock() {
+  if [ -s "$1" ]; then
+    echo "$1"
+    exit 0
+  fi
+  mkdir -p "$2"
+  exec 9>"$2/.lock"
+  flock 9
+  if [ -s "$1" ]; then # built by a concurrent call while we waited
+    echo "$1"
+    exit 0
+  fi
+}

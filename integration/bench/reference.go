@@ -49,7 +49,7 @@ var refConsumers = map[string]refConsumer{
 }
 
 // refOnRabbit is why "all" runs the reference consumers on Artemis only.
-const refOnRabbit = "issue 10 asks for them on Artemis, and on RabbitMQ 3.10 Proton C's receive example " +
+const refOnRabbit = "they are the yardstick for Artemis; on RabbitMQ 3.10 Proton C's receive example " +
 	"loses its last acceptances (it closes its link, session and connection in the write that carries " +
 	"its last ranged disposition; RabbitMQ drops that disposition and requeues those messages, which " +
 	"the probe then finds). Name them in -scenarios to run them there (jms and pyproton drained RabbitMQ " +

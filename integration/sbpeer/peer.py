@@ -45,7 +45,7 @@ from proton.reactor import ApplicationEvent, Container, EventInjector
 log = logging.getLogger("sbpeer")
 
 # ---------------------------------------------------------------------------
-# Wire constants (servicebus.md sections 1-6)
+# Wire constants: what the service and its clients send (sources in README.md)
 
 SESSION_FILTER = symbol("com.microsoft:session-filter")
 # What .NET and the protocol docs use (domain 0x137, descriptor 0xC). Go's

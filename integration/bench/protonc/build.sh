@@ -30,31 +30,22 @@ DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CACHE=$(realpath -m "${AMQPSUB_CACHE:-${HOME:-/root}/.cache/amqpsub}")
 SRC=/usr/share/proton/examples/c/receive.c
 
-log() { echo "protonc/build.sh: $*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
+SCRIPT_NAME=protonc/build.sh
+# shellcheck source=../../lib.sh
+. "$DIR/../../lib.sh"
 
 [ -r "$SRC" ] || die "$SRC not found: install libqpid-proton11-dev-examples (bash integration/prereqs.sh bench)"
 hash=$(cat "$DIR/build.sh" "$DIR/receive.c.patch" "$SRC" | sha256sum | cut -c1-16)
 OUT="$CACHE/bench-protonc/$hash"
 BIN="$OUT/receive"
 
-if [ -x "$BIN" ]; then
-  echo "$BIN"
-  exit 0
-fi
+cached_or_lock "$BIN" "$CACHE/bench-protonc"
 
 for t in gcc patch pkg-config; do
   command -v "$t" >/dev/null || die "$t not found (bash integration/prereqs.sh bench)"
 done
 pkg-config --exists libqpid-proton ||
   die "pkg-config finds no libqpid-proton: install libqpid-proton11-dev (bash integration/prereqs.sh bench)"
-mkdir -p "$CACHE/bench-protonc"
-exec 9>"$CACHE/bench-protonc/.lock"
-flock 9
-if [ -x "$BIN" ]; then # built by a concurrent call while we waited
-  echo "$BIN"
-  exit 0
-fi
 
 tmp=$(mktemp -d "$CACHE/bench-protonc/build.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT

@@ -66,14 +66,13 @@ func TestRunReturnsWhateverAHandlerDoes(t *testing.T) {
 				h := &stuck2{release: make(chan struct{}), in: make(chan struct{}, 2)}
 				var events []amqpsub.Event
 				var mu sync.Mutex
-				s, err := amqpsub.New(nowhere, "q", h, amqpsub.Credit(4), amqpsub.Workers(2),
+				s, err := amqpsub.New(amqpsub.SourcesOf(sources(src, refused)), "q", h, amqpsub.Credit(4), amqpsub.Workers(2),
 					amqpsub.GracePeriod(grace), amqpsub.CloseTimeout(closing), amqpsub.Backoff(time.Nanosecond, time.Nanosecond),
 					amqpsub.OnEvent(func(e amqpsub.Event) {
 						mu.Lock()
 						events = append(events, e)
 						mu.Unlock()
-					}),
-					amqpsub.WithSources(sources(src, refused)))
+					}))
 				if err != nil {
 					t.Fatal(err)
 				}

@@ -21,10 +21,10 @@ func TestMaxHeldBytesTooLargeToScaleIsUnbounded(t *testing.T) {
 			}
 			src := fake.New(true, msgs...)
 			release := make(chan struct{})
-			s, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+			s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 				<-release
 				return nil
-			}), amqpsub.Credit(256), amqpsub.MaxHeldBytes(n), amqpsub.WithSource(src))
+			}), amqpsub.Credit(256), amqpsub.MaxHeldBytes(n))
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -21,12 +21,12 @@ func handleAll(t *testing.T, h func(d *amqpsub.Delivery) error, msgs ...*amqp.Me
 	var errs []error
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(false, msgs...)
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
 			if err := h(d); err != nil {
 				errs = append(errs, err)
 			}
 			return nil
-		}), amqpsub.WithSource(src))
+		}))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		cancel()
@@ -120,7 +120,7 @@ func TestInvalidOutcomeErrorsMeanRetry(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(true, fake.Messages(2)...)
 		var calls atomic.Int32
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 			switch calls.Add(1) {
 			case 1:
 				var oe *amqpsub.OutcomeError
@@ -130,7 +130,7 @@ func TestInvalidOutcomeErrorsMeanRetry(t *testing.T) {
 				return &amqpsub.OutcomeError{}
 			}
 			return nil // the redeliveries
-		}), amqpsub.WithSource(src))
+		}))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		cancel()

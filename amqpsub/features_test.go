@@ -25,12 +25,12 @@ func TestBatchOfOne(t *testing.T) {
 			src := fake.New(true, fake.Messages(6, "a", "b")...)
 			var sizes []int
 			var mu sync.Mutex
-			s, err := amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+			s, err := amqpsub.NewBatch(amqpsub.SourceOf(src), "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
 				mu.Lock()
 				sizes = append(sizes, len(b))
 				mu.Unlock()
 				return nil
-			}), amqpsub.Batch(1, time.Second), shape, amqpsub.WithSource(src))
+			}), amqpsub.Batch(1, time.Second), shape)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -54,11 +54,11 @@ func TestBatchWithoutWait(t *testing.T) {
 		var sizes []int
 		start := time.Now()
 		var at []time.Duration
-		s, _ := amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+		s, _ := amqpsub.NewBatch(amqpsub.SourceOf(src), "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
 			sizes = append(sizes, len(b))
 			at = append(at, time.Since(start))
 			return nil
-		}), amqpsub.Batch(4, 0), amqpsub.WithSource(src))
+		}), amqpsub.Batch(4, 0))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		src.Push(fake.Messages(1)...) // a lone delivery goes at once
@@ -94,7 +94,7 @@ func TestSmallestValidOptionsRun(t *testing.T) {
 					amqpsub.Backoff(time.Nanosecond, time.Nanosecond), amqpsub.FatalErrors(nil),
 					amqpsub.OnReconnect(nil), amqpsub.OnEvent(nil),
 					amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: 1, Initial: 0, Max: 0}),
-					amqpsub.MaxDeliveryCount(0), amqpsub.WithSource(src),
+					amqpsub.MaxDeliveryCount(0),
 				}
 				if keyed {
 					opts = append(opts, amqpsub.WorkersByKey(1))
@@ -105,12 +105,12 @@ func TestSmallestValidOptionsRun(t *testing.T) {
 				var err error
 				if batch {
 					opts = append(opts, amqpsub.Batch(1, 0))
-					s, err = amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+					s, err = amqpsub.NewBatch(amqpsub.SourceOf(src), "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
 						handled.Add(int64(len(b)))
 						return nil
 					}), opts...)
 				} else {
-					s, err = amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+					s, err = amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 						handled.Add(1)
 						return nil
 					}), opts...)
@@ -137,10 +137,10 @@ func TestLargestCreditRuns(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(true, fake.Messages(1000, "a", "b", "c")...)
 		gate := make(chan struct{})
-		s, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 			<-gate
 			return nil
-		}), amqpsub.Credit(1<<20), amqpsub.WorkersByKey(64), amqpsub.WithSource(src))
+		}), amqpsub.Credit(1<<20), amqpsub.WorkersByKey(64))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -180,13 +180,13 @@ func TestLargestValidOptionsRun(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				src := fake.New(true, fake.Messages(100, "a", "b", "c", "")...)
-				opts := append(tc.opts, amqpsub.WithSource(src))
+				opts := tc.opts
 				var s *amqpsub.Subscriber
 				var err error
 				if tc.batch {
-					s, err = amqpsub.NewBatch(nowhere, "q", acceptBatch, opts...)
+					s, err = amqpsub.NewBatch(amqpsub.SourceOf(src), "q", acceptBatch, opts...)
 				} else {
-					s, err = amqpsub.New(nowhere, "q", accept, opts...)
+					s, err = amqpsub.New(amqpsub.SourceOf(src), "q", accept, opts...)
 				}
 				if err != nil {
 					t.Fatal(err)
@@ -219,11 +219,11 @@ func TestRetainedDeliveryKeepsItsMessage(t *testing.T) {
 		src := fake.New(true, fake.Messages(50, "k")...)
 		var kept []*amqpsub.Delivery
 		var seen []int
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
 			kept = append(kept, d)
 			seen = append(seen, index(d))
 			return nil
-		}), amqpsub.Credit(2), amqpsub.WithSource(src))
+		}), amqpsub.Credit(2))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		cancel()
@@ -257,10 +257,10 @@ func TestBalanceKeysKeepsGroupOrder(t *testing.T) {
 					last[g] = index(d)
 				}
 			}
-			opts := []amqpsub.Option{amqpsub.WorkersByKey(4), amqpsub.BalanceKeys(), amqpsub.Credit(32), amqpsub.WithSource(src)}
+			opts := []amqpsub.Option{amqpsub.WorkersByKey(4), amqpsub.BalanceKeys(), amqpsub.Credit(32)}
 			var s *amqpsub.Subscriber
 			if batch {
-				s, _ = amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+				s, _ = amqpsub.NewBatch(amqpsub.SourceOf(src), "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
 					for _, d := range b {
 						check(d)
 					}
@@ -268,7 +268,7 @@ func TestBalanceKeysKeepsGroupOrder(t *testing.T) {
 					return nil
 				}), append(opts, amqpsub.Batch(5, time.Millisecond))...)
 			} else {
-				s, _ = amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+				s, _ = amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
 					check(d)
 					time.Sleep(time.Millisecond)
 					return nil

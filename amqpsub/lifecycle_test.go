@@ -19,10 +19,10 @@ import (
 func TestHandlerThatHonoursCancelIsNotAbandoned(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(true, fake.Messages(3)...)
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(ctx context.Context, _ *amqpsub.Delivery) error {
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(ctx context.Context, _ *amqpsub.Delivery) error {
 			<-ctx.Done()
 			return ctx.Err()
-		}), amqpsub.GracePeriod(time.Second), amqpsub.CloseTimeout(time.Hour), amqpsub.WithSource(src))
+		}), amqpsub.GracePeriod(time.Second), amqpsub.CloseTimeout(time.Hour))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		start := time.Now()
@@ -80,19 +80,19 @@ func TestGracePeriodZeroReleasesAndCancelsAtOnce(t *testing.T) {
 					}
 					single := amqpsub.HandlerFunc(func(ctx context.Context, _ *amqpsub.Delivery) error { return h(ctx) })
 					batch := amqpsub.BatchHandlerFunc(func(ctx context.Context, b []*amqpsub.Delivery) []error { return []error{h(ctx)} })
-					opts := []amqpsub.Option{amqpsub.Credit(10), amqpsub.GracePeriod(0), amqpsub.WithSource(src)}
+					opts := []amqpsub.Option{amqpsub.Credit(10), amqpsub.GracePeriod(0)}
 					var s *amqpsub.Subscriber
 					switch tc.shape {
 					case "Workers(1)":
-						s, _ = amqpsub.New(nowhere, "q", single, opts...)
+						s, _ = amqpsub.New(amqpsub.SourceOf(src), "q", single, opts...)
 					case "WorkersByKey(2)":
-						s, _ = amqpsub.New(nowhere, "q", single, append(opts, amqpsub.WorkersByKey(2))...)
+						s, _ = amqpsub.New(amqpsub.SourceOf(src), "q", single, append(opts, amqpsub.WorkersByKey(2))...)
 					case "WorkersByKey(2)+BalanceKeys":
-						s, _ = amqpsub.New(nowhere, "q", single, append(opts, amqpsub.WorkersByKey(2), amqpsub.BalanceKeys())...)
+						s, _ = amqpsub.New(amqpsub.SourceOf(src), "q", single, append(opts, amqpsub.WorkersByKey(2), amqpsub.BalanceKeys())...)
 					case "Batch(3,1h)+WorkersByKey(2)":
-						s, _ = amqpsub.NewBatch(nowhere, "q", batch, append(opts, amqpsub.Batch(3, time.Hour), amqpsub.WorkersByKey(2))...)
+						s, _ = amqpsub.NewBatch(amqpsub.SourceOf(src), "q", batch, append(opts, amqpsub.Batch(3, time.Hour), amqpsub.WorkersByKey(2))...)
 					case "Batch(1,0)+WorkersByKey(2)":
-						s, _ = amqpsub.NewBatch(nowhere, "q", batch, append(opts, amqpsub.Batch(1, 0), amqpsub.WorkersByKey(2))...)
+						s, _ = amqpsub.NewBatch(amqpsub.SourceOf(src), "q", batch, append(opts, amqpsub.Batch(1, 0), amqpsub.WorkersByKey(2))...)
 					}
 					cancel, errc := run(t, s)
 					synctest.Wait()

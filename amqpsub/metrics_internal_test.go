@@ -68,12 +68,15 @@ func (r *eventCatcher) Event(e Event) {
 func TestLockLostOnAReusedEntryIsNotReported(t *testing.T) {
 	src := fake.New(false, &amqp.Message{Properties: &amqp.MessageProperties{MessageID: "old"}})
 	rec := &eventCatcher{}
-	s, err := New(Dial("amqp://127.0.0.1:1", nil), "q", HandlerFunc(func(context.Context, *Delivery) error { return nil }),
-		WithSource(src), WithMetrics(rec))
+	s, err := New(ServiceBusSourceOf(src), "q", HandlerFunc(func(context.Context, *Delivery) error { return nil }), WithMetrics(rec))
 	if err != nil {
 		t.Fatal(err)
 	}
 	p := s.pipes[0]
+	k, ok := p.kind.(*sbKind)
+	if !ok {
+		t.Fatal("not Service Bus's kind under the Service Bus profile")
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
@@ -89,7 +92,7 @@ func TestLockLostOnAReusedEntryIsNotReported(t *testing.T) {
 	if next.Entry() != old.Entry() {
 		t.Skip("the entry was not reused")
 	}
-	p.lockLost(old, &amqp.Message{Properties: &amqp.MessageProperties{MessageID: "old"}}, servicebus.ErrLockLost) // the book reports old's lock, late
+	k.lockLost(old, &amqp.Message{Properties: &amqp.MessageProperties{MessageID: "old"}}, servicebus.ErrLockLost) // the book reports old's lock, late
 	rec.mu.Lock()
 	defer rec.mu.Unlock()
 	for _, e := range rec.events {
@@ -105,17 +108,14 @@ func TestLockLostOnAReusedEntryIsNotReported(t *testing.T) {
 // moment later, rather than one never cancelled. (Found by an outside
 // review.)
 func TestLeasedContextOfADeliveryOutOfTheBook(t *testing.T) {
-	c, err := ServiceBus("Endpoint=sb://example.servicebus.windows.net/;SharedAccessKeyName=k;SharedAccessKey=dmFsdWU=")
-	if err != nil {
-		t.Fatal(err)
-	}
 	src := fake.New(false, &amqp.Message{Properties: &amqp.MessageProperties{MessageID: "m"}})
-	s, err := New(c, "q", HandlerFunc(func(context.Context, *Delivery) error { return nil }), WithSource(src))
+	s, err := New(ServiceBusSourceOf(src), "q", HandlerFunc(func(context.Context, *Delivery) error { return nil }))
 	if err != nil {
 		t.Fatal(err)
 	}
 	p := s.pipes[0]
-	if p.book == nil {
+	k, ok := p.kind.(*sbKind)
+	if !ok || k.book == nil {
 		t.Fatal("no lease book under the Service Bus profile")
 	}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -127,13 +127,13 @@ func TestLeasedContextOfADeliveryOutOfTheBook(t *testing.T) {
 	defer func() { cancel(); <-done }()
 	tk := <-p.pump.Out()
 	tk.Begin()
-	hctx, release := s.leased(context.Background(), p, tk)
+	hctx, release := k.handlerContext(context.Background(), tk)
 	if hctx.Err() != nil {
 		t.Fatalf("a delivery in the book got a cancelled context: %v", context.Cause(hctx))
 	}
 	release()
-	p.book.Remove(tk.Entry()) // what losing its lock does
-	hctx, release = s.leased(context.Background(), p, tk)
+	k.book.Remove(tk.Entry()) // what losing its lock does
+	hctx, release = k.handlerContext(context.Background(), tk)
 	defer release()
 	if !errors.Is(context.Cause(hctx), servicebus.ErrLockLost) {
 		t.Fatalf("context of a delivery out of the book: cause %v, want servicebus.ErrLockLost", context.Cause(hctx))

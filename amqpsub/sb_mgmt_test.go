@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/Azure/go-amqp"
+	"github.com/amqpsub/amqpsub/internal/servicebus"
 )
 
 // The $management reply link dies (closed under the subscriber, as a
@@ -21,12 +21,12 @@ import (
 //     attaches both anew, and the service delivers what was held again.
 func TestServiceBusManagementLinkDies(t *testing.T) {
 	p := sbTestPeerOrSkip(t)
-	closeReceiver := func(r *rpc) closer { return r.receiver() }
-	closeSender := func(r *rpc) closer { return r.sender() }
+	closeReceiver := func(m *servicebus.Management) linkCloser { _, r := m.Pair(); return r }
+	closeSender := func(m *servicebus.Management) linkCloser { snd, _ := m.Pair(); return snd }
 	for _, tc := range []struct {
 		name       string
 		afterRenew bool
-		link       func(*rpc) closer
+		link       func(*servicebus.Management) linkCloser
 	}{
 		{"after it answered", true, closeReceiver},
 		{"sender, after it answered", true, closeSender},
@@ -63,7 +63,7 @@ func TestServiceBusManagementLinkDies(t *testing.T) {
 				waitUntil(t, 10*time.Second, "a renewal", func() bool { return s.Stats().Locks.Renewed >= 4 })
 			}
 			cctx, ccancel := context.WithTimeout(context.Background(), time.Second)
-			_ = tc.link(l.mgmt.rpc).Close(cctx) // the link is gone
+			_ = tc.link(l.sb.mgmt).Close(cctx) // the link is gone
 			ccancel()
 			if !tc.afterRenew {
 				p.enqueue(t, q, 4, nil)
@@ -128,7 +128,8 @@ func TestServiceBusManagementLinkDiesSession(t *testing.T) {
 	waitUntil(t, 10*time.Second, "a session lock renewal", func() bool { return lockedUntil() > first })
 	l := s.pipes[0].current.Load()
 	cctx, ccancel := context.WithTimeout(context.Background(), time.Second)
-	_ = l.mgmt.receiver().Close(cctx)
+	_, rcv := l.sb.mgmt.Pair()
+	_ = rcv.Close(cctx)
 	ccancel()
 	waitUntil(t, 30*time.Second, "1 completed", func() bool { return p.stat(t, q, "completed") == 1 })
 	cancel()
@@ -142,8 +143,7 @@ func TestServiceBusManagementLinkDiesSession(t *testing.T) {
 	}
 }
 
-func (r *rpc) sender() *amqp.Sender {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.snd
+// linkCloser is one link of a $management pair, to close under it.
+type linkCloser interface {
+	Close(ctx context.Context) error
 }

@@ -238,6 +238,9 @@ func (p *sbTestPeer) sessionLinks(t *testing.T) map[string]any {
 	return out
 }
 
+// sessionFilter is the session filter's name, as the service reads it.
+const sessionFilter = "com.microsoft:session-filter"
+
 // On the wire, the session filter has azservicebus's descriptor; the peer
 // grants a session for it and for the one of Microsoft's AMQP documents.
 func TestSessionFilterOnTheWire(t *testing.T) {

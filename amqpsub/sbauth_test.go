@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/amqpsub/amqpsub/internal/servicebus"
 )
 
 // The known answer of the Azure SDK for Go's own test of its SAS signer
@@ -26,64 +28,8 @@ func TestSASTokenKnownAnswer(t *testing.T) {
 	}
 	// The same test file's TestNewSigner: the audience is escaped, then
 	// lower-cased.
-	if v := signSAS("foo", "superSecret", "http://MiCrosoft.com", 1); !strings.HasPrefix(v, "SharedAccessSignature sr=http%3a%2f%2fmicrosoft.com&") {
+	if v := servicebus.SignSAS("foo", "superSecret", "http://MiCrosoft.com", 1); !strings.HasPrefix(v, "SharedAccessSignature sr=http%3a%2f%2fmicrosoft.com&") {
 		t.Fatalf("audience not escaped and lower-cased: %s", v)
-	}
-}
-
-func TestParseConnectionString(t *testing.T) {
-	const key = "s3cr3t+KEY/value=="
-	for _, tc := range []struct {
-		in      string
-		want    sbConnString
-		missing string // a word the error must hold
-	}{
-		{in: "Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=Root;SharedAccessKey=" + key,
-			want: sbConnString{host: "ns.servicebus.windows.net", keyName: "Root", key: key}},
-		{in: "endpoint=sb://ns.servicebus.windows.net/;sharedaccesskeyname=Root;sharedaccesskey=" + key + ";EntityPath=orders;",
-			want: sbConnString{host: "ns.servicebus.windows.net", keyName: "Root", key: key, entity: "orders"}},
-		{in: "Endpoint=sb://ns.servicebus.windows.net;SharedAccessSignature=SharedAccessSignature sr=x&sig=" + key + "&se=1&skn=Root",
-			want: sbConnString{host: "ns.servicebus.windows.net", sas: "SharedAccessSignature sr=x&sig=" + key + "&se=1&skn=Root"}},
-		{in: "Endpoint=sb://localhost;SharedAccessKeyName=Root;SharedAccessKey=" + key + ";UseDevelopmentEmulator=true;",
-			want: sbConnString{host: "localhost", keyName: "Root", key: key, emulator: true}},
-		{in: "Endpoint=sb://127.0.0.1:5673;SharedAccessKeyName=Root;SharedAccessKey=" + key + ";UseDevelopmentEmulator=true",
-			want: sbConnString{host: "127.0.0.1:5673", keyName: "Root", key: key, emulator: true}},
-		{in: "Endpoint=sb://ns.servicebus.windows.net:5671/;SharedAccessKeyName=Root;SharedAccessKey=" + key,
-			want: sbConnString{host: "ns.servicebus.windows.net:5671", keyName: "Root", key: key}},
-		{in: "SharedAccessKeyName=Root;SharedAccessKey=" + key, missing: "Endpoint is missing"},
-		{in: "Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKey=" + key, missing: "SharedAccessKeyName is missing"},
-		{in: "Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=Root", missing: "SharedAccessKey is missing"},
-		{in: "Endpoint=sb://ns.servicebus.windows.net/", missing: "SharedAccessKeyName and SharedAccessKey"},
-		// The emulator on any host, as azservicebus takes it: by its
-		// service name in a compose file, say.
-		{in: "Endpoint=sb://servicebus-emulator;SharedAccessKeyName=Root;SharedAccessKey=" + key + ";UseDevelopmentEmulator=true",
-			want: sbConnString{host: "servicebus-emulator", keyName: "Root", key: key, emulator: true}},
-		{in: "Endpoint=sb://servicebus-emulator:5672;SharedAccessKeyName=Root;SharedAccessKey=" + key + ";UseDevelopmentEmulator=true",
-			want: sbConnString{host: "servicebus-emulator:5672", keyName: "Root", key: key, emulator: true}},
-		{in: "Endpoint=sb://10.1.2.3;SharedAccessKeyName=Root;SharedAccessKey=" + key + ";UseDevelopmentEmulator=true",
-			want: sbConnString{host: "10.1.2.3", keyName: "Root", key: key, emulator: true}},
-		{in: "Endpoint=amqps://servicebus-emulator;SharedAccessKeyName=Root;SharedAccessKey=" + key + ";UseDevelopmentEmulator=true", missing: "sb://<emulator host>"},
-		{in: "Endpoint=sb://localhost;SharedAccessKeyName=Root;SharedAccessKey=" + key + ";UseDevelopmentEmulator=maybe", missing: "UseDevelopmentEmulator"},
-		{in: "Endpoint=::not a url;SharedAccessKeyName=Root;SharedAccessKey=" + key, missing: "Endpoint"},
-		{in: "Endpoint=sb://ns;SharedAccessKeyName=Root;garbage;SharedAccessKey=" + key, missing: "no '='"},
-	} {
-		got, err := parseSBConnString(tc.in)
-		if tc.missing != "" {
-			if !errors.Is(err, ErrConnectionString) || !strings.Contains(err.Error(), tc.missing) {
-				t.Errorf("%q: error %v, want one saying %q", tc.in, err, tc.missing)
-			}
-			if err != nil && strings.Contains(err.Error(), key) {
-				t.Errorf("%q: the error quotes the key: %v", tc.in, err)
-			}
-			continue
-		}
-		if err != nil {
-			t.Errorf("%q: %v", tc.in, err)
-			continue
-		}
-		if *got != tc.want {
-			t.Errorf("%q: %+v, want %+v", tc.in, *got, tc.want)
-		}
 	}
 }
 
@@ -188,7 +134,7 @@ func FuzzParseConnectionString(f *testing.F) {
 			}
 			return false
 		}
-		c, err := parseSBConnString(in)
+		c, err := servicebus.ParseConnString(in)
 		if err != nil {
 			if !errors.Is(err, ErrConnectionString) {
 				t.Fatalf("error %v does not wrap ErrConnectionString", err)
@@ -196,7 +142,7 @@ func FuzzParseConnectionString(f *testing.F) {
 			if leaks(err) {
 				t.Fatalf("the error holds the key %q: %v", secret, err)
 			}
-		} else if c.host == "" || (c.sas == "" && (c.keyName == "" || c.key == "")) {
+		} else if c.Host == "" || (c.SAS == "" && (c.KeyName == "" || c.Key == "")) {
 			t.Fatalf("parsed %+v from %q", *c, in)
 		}
 		if _, err := ServiceBusWithToken(in, SASTokenProvider("Root", "k", time.Hour)); err != nil && leaks(err) {
@@ -243,5 +189,22 @@ func TestServiceBusEmulatorOnAnyHost(t *testing.T) {
 			t.Errorf("%s: emulator %v, dials %s, audience %s; want %v, %s, %s", tc.name,
 				sc.emulator, sc.String(), sc.audience("q"), tc.emulator, tc.dial, tc.audience)
 		}
+	}
+}
+
+type fixedToken Token
+
+func (f fixedToken) Token(context.Context, string) (Token, error) { return Token(f), nil }
+
+// A token with no Expiry would never be refreshed: only a pre-made SAS
+// token may have none.
+func TestZeroExpiryOnlyForSAS(t *testing.T) {
+	_, err := tokenFunc(fixedToken{Type: TokenTypeJWT, Value: "eyJ"})(context.Background(), "amqps://ns/q")
+	if !errors.Is(err, ErrInvalidOption) {
+		t.Fatalf("a JWT with no Expiry: %v, want an error wrapping ErrInvalidOption", err)
+	}
+	t.Log(err)
+	if _, err := tokenFunc(fixedToken{Type: TokenTypeSAS, Value: "SharedAccessSignature sr=x"})(context.Background(), "amqps://ns/q"); err != nil {
+		t.Fatalf("a pre-made SAS token with no Expiry: %v", err)
 	}
 }

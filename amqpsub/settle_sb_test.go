@@ -67,11 +67,10 @@ func TestNoLockExpiresWhileItsSettlementWaitsBehindAStuckOne(t *testing.T) {
 			return nil
 		}
 		var handled atomic.Int32
-		s, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+		s, err := amqpsub.New(amqpsub.SourceOf(ls), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 			handled.Add(1)
 			return nil
-		}), amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.Credit(4), amqpsub.Workers(4),
-			amqpsub.WithSource(ls))
+		}), amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.Credit(4), amqpsub.Workers(4))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -131,7 +130,7 @@ func TestCloseDuringTheGracePeriodSendsNothingMore(t *testing.T) {
 			}
 		}
 		stopped := make(chan struct{})
-		s, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
 			if index(d) == 0 {
 				<-stopped
 				return nil // returns in the grace period
@@ -139,7 +138,7 @@ func TestCloseDuringTheGracePeriodSendsNothingMore(t *testing.T) {
 			<-ctx.Done() // holds the grace period open
 			return ctx.Err()
 		}), amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.GracePeriod(time.Minute), amqpsub.CloseTimeout(4*time.Second),
-			amqpsub.MaxLockRenewal(0), amqpsub.WithSource(src))
+			amqpsub.MaxLockRenewal(0))
 		if err != nil {
 			t.Fatal(err)
 		}

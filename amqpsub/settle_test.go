@@ -28,7 +28,7 @@ func TestGraceZeroSendsEverySettlementDecidedBeforeTheStop(t *testing.T) {
 		src.SettleDelay = 5 * time.Millisecond
 		blocked := make(chan struct{})
 		var calls atomic.Int32
-		s, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
 			calls.Add(1)
 			if index(d) < done {
 				return nil
@@ -37,7 +37,7 @@ func TestGraceZeroSendsEverySettlementDecidedBeforeTheStop(t *testing.T) {
 			<-ctx.Done()
 			return ctx.Err()
 		}), amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(2*time.Second),
-			amqpsub.MaxLockRenewal(0), amqpsub.WithSource(src))
+			amqpsub.MaxLockRenewal(0))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -71,11 +71,11 @@ func TestStopCountsSettlementsItCouldNotSend(t *testing.T) {
 		src := fake.New(true, fake.Messages(10)...)
 		src.SettleErr = func(ctx context.Context, _ *amqp.Message) error { <-ctx.Done(); return ctx.Err() }
 		var handled atomic.Int32
-		s, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 			handled.Add(1)
 			return nil
 		}), amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(time.Second),
-			amqpsub.SettleTimeout(time.Minute), amqpsub.MaxLockRenewal(0), amqpsub.WithSource(src))
+			amqpsub.SettleTimeout(time.Minute), amqpsub.MaxLockRenewal(0))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -120,9 +120,8 @@ func TestSettlementsOfAGroupKeepTheirOrder(t *testing.T) {
 				return ctx.Err()
 			}
 		}
-		s, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
-			amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.WorkersByKey(2), amqpsub.MaxLockRenewal(0),
-			amqpsub.WithSource(src))
+		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.WorkersByKey(2), amqpsub.MaxLockRenewal(0))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -160,9 +159,8 @@ func TestGraceZeroStopWithASettlementStuckInTheLink(t *testing.T) {
 			return nil
 		}
 		defer close(unstick)
-		s, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
-			amqpsub.WithProfile(amqpsub.Artemis), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(time.Second),
-			amqpsub.WithSource(src))
+		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.WithProfile(amqpsub.Artemis), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(time.Second))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -192,7 +190,7 @@ func TestLocalRetryEndsWhenTheLinkIsLost(t *testing.T) {
 		var calls, afterLoss atomic.Int32
 		var lost atomic.Bool
 		failing := make(chan struct{}, 1)
-		s, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+		s, err := amqpsub.New(amqpsub.SourcesOf(sources(first, second)), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 			calls.Add(1)
 			if lost.Load() {
 				afterLoss.Add(1)
@@ -204,7 +202,7 @@ func TestLocalRetryEndsWhenTheLinkIsLost(t *testing.T) {
 			return errors.New("store down")
 		}), amqpsub.WithProfile(amqpsub.Artemis), amqpsub.WorkersByKey(1),
 			amqpsub.LocalRetry(amqpsub.RetryPolicy{Initial: 100 * time.Millisecond, Max: 100 * time.Millisecond, Budget: time.Minute}),
-			amqpsub.Backoff(time.Millisecond, time.Millisecond), amqpsub.WithSources(sources(first, second)))
+			amqpsub.Backoff(time.Millisecond, time.Millisecond))
 		if err != nil {
 			t.Fatal(err)
 		}

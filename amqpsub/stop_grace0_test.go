@@ -17,13 +17,12 @@ func TestGraceZeroStopWhileReattaching(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		first := fake.New(true, fake.Messages(1)...)
 		in := make(chan struct{}, 1)
-		s, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(ctx context.Context, _ *amqpsub.Delivery) error {
+		s, err := amqpsub.New(amqpsub.SourcesOf(sources(first)), "q", amqpsub.HandlerFunc(func(ctx context.Context, _ *amqpsub.Delivery) error {
 			in <- struct{}{}
 			<-ctx.Done()
 			return ctx.Err()
 		}), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(time.Second),
-			amqpsub.Backoff(time.Hour, time.Hour),
-			amqpsub.WithSources(sources(first)))
+			amqpsub.Backoff(time.Hour, time.Hour))
 		if err != nil {
 			t.Fatal(err)
 		}

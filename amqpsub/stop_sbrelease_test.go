@@ -20,7 +20,7 @@ func TestGraceZeroDoesNotWaitForUnansweredReleases(t *testing.T) {
 		src := fake.New(true, fake.Messages(256)...)
 		src.SettleErr = func(ctx context.Context, _ *amqp.Message) error { <-ctx.Done(); return ctx.Err() }
 		in := make(chan struct{}, 1)
-		s, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(ctx context.Context, _ *amqpsub.Delivery) error {
+		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(ctx context.Context, _ *amqpsub.Delivery) error {
 			select {
 			case in <- struct{}{}:
 			default:
@@ -28,7 +28,7 @@ func TestGraceZeroDoesNotWaitForUnansweredReleases(t *testing.T) {
 			<-ctx.Done()
 			return ctx.Err()
 		}), amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(2*time.Second),
-			amqpsub.SettleTimeout(30*time.Second), amqpsub.MaxLockRenewal(0), amqpsub.WithSource(src))
+			amqpsub.SettleTimeout(30*time.Second), amqpsub.MaxLockRenewal(0))
 		if err != nil {
 			t.Fatal(err)
 		}

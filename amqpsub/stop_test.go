@@ -20,11 +20,11 @@ func TestShutdownWaitsForRun(t *testing.T) {
 		src := fake.New(true, fake.Messages(50)...)
 		var started atomic.Int64
 		finish := make(chan struct{})
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
 			started.Add(1)
 			<-finish
 			return ctx.Err()
-		}), amqpsub.Credit(20), amqpsub.Workers(2), amqpsub.WithSource(src))
+		}), amqpsub.Credit(20), amqpsub.Workers(2))
 		_, errc := run(t, s)
 		synctest.Wait()
 		shut := make(chan error, 1)
@@ -49,7 +49,7 @@ func TestShutdownWaitsForRun(t *testing.T) {
 func TestSecondRunAfterCtxEnd(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(true, fake.Messages(1)...)
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }), amqpsub.WithSource(src))
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		cancel()
@@ -69,13 +69,12 @@ func TestCloseCutsTheGracePeriodShort(t *testing.T) {
 		synctest.Test(t, func(t *testing.T) {
 			src := fake.New(true, fake.Messages(3)...)
 			refused := errors.New("refused")
-			s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(ctx context.Context, _ *amqpsub.Delivery) error {
+			s, _ := amqpsub.New(amqpsub.SourcesOf(sources(src, refused)), "q", amqpsub.HandlerFunc(func(ctx context.Context, _ *amqpsub.Delivery) error {
 				<-ctx.Done()
 				return ctx.Err()
 			}), amqpsub.GracePeriod(time.Hour), amqpsub.CloseTimeout(time.Second),
 				amqpsub.Backoff(time.Nanosecond, time.Nanosecond),
-				amqpsub.FatalErrors(func(err error) bool { return errors.Is(err, refused) }),
-				amqpsub.WithSources(sources(src, refused)))
+				amqpsub.FatalErrors(func(err error) bool { return errors.Is(err, refused) }))
 			cancel, errc := run(t, s)
 			synctest.Wait()
 			if fatal {
@@ -142,12 +141,12 @@ func TestLocalRetryGivesUpToTheBroker(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(true, fake.Messages(1)...)
 		var calls atomic.Int64
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
 			if calls.Add(1) <= 5 {
 				return errors.New("down")
 			}
 			return nil
-		}), amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: 2, Initial: time.Millisecond, Max: time.Millisecond}), amqpsub.WithSource(src))
+		}), amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: 2, Initial: time.Millisecond, Max: time.Millisecond}))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		time.Sleep(time.Second)
@@ -166,10 +165,10 @@ func TestWorkersIgnoreGroups(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(true, fake.Messages(4, "g")...)
 		gate := make(chan struct{})
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 			<-gate
 			return nil
-		}), amqpsub.Workers(2), amqpsub.WithSource(src))
+		}), amqpsub.Workers(2))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		if st := s.Stats(); st.Handling != 2 {

@@ -37,3 +37,12 @@ func ServiceBusSourcesOf(next func(ctx context.Context) (pump.Source, error)) Co
 func always(src pump.Source) func(context.Context) (pump.Source, error) {
 	return func(context.Context) (pump.Source, error) { return src, nil }
 }
+
+// PumpCredit is the credit of s's pumps, summed.
+func PumpCredit(s *Subscriber) int {
+	total := 0
+	for _, p := range s.pipes {
+		total += p.pump.Credit()
+	}
+	return total
+}

@@ -11,10 +11,9 @@ import (
 	"testing/synctest"
 	"time"
 
-	"go.uber.org/zap"
-
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/internal/fake"
+	"go.uber.org/zap"
 )
 
 // Batch(1, …) is valid: a BatchHandler gets batches of one. (It used to
@@ -213,32 +212,6 @@ func TestLargestValidOptionsRun(t *testing.T) {
 }
 
 // A Delivery stays valid after its handler returned: a goroutine it was
-// handed to reads the same message, not a later one.
-func TestRetainedDeliveryKeepsItsMessage(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		src := fake.New(true, fake.Messages(50, "k")...)
-		var kept []*amqpsub.Delivery
-		var seen []int
-		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
-			kept = append(kept, d)
-			seen = append(seen, index(d))
-			return nil
-		}), amqpsub.Credit(2))
-		cancel, errc := run(t, s)
-		synctest.Wait()
-		cancel()
-		if err := <-errc; err != nil {
-			t.Fatal(err)
-		}
-		for i, d := range kept {
-			if index(d) != seen[i] || d.GroupID() != "k" || d.Lane() != 0 {
-				t.Fatalf("delivery %d now reads message %d", seen[i], index(d))
-			}
-		}
-	})
-}
-
-// BalanceKeys on the whole pipeline: every group in order, one delivery at
 // a time, and nothing held at the end.
 func TestBalanceKeysKeepsGroupOrder(t *testing.T) {
 	for _, batch := range []bool{false, true} {
@@ -286,6 +259,40 @@ func TestBalanceKeysKeepsGroupOrder(t *testing.T) {
 			st := s.Stats()
 			if violations != 0 || st.Settled.Accepted != 600 || st.GroupsHeld != 0 || len(st.Lanes) != 4 {
 				t.Fatalf("batch %v: %d violations; stats %v", batch, violations, st)
+			}
+		})
+	}
+}
+
+// MaxHeldBytes(n) with a large n (math.MaxInt64 as "no practical bound")
+// must not bound the process more tightly than a small one.
+func TestMaxHeldBytesTooLargeToScaleIsUnbounded(t *testing.T) {
+	for _, n := range []int64{1 << 40, math.MaxInt64} {
+		synctest.Test(t, func(t *testing.T) {
+			msgs := fake.Messages(100)
+			for _, m := range msgs {
+				m.Data = [][]byte{make([]byte, 10)}
+			}
+			src := fake.New(true, msgs...)
+			release := make(chan struct{})
+			s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+				<-release
+				return nil
+			}), amqpsub.Credit(256), amqpsub.MaxHeldBytes(n))
+			if err != nil {
+				t.Fatal(err)
+			}
+			cancel, errc := run(t, s)
+			for range 20 { // let a few round trips of credit happen
+				synctest.Wait()
+			}
+			st := s.Stats()
+			close(release)
+			cancel()
+			<-errc
+			t.Logf("MaxHeldBytes(%d): held %d of 100 (bytes %d)", n, st.Held, st.BytesHeld)
+			if st.Held != 100 {
+				t.Errorf("MaxHeldBytes(%d): held %d, want all 100 (1000 bytes, far under the budget)", n, st.Held)
 			}
 		})
 	}

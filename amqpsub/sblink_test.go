@@ -13,36 +13,6 @@ import (
 	"github.com/amqpsub/amqpsub/pump"
 )
 
-type infoCatcher struct{ info MetricsInfo }
-
-func (m *infoCatcher) Recorder(i MetricsInfo) Recorder { m.info = i; return nil }
-
-// MetricsInfo.Credit is what the adapters export as the credit gauge, to
-// read Held against: for a session consumer, the sum of the sessions'
-// shares, max(1, Credit/n) each: 8 for Credit(2) and Sessions(8), 8 for
-// Credit(10) and Sessions(4). (Found by an outside review.)
-func TestMetricsInfoCreditOfASessionConsumer(t *testing.T) {
-	c, err := ServiceBus("Endpoint=sb://example.servicebus.windows.net/;SharedAccessKeyName=k;SharedAccessKey=dmFsdWU=")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, tc := range []struct{ credit, sessions int }{{2, 8}, {10, 4}} {
-		m := &infoCatcher{}
-		s, err := New(c, "q", HandlerFunc(func(context.Context, *Delivery) error { return nil }),
-			Credit(tc.credit), Sessions(tc.sessions), WithMetrics(m))
-		if err != nil {
-			t.Fatal(err)
-		}
-		total := 0
-		for _, p := range s.pipes {
-			total += p.pump.Credit()
-		}
-		if total != m.info.Credit {
-			t.Errorf("Credit(%d) Sessions(%d): MetricsInfo.Credit %d, the pumps' credit %d", tc.credit, tc.sessions, m.info.Credit, total)
-		}
-	}
-}
-
 type eventCatcher struct {
 	mu     sync.Mutex
 	events []Event
@@ -62,9 +32,9 @@ func (r *eventCatcher) Event(e Event) {
 
 // The lease book reports a lost lock after it let go of its mutex, so the
 // delivery may have been settled and its entry given to the next one
-// meanwhile (see lease/lost_reuse_test.go): pipe.lockLost then reports
+// meanwhile (see internal/servicebus/locks_reuse_test.go): sbKind.lockLost then reports
 // nothing, rather than an event naming the next delivery, whose lock is
-// fine. (Found by an outside review.)
+// fine.
 func TestLockLostOnAReusedEntryIsNotReported(t *testing.T) {
 	src := fake.New(false, &amqp.Message{Properties: &amqp.MessageProperties{MessageID: "old"}})
 	rec := &eventCatcher{}
@@ -105,8 +75,7 @@ func TestLockLostOnAReusedEntryIsNotReported(t *testing.T) {
 // A handler whose delivery's lock was lost between the lane's Begin and the
 // binding of its context (the book has let go of the delivery) gets a
 // context cancelled with servicebus.ErrLockLost at once, as it would have a
-// moment later, rather than one never cancelled. (Found by an outside
-// review.)
+// moment later, rather than one never cancelled.
 func TestLeasedContextOfADeliveryOutOfTheBook(t *testing.T) {
 	src := fake.New(false, &amqp.Message{Properties: &amqp.MessageProperties{MessageID: "m"}})
 	s, err := New(ServiceBusSourceOf(src), "q", HandlerFunc(func(context.Context, *Delivery) error { return nil }))

@@ -71,11 +71,11 @@ func startPipeline(tb testing.TB, src *fake.Source, shape benchShape, onHandle f
 	p := &pipeline{errc: make(chan error, 1)}
 	p.goal.Store(newGoal(1 << 62))
 	note := func(k int) { p.goal.Load().reached(p.handled.Add(int64(k))) }
-	opts := append([]amqpsub.Option{amqpsub.WithSource(src)}, shape.opts...)
+	opts := append([]amqpsub.Option(nil), shape.opts...)
 	var s *amqpsub.Subscriber
 	var err error
 	if shape.batch {
-		s, err = amqpsub.NewBatch(amqpsub.Dial("amqp://fake", nil), "q", amqpsub.BatchHandlerFunc(
+		s, err = amqpsub.NewBatch(amqpsub.SourceOf(src), "q", amqpsub.BatchHandlerFunc(
 			func(ctx context.Context, batch []*amqpsub.Delivery) []error {
 				if onHandle != nil {
 					for _, d := range batch {
@@ -86,7 +86,7 @@ func startPipeline(tb testing.TB, src *fake.Source, shape benchShape, onHandle f
 				return nil
 			}), opts...)
 	} else {
-		s, err = amqpsub.New(amqpsub.Dial("amqp://fake", nil), "q", amqpsub.HandlerFunc(
+		s, err = amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(
 			func(ctx context.Context, d *amqpsub.Delivery) error {
 				if onHandle != nil {
 					onHandle(d)

@@ -21,12 +21,12 @@ func handleAll(t *testing.T, h func(d *amqpsub.Delivery) error, msgs ...*amqp.Me
 	var errs []error
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(false, msgs...)
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
 			if err := h(d); err != nil {
 				errs = append(errs, err)
 			}
 			return nil
-		}), amqpsub.WithSource(src))
+		}))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		cancel()
@@ -120,7 +120,7 @@ func TestInvalidOutcomeErrorsMeanRetry(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(true, fake.Messages(2)...)
 		var calls atomic.Int32
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 			switch calls.Add(1) {
 			case 1:
 				var oe *amqpsub.OutcomeError
@@ -130,7 +130,7 @@ func TestInvalidOutcomeErrorsMeanRetry(t *testing.T) {
 				return &amqpsub.OutcomeError{}
 			}
 			return nil // the redeliveries
-		}), amqpsub.WithSource(src))
+		}))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		cancel()
@@ -144,3 +144,69 @@ func TestInvalidOutcomeErrorsMeanRetry(t *testing.T) {
 		t.Fatal("invalid OutcomeErrors must still describe themselves")
 	}
 }
+
+// decodes symbols) or as an amqp.Symbol (as a message built in Go may).
+func TestAnnotationSymbolKeys(t *testing.T) {
+	str := &amqp.Message{Annotations: amqp.Annotations{"x-opt-a": int8(1)}}
+	sym := &amqp.Message{Annotations: amqp.Annotations{amqp.Symbol("x-opt-a"): int8(1)}}
+	wire, err := sym.MarshalBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	decoded := new(amqp.Message)
+	if err := decoded.UnmarshalBinary(wire); err != nil {
+		t.Fatal(err)
+	}
+	if _, isString := firstKey(decoded.Annotations).(string); !isString {
+		t.Fatalf("go-amqp decoded the annotation key as %T, want string", firstKey(decoded.Annotations))
+	}
+	errs := handleAll(t, func(d *amqpsub.Delivery) error {
+		if v, ok := d.Annotation("x-opt-a"); !ok || v != int8(1) {
+			return fmt.Errorf("Annotation with keys of type %T = %v, %v", firstKey(d.Message().Annotations), v, ok)
+		}
+		if _, ok := d.Annotation("x-opt-b"); ok {
+			return errors.New("Annotation found a key that is not there")
+		}
+		return nil
+	}, str, sym, decoded)
+	for _, err := range errs {
+		t.Error(err)
+	}
+}
+
+func firstKey(a amqp.Annotations) any {
+	for k := range a {
+		return k
+	}
+	return nil
+}
+
+// callViews calls every accessor of d and reports a panic as an error. The
+// subscriber would recover a panic too, as a retry, which the fake source
+
+// handed to reads the same message, not a later one.
+func TestRetainedDeliveryKeepsItsMessage(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(50, "k")...)
+		var kept []*amqpsub.Delivery
+		var seen []int
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+			kept = append(kept, d)
+			seen = append(seen, index(d))
+			return nil
+		}), amqpsub.Credit(2))
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		cancel()
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		for i, d := range kept {
+			if index(d) != seen[i] || d.GroupID() != "k" || d.Lane() != 0 {
+				t.Fatalf("delivery %d now reads message %d", seen[i], index(d))
+			}
+		}
+	})
+}
+
+// BalanceKeys on the whole pipeline: every group in order, one delivery at

@@ -28,7 +28,7 @@ func TestEventsReachTheHook(t *testing.T) {
 		var mu sync.Mutex
 		var got []amqpsub.Event
 		var calls [3]atomic.Int64 // the fake broker redelivers without counting
-		s, _ := amqpsub.New(nowhere, "orders", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+		s, _ := amqpsub.New(amqpsub.SourcesOf(sources(first, second)), "orders", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
 			first := calls[index(d)].Add(1) == 1
 			switch {
 			case index(d) == 1 && first:
@@ -42,7 +42,7 @@ func TestEventsReachTheHook(t *testing.T) {
 				mu.Lock()
 				got = append(got, e)
 				mu.Unlock()
-			}), amqpsub.WithSources(sources(first, second)))
+			}))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		first.Fail(fake.ErrLinkLost)

@@ -2,17 +2,47 @@ package amqpsub
 
 import (
 	"context"
+	"fmt"
 
 	"github.com/amqpsub/amqpsub/pump"
 )
 
-// WithSource makes the subscriber receive from src instead of a broker.
-func WithSource(src pump.Source) Option {
-	return WithSources(func(context.Context) (pump.Source, error) { return src, nil })
+// SourceOf returns a Connector that attaches to src, on every attach,
+// instead of a broker.
+func SourceOf(src pump.Source) Connector { return SourcesOf(always(src)) }
+
+// SourcesOf returns a Connector that attaches to the sources next gives,
+// one call per attach.
+func SourcesOf(next func(ctx context.Context) (pump.Source, error)) Connector {
+	return sourceConnector{name: "a test source", next: next}
 }
 
-// WithSources makes the subscriber attach to the sources next gives, one
-// call per attach.
-func WithSources(next func(ctx context.Context) (pump.Source, error)) Option {
-	return optionFunc(func(c *config) { c.testSource = next })
+// SourceFor is SourceOf named as c is (its String, as the logs and errors
+// name a broker), for tests of what is said about c.
+func SourceFor(c Connector, src pump.Source) Connector {
+	return sourceConnector{name: fmt.Sprint(c), next: always(src)}
+}
+
+// ServiceBusSourceOf is SourceOf for a source that plays Service Bus: a
+// subscriber on it takes the AzureServiceBus profile (peek-lock), as one on
+// ServiceBus's connector does.
+func ServiceBusSourceOf(src pump.Source) Connector { return ServiceBusSourcesOf(always(src)) }
+
+// ServiceBusSourcesOf is SourcesOf for sources that play Service Bus (see
+// ServiceBusSourceOf).
+func ServiceBusSourcesOf(next func(ctx context.Context) (pump.Source, error)) Connector {
+	return sourceConnector{name: "a test Service Bus source", next: next, serviceBus: true}
+}
+
+func always(src pump.Source) func(context.Context) (pump.Source, error) {
+	return func(context.Context) (pump.Source, error) { return src, nil }
+}
+
+// PumpCredit is the credit of s's pumps, summed.
+func PumpCredit(s *Subscriber) int {
+	total := 0
+	for _, p := range s.pipes {
+		total += p.pump.Credit()
+	}
+	return total
 }

@@ -86,7 +86,7 @@ func written(t *testing.T) map[string]logLine {
 	t.Helper()
 	lines := map[string]logLine{}
 	fset := token.NewFileSet()
-	for _, root := range []string{"../amqpsub", "../pump", "../lease", "../lanes", "../batch", "../credit", "../internal", "../amqpsubtest"} {
+	for _, root := range []string{"../amqpsub", "../pump", "../lanes", "../batch", "../credit", "../internal", "../amqpsubtest"} {
 		err := filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
 			if err != nil || d.IsDir() || !strings.HasSuffix(path, ".go") || strings.HasSuffix(path, "_test.go") {
 				return err
@@ -551,8 +551,8 @@ func TestLifecycleLogLines(t *testing.T) {
 				<-ctx.Done()
 				return ctx.Err()
 			})
-			sub, _ := amqpsub.New(amqpsub.Dial("amqp://app:s3cret@127.0.0.1:1", nil), "orders", hold,
-				amqpsub.Logger(zap.New(core)), amqpsub.Credit(4), amqpsub.WithSource(src))
+			sub, _ := amqpsub.New(amqpsub.SourceFor(amqpsub.Dial("amqp://app:s3cret@127.0.0.1:1", nil), src), "orders", hold,
+				amqpsub.Logger(zap.New(core)), amqpsub.Credit(4))
 			errc := make(chan error, 1)
 			go func() { errc <- sub.Run(context.Background()) }()
 			synctest.Wait()

@@ -280,3 +280,30 @@ func TestResultOf(t *testing.T) {
 		}
 	}
 }
+
+type infoCatcher struct{ info amqpsub.MetricsInfo }
+
+func (m *infoCatcher) Recorder(i amqpsub.MetricsInfo) amqpsub.Recorder { m.info = i; return nil }
+
+// MetricsInfo.Credit is what the adapters export as the credit gauge, to
+// read Held against: for a session consumer, the sum of the sessions'
+// shares, max(1, Credit/n) each: 8 for Credit(2) and Sessions(8), 8 for
+// Credit(10) and Sessions(4).
+func TestMetricsInfoCreditOfASessionConsumer(t *testing.T) {
+	c, err := amqpsub.ServiceBus("Endpoint=sb://example.servicebus.windows.net/;SharedAccessKeyName=k;SharedAccessKey=dmFsdWU=")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ credit, sessions int }{{2, 8}, {10, 4}} {
+		m := &infoCatcher{}
+		s, err := amqpsub.New(c, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.Credit(tc.credit), amqpsub.Sessions(tc.sessions), amqpsub.WithMetrics(m))
+		if err != nil {
+			t.Fatal(err)
+		}
+		total := amqpsub.PumpCredit(s)
+		if total != m.info.Credit {
+			t.Errorf("Credit(%d) Sessions(%d): MetricsInfo.Credit %d, the pumps' credit %d", tc.credit, tc.sessions, m.info.Credit, total)
+		}
+	}
+}

@@ -5,6 +5,7 @@ package amqpsub_test
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"sync"
 	"sync/atomic"
@@ -13,9 +14,9 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
-
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/internal/fake"
+	"github.com/amqpsub/amqpsub/internal/servicebus"
 )
 
 // Service Bus (settlers), GracePeriod(0): the accepts of handlers that
@@ -28,7 +29,7 @@ func TestGraceZeroSendsEverySettlementDecidedBeforeTheStop(t *testing.T) {
 		src.SettleDelay = 5 * time.Millisecond
 		blocked := make(chan struct{})
 		var calls atomic.Int32
-		s, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
 			calls.Add(1)
 			if index(d) < done {
 				return nil
@@ -37,7 +38,7 @@ func TestGraceZeroSendsEverySettlementDecidedBeforeTheStop(t *testing.T) {
 			<-ctx.Done()
 			return ctx.Err()
 		}), amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(2*time.Second),
-			amqpsub.MaxLockRenewal(0), amqpsub.WithSource(src))
+			amqpsub.MaxLockRenewal(0))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -71,11 +72,11 @@ func TestStopCountsSettlementsItCouldNotSend(t *testing.T) {
 		src := fake.New(true, fake.Messages(10)...)
 		src.SettleErr = func(ctx context.Context, _ *amqp.Message) error { <-ctx.Done(); return ctx.Err() }
 		var handled atomic.Int32
-		s, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 			handled.Add(1)
 			return nil
 		}), amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(time.Second),
-			amqpsub.SettleTimeout(time.Minute), amqpsub.MaxLockRenewal(0), amqpsub.WithSource(src))
+			amqpsub.SettleTimeout(time.Minute), amqpsub.MaxLockRenewal(0))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -120,9 +121,8 @@ func TestSettlementsOfAGroupKeepTheirOrder(t *testing.T) {
 				return ctx.Err()
 			}
 		}
-		s, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
-			amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.WorkersByKey(2), amqpsub.MaxLockRenewal(0),
-			amqpsub.WithSource(src))
+		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.WorkersByKey(2), amqpsub.MaxLockRenewal(0))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -160,9 +160,8 @@ func TestGraceZeroStopWithASettlementStuckInTheLink(t *testing.T) {
 			return nil
 		}
 		defer close(unstick)
-		s, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
-			amqpsub.WithProfile(amqpsub.Artemis), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(time.Second),
-			amqpsub.WithSource(src))
+		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.WithProfile(amqpsub.Artemis), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(time.Second))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -192,7 +191,7 @@ func TestLocalRetryEndsWhenTheLinkIsLost(t *testing.T) {
 		var calls, afterLoss atomic.Int32
 		var lost atomic.Bool
 		failing := make(chan struct{}, 1)
-		s, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+		s, err := amqpsub.New(amqpsub.SourcesOf(sources(first, second)), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 			calls.Add(1)
 			if lost.Load() {
 				afterLoss.Add(1)
@@ -204,7 +203,7 @@ func TestLocalRetryEndsWhenTheLinkIsLost(t *testing.T) {
 			return errors.New("store down")
 		}), amqpsub.WithProfile(amqpsub.Artemis), amqpsub.WorkersByKey(1),
 			amqpsub.LocalRetry(amqpsub.RetryPolicy{Initial: 100 * time.Millisecond, Max: 100 * time.Millisecond, Budget: time.Minute}),
-			amqpsub.Backoff(time.Millisecond, time.Millisecond), amqpsub.WithSources(sources(first, second)))
+			amqpsub.Backoff(time.Millisecond, time.Millisecond))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -223,4 +222,90 @@ func TestLocalRetryEndsWhenTheLinkIsLost(t *testing.T) {
 			t.Fatalf("the handler ran %d times after its delivery's link was lost", afterLoss.Load())
 		}
 	})
+}
+
+// lockingSource is a fake receiver whose messages carry Service Bus locks
+// (a 16-byte delivery tag, x-opt-locked-until) and which renews them,
+// recording each token renewed.
+type lockingSource struct {
+	*fake.Source
+	mu      sync.Mutex
+	renewed map[amqp.UUID]int
+}
+
+func (s *lockingSource) RenewLocks(_ context.Context, tokens []amqp.UUID) ([]time.Time, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	exp := make([]time.Time, len(tokens))
+	for i, tok := range tokens {
+		s.renewed[tok]++
+		exp[i] = time.Now().Add(10 * time.Second)
+	}
+	return exp, nil
+}
+
+func lockedMessages(n int, lock time.Duration) []*amqp.Message {
+	ms := fake.Messages(n)
+	for i, m := range ms {
+		tag := make([]byte, 16)
+		binary.BigEndian.PutUint64(tag[8:], uint64(i+1))
+		m.DeliveryTag = tag
+		m.Annotations = amqp.Annotations{"x-opt-locked-until": time.Now().Add(lock)}
+	}
+	return ms
+}
+
+// A settlement the service does not answer (until SettleTimeout, 30 s)
+// holds up no accept of another message: none waits past its 10 s lock.
+func TestNoLockExpiresWhileItsSettlementWaitsBehindAStuckOne(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const n = 8
+		ls := &lockingSource{Source: fake.New(true, lockedMessages(n, 10*time.Second)...), renewed: map[amqp.UUID]int{}}
+		var mu sync.Mutex
+		sentAt := map[int]time.Duration{}
+		begin := time.Now()
+		ls.SettleErr = func(ctx context.Context, m *amqp.Message) error {
+			if m.Value.(int) == 0 {
+				<-ctx.Done()
+				return ctx.Err()
+			}
+			mu.Lock()
+			sentAt[m.Value.(int)] = time.Since(begin)
+			mu.Unlock()
+			return nil
+		}
+		var handled atomic.Int32
+		s, err := amqpsub.New(amqpsub.SourceOf(ls), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+			handled.Add(1)
+			return nil
+		}), amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.Credit(4), amqpsub.Workers(4))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cancel, errc := run(t, s)
+		time.Sleep(40 * time.Second)
+		synctest.Wait()
+		mu.Lock()
+		var late []int
+		for i, at := range sentAt {
+			if at > 10*time.Second {
+				late = append(late, i)
+				t.Logf("message %d: handled at ~0 s, its accept sent at %v, its lock (10 s) renewed %d times",
+					i, at.Round(time.Millisecond), ls.renewed[tokenOf(i)])
+			}
+		}
+		mu.Unlock()
+		cancel()
+		<-errc
+		if len(late) > 0 {
+			t.Fatalf("accepts of %v waited past their lock's expiry behind an unanswered settlement, unrenewed", late)
+		}
+	})
+}
+
+func tokenOf(i int) amqp.UUID {
+	tag := make([]byte, 16)
+	binary.BigEndian.PutUint64(tag[8:], uint64(i+1))
+	u, _ := servicebus.LockToken(tag)
+	return u
 }

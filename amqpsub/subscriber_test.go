@@ -57,7 +57,7 @@ func TestHandlerResultsSettleAsDocumented(t *testing.T) {
 				src := fake.New(true, msgs...)
 				var mu sync.Mutex
 				seen := map[int]int{}
-				s, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+				s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
 					i := index(d)
 					mu.Lock()
 					seen[i]++
@@ -67,7 +67,7 @@ func TestHandlerResultsSettleAsDocumented(t *testing.T) {
 						return nil // a redelivery: accept it
 					}
 					return results[i]()
-				}), amqpsub.WithProfile(tc.profile), amqpsub.WithSource(src))
+				}), amqpsub.WithProfile(tc.profile))
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -165,10 +165,10 @@ func TestHeldNeverExceedsCredit(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(false, fake.Messages(100)...)
 		unblock := make(chan struct{})
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 			<-unblock
 			return nil
-		}), amqpsub.Credit(8), amqpsub.Workers(3), amqpsub.WithSource(src))
+		}), amqpsub.Credit(8), amqpsub.Workers(3))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		st := s.Stats()
@@ -194,11 +194,11 @@ func TestShutdownReleasesBufferedAndSettlesInProgress(t *testing.T) {
 		src := fake.New(true, fake.Messages(50)...)
 		var started atomic.Int64
 		finish := make(chan struct{})
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
 			started.Add(1)
 			<-finish
 			return ctx.Err() // nil unless the grace period ran out
-		}), amqpsub.Credit(20), amqpsub.Workers(2), amqpsub.WithSource(src))
+		}), amqpsub.Credit(20), amqpsub.Workers(2))
 		_, errc := run(t, s)
 		synctest.Wait()
 		shut := make(chan error, 1)
@@ -232,10 +232,10 @@ func TestShutdownReleasesBufferedAndSettlesInProgress(t *testing.T) {
 func TestGracePeriodCancelsHandlers(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(true, fake.Messages(5)...)
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
 			<-ctx.Done()
 			return ctx.Err()
-		}), amqpsub.Credit(5), amqpsub.GracePeriod(2*time.Second), amqpsub.WithSource(src))
+		}), amqpsub.Credit(5), amqpsub.GracePeriod(2*time.Second))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		start := time.Now()
@@ -257,11 +257,11 @@ func TestCloseStopsAtOnce(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(true, fake.Messages(5)...)
 		var cancelled atomic.Bool
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
 			<-ctx.Done()
 			cancelled.Store(true)
 			return ctx.Err()
-		}), amqpsub.WithSource(src))
+		}))
 		_, errc := run(t, s)
 		synctest.Wait()
 		start := time.Now()
@@ -318,7 +318,7 @@ func TestBatchesAndTheirResults(t *testing.T) {
 		src := fake.New(true, msgs...)
 		var mu sync.Mutex
 		var sizes []int
-		s, err := amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+		s, err := amqpsub.NewBatch(amqpsub.SourceOf(src), "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
 			mu.Lock()
 			sizes = append(sizes, len(b))
 			mu.Unlock()
@@ -329,7 +329,7 @@ func TestBatchesAndTheirResults(t *testing.T) {
 				}
 			}
 			return res
-		}), amqpsub.Batch(4, 10*time.Millisecond), amqpsub.WithSource(src))
+		}), amqpsub.Batch(4, 10*time.Millisecond))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -354,7 +354,7 @@ func TestBatchHandlerContractBreachesRetry(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(true, fake.Messages(3)...)
 		var calls atomic.Int64
-		s, _ := amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+		s, _ := amqpsub.NewBatch(amqpsub.SourceOf(src), "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
 			switch calls.Add(1) {
 			case 1:
 				return make([]error, len(b)+1) // wrong length
@@ -362,7 +362,7 @@ func TestBatchHandlerContractBreachesRetry(t *testing.T) {
 				panic("batch boom")
 			}
 			return nil
-		}), amqpsub.Batch(3, 10*time.Millisecond), amqpsub.WithSource(src))
+		}), amqpsub.Batch(3, 10*time.Millisecond))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		cancel()
@@ -394,13 +394,13 @@ func TestGroupIDsAbsentEmptyAndLongAreHandled(t *testing.T) {
 		msgs[0].Properties = nil
 		src := fake.New(false, msgs...)
 		lanes := make([]atomic.Int64, 4)
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
 			if d.GroupID() != "" && d.GroupID() != long {
 				return errors.New("group-id changed")
 			}
 			lanes[d.Lane()].Add(1)
 			return nil
-		}), amqpsub.WorkersByKey(4), amqpsub.WithSource(src))
+		}), amqpsub.WorkersByKey(4))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		cancel()

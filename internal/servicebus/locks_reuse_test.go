@@ -19,8 +19,7 @@ import (
 // locks expire in one round; while the book reports the first, the second's
 // handler settles and its entry is reused). OnLost gets the message as it
 // entered the book, and LoseLock reports that the ticket is stale, so that
-// amqpsub never names a delivery whose lock is fine. (Found by an outside
-// review.)
+// amqpsub never names a delivery whose lock is fine.
 func TestOnLostNamesTheMessageThatLostItsLock(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)

@@ -162,3 +162,12 @@ func NewManagement(ctx context.Context, sess *amqp.Session, address, linkName st
 // Done is closed when the node's link pair is gone for good (it ends with
 // the AMQP session).
 func (m *Management) Done() <-chan struct{} { return m.done }
+
+// Pair returns the node's current link pair (nil, nil while none is
+// attached): for tests that close one of its links under the node, as a
+// detach by the service ends it.
+func (m *Management) Pair() (*amqp.Sender, *amqp.Receiver) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.snd, m.rcv
+}

@@ -13,7 +13,9 @@ import (
 	"github.com/Azure/go-amqp"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/internal/backoff"
 	"github.com/amqpsub/amqpsub/internal/fake"
+	"github.com/amqpsub/amqpsub/internal/servicebus"
 	"github.com/amqpsub/amqpsub/internal/wire"
 	"github.com/amqpsub/amqpsub/pump"
 )
@@ -49,7 +51,7 @@ func TestLostLinkIsReplacedAfterBackoff(t *testing.T) {
 		var reconnects []string
 		block := make(chan struct{})
 		var handled atomic.Int64
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+		s, _ := amqpsub.New(amqpsub.SourcesOf(sources(first, transient, transient, second)), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
 			if handled.Add(1) == 1 {
 				<-block // in a handler when the link goes
 			}
@@ -57,8 +59,7 @@ func TestLostLinkIsReplacedAfterBackoff(t *testing.T) {
 		}), amqpsub.Credit(4), amqpsub.Backoff(100*time.Millisecond, 400*time.Millisecond),
 			amqpsub.OnReconnect(func(attempts int, cause error) {
 				reconnects = append(reconnects, fmt.Sprintf("%d %v", attempts, errors.Is(cause, fake.ErrLinkLost)))
-			}),
-			amqpsub.WithSources(sources(first, transient, transient, second)))
+			}))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		lostAt := time.Now()
@@ -96,8 +97,7 @@ func TestFatalErrorsEndRun(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		first := fake.New(false, fake.Messages(1)...)
 		refused := &amqp.Error{Condition: amqp.ErrCondUnauthorizedAccess, Description: "no"}
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
-			amqpsub.WithSources(sources(first, &amqp.ConnError{}, refused)))
+		s, _ := amqpsub.New(amqpsub.SourcesOf(sources(first, &amqp.ConnError{}, refused)), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }))
 		_, errc := run(t, s)
 		synctest.Wait()
 		first.Fail(fake.ErrLinkLost)
@@ -111,8 +111,7 @@ func TestFatalErrorsEndRun(t *testing.T) {
 func TestFirstConnectErrorIsNotRetried(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		down := &amqp.ConnError{}
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
-			amqpsub.WithSources(sources(down)))
+		s, _ := amqpsub.New(amqpsub.SourcesOf(sources(down)), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }))
 		if err := s.Run(context.Background()); !errors.Is(err, down) {
 			t.Fatalf("Run = %v", err)
 		}
@@ -161,7 +160,7 @@ func TestLocalRetryKeepsTheDeliveryInItsLane(t *testing.T) {
 		var mu sync.Mutex
 		var order []string
 		attempts := map[int]int{}
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
 			i := index(d)
 			mu.Lock()
 			defer mu.Unlock()
@@ -171,7 +170,7 @@ func TestLocalRetryKeepsTheDeliveryInItsLane(t *testing.T) {
 				return errors.New("flaky")
 			}
 			return nil
-		}), amqpsub.WorkersByKey(2), amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: 3, Initial: 10 * time.Millisecond, Max: 15 * time.Millisecond}), amqpsub.WithSource(src))
+		}), amqpsub.WorkersByKey(2), amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: 3, Initial: 10 * time.Millisecond, Max: 15 * time.Millisecond}))
 		t0 = time.Now()
 		cancel, errc := run(t, s)
 		synctest.Wait()
@@ -192,9 +191,9 @@ var t0 time.Time
 func TestStopCutsLocalRetryShort(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(true, fake.Messages(1)...)
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 			return errors.New("down")
-		}), amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: 5, Initial: time.Hour, Max: time.Hour}), amqpsub.WithSource(src))
+		}), amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: 5, Initial: time.Hour, Max: time.Hour}))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		start := time.Now()
@@ -222,15 +221,15 @@ func TestPoisonLimitRejectsBeforeTheHandler(t *testing.T) {
 			var seen atomic.Int64
 			var s *amqpsub.Subscriber
 			if batch {
-				s, _ = amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+				s, _ = amqpsub.NewBatch(amqpsub.SourceOf(src), "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
 					seen.Add(int64(len(b)))
 					return nil
-				}), amqpsub.MaxDeliveryCount(3), amqpsub.Batch(2, time.Millisecond), amqpsub.WithSource(src))
+				}), amqpsub.MaxDeliveryCount(3), amqpsub.Batch(2, time.Millisecond))
 			} else {
-				s, _ = amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+				s, _ = amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 					seen.Add(1)
 					return nil
-				}), amqpsub.MaxDeliveryCount(3), amqpsub.WithSource(src))
+				}), amqpsub.MaxDeliveryCount(3))
 			}
 			cancel, errc := run(t, s)
 			synctest.Wait()
@@ -262,19 +261,19 @@ func TestMaxMessageSizeRejectsBeforeTheHandler(t *testing.T) {
 			src := fake.New(true, msgs...)
 			var seen atomic.Int64
 			var events atomic.Int64
-			opts := []amqpsub.Option{amqpsub.MaxMessageSize(100), amqpsub.WithSource(src), amqpsub.OnEvent(func(e amqpsub.Event) {
+			opts := []amqpsub.Option{amqpsub.MaxMessageSize(100), amqpsub.OnEvent(func(e amqpsub.Event) {
 				if e.Kind == amqpsub.EventOversize {
 					events.Add(1)
 				}
 			})}
 			var s *amqpsub.Subscriber
 			if batch {
-				s, _ = amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+				s, _ = amqpsub.NewBatch(amqpsub.SourceOf(src), "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
 					seen.Add(int64(len(b)))
 					return nil
 				}), append(opts, amqpsub.Batch(3, time.Millisecond))...)
 			} else {
-				s, _ = amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+				s, _ = amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 					seen.Add(1)
 					return nil
 				}), opts...)
@@ -318,14 +317,13 @@ func TestInvalidRecoveryOptions(t *testing.T) {
 func TestLinksLostAtOnceAreReattachedWithBackoff(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		var attaches atomic.Int64
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
-			amqpsub.Backoff(100*time.Millisecond, time.Second),
-			amqpsub.WithSources(func(context.Context) (pump.Source, error) {
-				attaches.Add(1)
-				src := fake.New(false)
-				src.Fail(errors.New("amqp: link closed: char not implemented"))
-				return src, nil
-			}))
+		s, _ := amqpsub.New(amqpsub.SourcesOf(func(context.Context) (pump.Source, error) {
+			attaches.Add(1)
+			src := fake.New(false)
+			src.Fail(errors.New("amqp: link closed: char not implemented"))
+			return src, nil
+		}), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.Backoff(100*time.Millisecond, time.Second))
 		cancel, errc := run(t, s)
 		time.Sleep(10 * time.Second)
 		cancel()
@@ -350,14 +348,13 @@ func TestLocalRetryBudgetAndBatches(t *testing.T) {
 			src := fake.New(true, fake.Messages(1)...)
 			start := time.Now()
 			var calls []time.Duration
-			s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+			s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 				calls = append(calls, time.Since(start))
 				if time.Since(start) < 10*time.Second {
 					return errors.New("store down")
 				}
 				return nil
-			}), amqpsub.LocalRetry(amqpsub.RetryPolicy{Budget: 2 * time.Second, Initial: 500 * time.Millisecond, Max: time.Second}),
-				amqpsub.WithSource(src))
+			}), amqpsub.LocalRetry(amqpsub.RetryPolicy{Budget: 2 * time.Second, Initial: 500 * time.Millisecond, Max: time.Second}))
 			cancel, errc := run(t, s)
 			synctest.Wait()
 			time.Sleep(3 * time.Second)
@@ -381,7 +378,7 @@ func TestLocalRetryBudgetAndBatches(t *testing.T) {
 			var mu sync.Mutex
 			var batches []string
 			failed := map[int]int{}
-			s, _ := amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+			s, _ := amqpsub.NewBatch(amqpsub.SourceOf(src), "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
 				mu.Lock()
 				defer mu.Unlock()
 				res := make([]error, len(b))
@@ -396,7 +393,7 @@ func TestLocalRetryBudgetAndBatches(t *testing.T) {
 				batches = append(batches, fmt.Sprint(ids))
 				return res
 			}), amqpsub.Batch(4, time.Millisecond),
-				amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: 3, Initial: 10 * time.Millisecond}), amqpsub.WithSource(src))
+				amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: 3, Initial: 10 * time.Millisecond}))
 			cancel, errc := run(t, s)
 			synctest.Wait()
 			time.Sleep(time.Second)
@@ -417,10 +414,9 @@ func TestBlockingOnReconnectIsReportedAtTheStop(t *testing.T) {
 		first := fake.New(true, fake.Messages(1)...)
 		second := fake.New(true)
 		unblock := make(chan struct{})
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+		s, _ := amqpsub.New(amqpsub.SourcesOf(sources(first, second)), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
 			amqpsub.GracePeriod(time.Second), amqpsub.CloseTimeout(time.Second),
-			amqpsub.OnReconnect(func(int, error) { <-unblock }),
-			amqpsub.WithSources(sources(first, second)))
+			amqpsub.OnReconnect(func(int, error) { <-unblock }))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		first.Fail(fake.ErrLinkLost)
@@ -449,14 +445,13 @@ func TestServerBusyWaitsTenSecondsBeforeTheNextAttempt(t *testing.T) {
 		var mu sync.Mutex
 		var attempts []time.Time
 		src := sources(first, busy, &amqp.ConnError{}, second, third)
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
-			amqpsub.Backoff(time.Millisecond, 10*time.Millisecond),
-			amqpsub.WithSources(func(ctx context.Context) (pump.Source, error) {
-				mu.Lock()
-				attempts = append(attempts, time.Now())
-				mu.Unlock()
-				return src(ctx)
-			}))
+		s, _ := amqpsub.New(amqpsub.ServiceBusSourcesOf(func(ctx context.Context) (pump.Source, error) {
+			mu.Lock()
+			attempts = append(attempts, time.Now())
+			mu.Unlock()
+			return src(ctx)
+		}), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.Backoff(time.Millisecond, 10*time.Millisecond))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		time.Sleep(time.Minute) // the first link is healthy by now
@@ -498,11 +493,11 @@ func TestSessionSlotWithoutASessionReconnects(t *testing.T) {
 		noSession := &amqp.Error{Condition: "com.microsoft:timeout", Description: "no session available"}
 		connLost := &amqp.ConnError{}
 		handled := make(chan struct{})
-		s, err := amqpsub.New(amqpsub.Dial("amqp://127.0.0.1:1", nil), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+		s, err := amqpsub.New(amqpsub.SourcesOf(sources(noSession, noSession, connLost, src)), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 			close(handled)
 			return nil
 		}), amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.Sessions(1), amqpsub.MaxLockRenewal(0),
-			amqpsub.Backoff(time.Millisecond, time.Millisecond), amqpsub.WithSources(sources(noSession, noSession, connLost, src)))
+			amqpsub.Backoff(time.Millisecond, time.Millisecond))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -528,11 +523,10 @@ func TestSessionSlotDoesNotSpinOnAnImmediateTimeout(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		var asks atomic.Int32
 		noSession := &amqp.Error{Condition: "com.microsoft:timeout", Description: "no session available"}
-		s, err := amqpsub.New(amqpsub.Dial("amqp://127.0.0.1:1", nil), "q",
+		s, err := amqpsub.New(amqpsub.SourcesOf(func(context.Context) (pump.Source, error) { asks.Add(1); return nil, noSession }), "q",
 			amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
 			amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.Sessions(1), amqpsub.MaxLockRenewal(0),
-			amqpsub.Backoff(100*time.Millisecond, time.Second),
-			amqpsub.WithSources(func(context.Context) (pump.Source, error) { asks.Add(1); return nil, noSession }))
+			amqpsub.Backoff(100*time.Millisecond, time.Second))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -546,6 +540,45 @@ func TestSessionSlotDoesNotSpinOnAnImmediateTimeout(t *testing.T) {
 		}
 		if n := asks.Load(); n > 11 {
 			t.Fatalf("%d asks for a session in 1 s with a 100 ms backoff floor", n)
+		}
+	})
+}
+
+// A named session another receiver holds is asked for again after waits
+// that grow up to 30 s, for as long as Run runs: not in a loop, and not the
+// end of Run.
+func TestSessionCannotBeLockedBacksOff(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		start := time.Now()
+		var calls []time.Duration
+		refused := &amqp.Error{Condition: servicebus.CondSessionCannotBeLocked, Description: "held by another receiver"}
+		s, err := amqpsub.New(amqpsub.SourcesOf(func(context.Context) (pump.Source, error) {
+			calls = append(calls, time.Since(start))
+			return nil, fmt.Errorf("amqpsub: attach receiver: %w", refused)
+		}), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.SessionIDs("a"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- s.Run(ctx) }()
+		time.Sleep(3 * time.Minute)
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatalf("Run: %v", err)
+		}
+		t.Logf("requests at %v", calls)
+		// 1, 2, 4, 8, 16 s, then 30 s: from 0.5 + 1 + 2 + 4 + 8 + 15 s
+		// = 30.5 s to 61 s for the first six waits, then 15-30 s each.
+		if len(calls) < 7 || len(calls) > 17 {
+			t.Fatalf("%d requests in 3 minutes", len(calls))
+		}
+		for k := 1; k < len(calls); k++ {
+			ceiling := backoff.Ceiling(k-1, time.Second, 30*time.Second) // servicebus.SessionLockedWait's
+			if gap := calls[k] - calls[k-1]; gap < ceiling/2 || gap > ceiling {
+				t.Fatalf("request %d came %v after the one before, want between %v and %v", k+1, gap, ceiling/2, ceiling)
+			}
 		}
 	})
 }

@@ -1,4 +1,4 @@
-package amqpsub
+package servicebus
 
 import (
 	"context"
@@ -36,7 +36,7 @@ func refreshRun(t *testing.T, life time.Duration, put func(ctx context.Context, 
 		<-r.done // it ends by itself after an abort
 	case <-time.After(max(60*time.Second, life)):
 	}
-	r.stop()
+	r.Stop()
 	return at, deadlines, aborted
 }
 
@@ -116,7 +116,7 @@ func TestRefresher(t *testing.T) {
 	t.Run("stop does not wait for a TokenProvider that ignores ctx", func(t *testing.T) {
 		synctest.Test(t, func(t *testing.T) {
 			tp := &blockedProvider{release: make(chan struct{})}
-			p := &cbsPutter{tp: tp} // no $cbs: Token never returns before the stop
+			p := &cbsPutter{tp: tp.Token} // no $cbs: Token never returns before the stop
 			start := time.Now()
 			r := startRefresher([]claim{newClaim("amqp://ns/q", start, start.Add(8*time.Second))}, p.put, func() {
 				t.Error("the connection was dropped")
@@ -127,7 +127,7 @@ func TestRefresher(t *testing.T) {
 				t.Fatalf("%d calls of Token", tp.calls())
 			}
 			stopped := time.Now()
-			r.stop()
+			r.Stop()
 			if d := time.Since(stopped); d != 0 {
 				t.Fatalf("stop took %v", d)
 			}
@@ -150,26 +150,11 @@ func (b *blockedProvider) Token(context.Context, string) (Token, error) {
 	b.n++
 	b.mu.Unlock()
 	<-b.release
-	return Token{Type: TokenTypeJWT, Value: "late", Expiry: time.Now().Add(time.Hour)}, nil
+	return Token{Type: "jwt", Value: "late", Expiry: time.Now().Add(time.Hour)}, nil
 }
 
 func (b *blockedProvider) calls() int {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.n
-}
-
-type fixedToken Token
-
-func (f fixedToken) Token(context.Context, string) (Token, error) { return Token(f), nil }
-
-// A token with no Expiry would never be refreshed: only a pre-made SAS
-// token may have none.
-func TestZeroExpiryOnlyForSAS(t *testing.T) {
-	p := &cbsPutter{tp: fixedToken{Type: TokenTypeJWT, Value: "eyJ"}} // no $cbs: refused before
-	_, err := p.put(context.Background(), "amqps://ns/q")
-	if !errors.Is(err, ErrInvalidOption) {
-		t.Fatalf("a JWT with no Expiry: %v, want an error wrapping ErrInvalidOption", err)
-	}
-	t.Log(err)
 }

@@ -3,6 +3,7 @@ package amqpsub_test
 import (
 	"context"
 	"errors"
+	"io"
 	"net"
 	"strings"
 	"sync"
@@ -10,11 +11,10 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/zap"
-	"go.uber.org/zap/zaptest/observer"
-
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/internal/wire"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 )
 
 var nop = amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil })
@@ -275,5 +275,137 @@ func waitAttached(t *testing.T, p *peer, errc <-chan error) {
 		t.Fatalf("Run returned before attaching to %s: %v", p.addr(), err)
 	case <-time.After(10 * time.Second):
 		t.Fatalf("no receiver attached to %s", p.addr())
+	}
+}
+
+// A DialFailover that cannot attach at the start names, in Run's error,
+// every address and why it failed, also those that answered but could not
+// attach, each tried once.
+func TestFirstAttachErrorNamesEveryAddress(t *testing.T) {
+	a, b := muteAfterOpen(t), muteAfterOpen(t)
+	c, err := amqpsub.DialFailover([]string{"amqp://" + a, "amqp://" + b}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, _ := amqpsub.New(c, "q", nop, amqpsub.DialTimeout(200*time.Millisecond))
+	t0 := time.Now()
+	err = s.Run(context.Background())
+	t.Logf("Run after %v: %v", time.Since(t0).Round(time.Millisecond), err)
+	if err == nil {
+		t.Fatal("Run = nil")
+	}
+	for _, addr := range []string{a, b} {
+		if !strings.Contains(err.Error(), addr) {
+			t.Errorf("Run's error does not name %s", addr)
+		}
+	}
+}
+
+// muteAfterOpen returns the address of a broker that opens AMQP
+// connections and then answers nothing (no begin): one that is starting,
+// overloaded, or a node that takes connections but cannot serve the queue.
+func muteAfterOpen(t *testing.T) string {
+	t.Helper()
+	return acceptAll(t, func(c net.Conn) {
+		hdr := make([]byte, 8)
+		if _, err := io.ReadFull(c, hdr); err != nil {
+			return
+		}
+		if write(c, peerAMQPHeader) != nil {
+			return
+		}
+		if _, _, err := readPeerFrame(c); err != nil { // open
+			return
+		}
+		if write(c, peerFrame(0, 0, described(0x10, list8(str8("mute"))))) != nil {
+			return
+		}
+		_, _ = io.Copy(io.Discard, c)
+	})
+}
+
+// On the first connect, an address that opens the connection but never
+// opens the session is passed over: the good address after it serves the
+// subscriber, and Run does not end with the first one's error.
+func TestFailoverFirstAttachMovesOn(t *testing.T) {
+	good := newPeer(t, false)
+	c, err := amqpsub.DialFailover([]string{"amqp://" + muteAfterOpen(t), "amqp://" + good.addr()}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, _ := amqpsub.New(c, "q", nop, amqpsub.DialTimeout(300*time.Millisecond))
+	cancel, errc := run(t, s)
+	defer cancel()
+	select {
+	case <-good.attached:
+		cancel()
+		<-errc
+	case err := <-errc:
+		t.Fatalf("Run = %v; the second address (accepted %d connections) was never tried", err, good.accepted.Load())
+	case <-time.After(10 * time.Second):
+		t.Fatal("neither")
+	}
+}
+
+// A password with an unescaped '/' or '?' after a numeric prefix (such as
+// 2024/Spring) makes the URL parse with the user name as the host and the
+// password as the port and path. DialFailover refuses it, and Dial's
+// String and Run's error never show the password.
+func TestPasswordThatParsesAsAPortIsNotShown(t *testing.T) {
+	const raw = "amqp://alice:2024/Spring@127.0.0.1:5672"
+	if _, err := amqpsub.DialFailover([]string{raw}, nil); err == nil || strings.Contains(err.Error(), "Spring") {
+		t.Fatalf("DialFailover = %v; want an error without the password", err)
+	}
+	c := amqpsub.Dial(raw, nil)
+	s, _ := amqpsub.New(c, "q", nop, amqpsub.DialTimeout(200*time.Millisecond))
+	err := s.Run(context.Background())
+	t.Logf("String() %q; Run: %v", c.String(), err)
+	if strings.Contains(c.String(), "Spring") || err != nil && strings.Contains(err.Error(), "Spring") {
+		t.Fatalf("the password is shown: String() %q, Run: %v", c.String(), err)
+	}
+}
+
+// An address whose scheme was left out (user:password@host:port,
+// or amqp: without the //) parses as scheme + opaque, with no user info for
+// the redaction to take out: DialFailover refuses it, and neither its error
+// nor Dial's String nor Run's error shows the password.
+func TestPasswordOfAnAddressWithoutSlashesIsNotShown(t *testing.T) {
+	const secret = "s3cr3tPW"
+	for _, raw := range []string{
+		"alice:" + secret + "@127.0.0.1:1",          // scheme left out
+		"amqp:alice:" + secret + "@127.0.0.1:1",     // // left out
+		"amqps:alice:" + secret + "@127.0.0.1:1",    // // left out
+		"amqp:/alice:" + secret + "%zz@127.0.0.1:1", // one / and a bad escape: unparsable, no // to find the password by
+	} {
+		_, err := amqpsub.DialFailover([]string{raw}, nil)
+		if err == nil {
+			t.Errorf("%s: DialFailover accepted it", raw)
+		} else if strings.Contains(err.Error(), secret) {
+			t.Errorf("DialFailover error shows the password: %v", err)
+		}
+		c := amqpsub.Dial(raw, nil)
+		if strings.Contains(c.String(), secret) {
+			t.Errorf("Dial(%q).String() = %q shows the password", raw, c.String())
+		}
+		if strings.HasPrefix(raw, "alice:") { // runs no dial: the scheme is refused first
+			s, err := amqpsub.New(c, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+				amqpsub.DialTimeout(200*time.Millisecond))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Run(context.Background()); err != nil && strings.Contains(err.Error(), secret) {
+				t.Errorf("Run's error shows the password: %v", err)
+			}
+		}
+	}
+}
+
+// An '@' written %40 in a path is not taken for a misplaced credential.
+func TestEscapedAtInAPathIsAccepted(t *testing.T) {
+	if _, err := amqpsub.DialFailover([]string{"amqp://u:p@host:5672/%40"}, nil); err != nil {
+		t.Fatalf("DialFailover refused a valid URL: %v", err)
+	}
+	if _, err := amqpsub.DialFailover([]string{"amqp://u:p/w@host:5672"}, nil); err == nil {
+		t.Fatal("DialFailover took a password with an unescaped '/'")
 	}
 }

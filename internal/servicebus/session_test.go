@@ -1,4 +1,4 @@
-package amqpsub
+package servicebus
 
 import (
 	"context"
@@ -10,10 +10,6 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
-
-	"github.com/amqpsub/amqpsub/internal/backoff"
-	"github.com/amqpsub/amqpsub/internal/servicebus"
-	"github.com/amqpsub/amqpsub/pump"
 )
 
 // sessionRenewals runs keepSessionLock for a lock of 20 s from the bubble's
@@ -93,8 +89,8 @@ func TestSessionLockRenewal(t *testing.T) {
 		name string
 		gone error
 	}{
-		{"lost at once: status 410", fmt.Errorf("amqpsub: renew-session-lock: status 410: %w", errLockLost)},
-		{"lost at once: $management gone", fmt.Errorf("amqpsub: x/$management: %w: closed", errNodeGone)},
+		{"lost at once: status 410", fmt.Errorf("amqpsub: renew-session-lock: status 410: %w", ErrLockLost)},
+		{"lost at once: $management gone", fmt.Errorf("amqpsub: x/$management: %w: closed", ErrNodeGone)},
 	} {
 		gone := tc.gone
 		t.Run(tc.name, func(t *testing.T) {
@@ -105,8 +101,8 @@ func TestSessionLockRenewal(t *testing.T) {
 				if !errors.Is(err, gone) || ended != 10*time.Second || len(calls) != 1 {
 					t.Fatalf("requests at %v; given up at %v: %v", calls, ended, err)
 				}
-				if errors.Is(gone, errLockLost) && !errors.Is(err, servicebus.ErrLockLost) {
-					t.Fatalf("%v does not wrap servicebus.ErrLockLost", err)
+				if errors.Is(gone, ErrLockLost) && !errors.Is(err, ErrLockLost) {
+					t.Fatalf("%v does not wrap ErrLockLost", err)
 				}
 			})
 		})
@@ -140,7 +136,7 @@ func TestSessionLockRenewal(t *testing.T) {
 func TestSessionFilterDescriptor(t *testing.T) {
 	for _, id := range []string{"", "s-1"} {
 		ro := &amqp.ReceiverOptions{}
-		sessionReceiverOptions(ro, id, 5*time.Second)
+		SessionReceiverOptions(ro, id, 5*time.Second)
 		if len(ro.Filters) != 1 {
 			t.Fatalf("%d filters, want 1", len(ro.Filters))
 		}
@@ -169,49 +165,9 @@ func TestSessionLockedWait(t *testing.T) {
 	for k, ceiling := range []time.Duration{time.Second, 2 * time.Second, 4 * time.Second, 8 * time.Second,
 		16 * time.Second, 30 * time.Second, 30 * time.Second} {
 		for range 200 {
-			if d := sessionLockedWait(k); d < ceiling/2 || d > ceiling {
-				t.Fatalf("sessionLockedWait(%d) = %v, want between %v and %v", k, d, ceiling/2, ceiling)
+			if d := SessionLockedWait(k); d < ceiling/2 || d > ceiling {
+				t.Fatalf("SessionLockedWait(%d) = %v, want between %v and %v", k, d, ceiling/2, ceiling)
 			}
 		}
 	}
-}
-
-// A named session another receiver holds is asked for again after waits
-// that grow up to 30 s, for as long as Run runs: not in a loop, and not the
-// end of Run.
-func TestSessionCannotBeLockedBacksOff(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		start := time.Now()
-		var calls []time.Duration
-		refused := &amqp.Error{Condition: errCondSessionCannotBeLocked, Description: "held by another receiver"}
-		s, err := New(Dial("amqp://127.0.0.1:1", nil), "q", HandlerFunc(func(context.Context, *Delivery) error { return nil }),
-			WithProfile(AzureServiceBus), SessionIDs("a"),
-			WithSources(func(context.Context) (pump.Source, error) {
-				calls = append(calls, time.Since(start))
-				return nil, fmt.Errorf("amqpsub: attach receiver: %w", refused)
-			}))
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() { done <- s.Run(ctx) }()
-		time.Sleep(3 * time.Minute)
-		cancel()
-		if err := <-done; err != nil {
-			t.Fatalf("Run: %v", err)
-		}
-		t.Logf("requests at %v", calls)
-		// 1, 2, 4, 8, 16 s, then 30 s: from 0.5 + 1 + 2 + 4 + 8 + 15 s
-		// = 30.5 s to 61 s for the first six waits, then 15-30 s each.
-		if len(calls) < 7 || len(calls) > 17 {
-			t.Fatalf("%d requests in 3 minutes", len(calls))
-		}
-		for k := 1; k < len(calls); k++ {
-			ceiling := backoff.Ceiling(k-1, sessionLockedFloor, sessionLockedMax)
-			if gap := calls[k] - calls[k-1]; gap < ceiling/2 || gap > ceiling {
-				t.Fatalf("request %d came %v after the one before, want between %v and %v", k+1, gap, ceiling/2, ceiling)
-			}
-		}
-	})
 }

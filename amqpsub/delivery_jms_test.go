@@ -202,44 +202,6 @@ func TestJMSTypeString(t *testing.T) {
 }
 
 // Annotation finds a key whether the map holds it as a string (as go-amqp
-// decodes symbols) or as an amqp.Symbol (as a message built in Go may).
-func TestAnnotationSymbolKeys(t *testing.T) {
-	str := &amqp.Message{Annotations: amqp.Annotations{"x-opt-a": int8(1)}}
-	sym := &amqp.Message{Annotations: amqp.Annotations{amqp.Symbol("x-opt-a"): int8(1)}}
-	wire, err := sym.MarshalBinary()
-	if err != nil {
-		t.Fatal(err)
-	}
-	decoded := new(amqp.Message)
-	if err := decoded.UnmarshalBinary(wire); err != nil {
-		t.Fatal(err)
-	}
-	if _, isString := firstKey(decoded.Annotations).(string); !isString {
-		t.Fatalf("go-amqp decoded the annotation key as %T, want string", firstKey(decoded.Annotations))
-	}
-	errs := handleAll(t, func(d *amqpsub.Delivery) error {
-		if v, ok := d.Annotation("x-opt-a"); !ok || v != int8(1) {
-			return fmt.Errorf("Annotation with keys of type %T = %v, %v", firstKey(d.Message().Annotations), v, ok)
-		}
-		if _, ok := d.Annotation("x-opt-b"); ok {
-			return errors.New("Annotation found a key that is not there")
-		}
-		return nil
-	}, str, sym, decoded)
-	for _, err := range errs {
-		t.Error(err)
-	}
-}
-
-func firstKey(a amqp.Annotations) any {
-	for k := range a {
-		return k
-	}
-	return nil
-}
-
-// callViews calls every accessor of d and reports a panic as an error. The
-// subscriber would recover a panic too, as a retry, which the fake source
 // would redeliver for ever.
 func callViews(d *amqpsub.Delivery) (err error) {
 	defer func() {

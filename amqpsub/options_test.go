@@ -11,10 +11,9 @@ import (
 	"testing/synctest"
 	"time"
 
-	"go.uber.org/zap"
-
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/internal/fake"
+	"go.uber.org/zap"
 )
 
 // Batch(1, …) is valid: a BatchHandler gets batches of one. (It used to
@@ -25,12 +24,12 @@ func TestBatchOfOne(t *testing.T) {
 			src := fake.New(true, fake.Messages(6, "a", "b")...)
 			var sizes []int
 			var mu sync.Mutex
-			s, err := amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+			s, err := amqpsub.NewBatch(amqpsub.SourceOf(src), "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
 				mu.Lock()
 				sizes = append(sizes, len(b))
 				mu.Unlock()
 				return nil
-			}), amqpsub.Batch(1, time.Second), shape, amqpsub.WithSource(src))
+			}), amqpsub.Batch(1, time.Second), shape)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -54,11 +53,11 @@ func TestBatchWithoutWait(t *testing.T) {
 		var sizes []int
 		start := time.Now()
 		var at []time.Duration
-		s, _ := amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+		s, _ := amqpsub.NewBatch(amqpsub.SourceOf(src), "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
 			sizes = append(sizes, len(b))
 			at = append(at, time.Since(start))
 			return nil
-		}), amqpsub.Batch(4, 0), amqpsub.WithSource(src))
+		}), amqpsub.Batch(4, 0))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		src.Push(fake.Messages(1)...) // a lone delivery goes at once
@@ -94,7 +93,7 @@ func TestSmallestValidOptionsRun(t *testing.T) {
 					amqpsub.Backoff(time.Nanosecond, time.Nanosecond), amqpsub.FatalErrors(nil),
 					amqpsub.OnReconnect(nil), amqpsub.OnEvent(nil),
 					amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: 1, Initial: 0, Max: 0}),
-					amqpsub.MaxDeliveryCount(0), amqpsub.WithSource(src),
+					amqpsub.MaxDeliveryCount(0),
 				}
 				if keyed {
 					opts = append(opts, amqpsub.WorkersByKey(1))
@@ -105,12 +104,12 @@ func TestSmallestValidOptionsRun(t *testing.T) {
 				var err error
 				if batch {
 					opts = append(opts, amqpsub.Batch(1, 0))
-					s, err = amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+					s, err = amqpsub.NewBatch(amqpsub.SourceOf(src), "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
 						handled.Add(int64(len(b)))
 						return nil
 					}), opts...)
 				} else {
-					s, err = amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+					s, err = amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 						handled.Add(1)
 						return nil
 					}), opts...)
@@ -137,10 +136,10 @@ func TestLargestCreditRuns(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(true, fake.Messages(1000, "a", "b", "c")...)
 		gate := make(chan struct{})
-		s, err := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 			<-gate
 			return nil
-		}), amqpsub.Credit(1<<20), amqpsub.WorkersByKey(64), amqpsub.WithSource(src))
+		}), amqpsub.Credit(1<<20), amqpsub.WorkersByKey(64))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -180,13 +179,13 @@ func TestLargestValidOptionsRun(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				src := fake.New(true, fake.Messages(100, "a", "b", "c", "")...)
-				opts := append(tc.opts, amqpsub.WithSource(src))
+				opts := tc.opts
 				var s *amqpsub.Subscriber
 				var err error
 				if tc.batch {
-					s, err = amqpsub.NewBatch(nowhere, "q", acceptBatch, opts...)
+					s, err = amqpsub.NewBatch(amqpsub.SourceOf(src), "q", acceptBatch, opts...)
 				} else {
-					s, err = amqpsub.New(nowhere, "q", accept, opts...)
+					s, err = amqpsub.New(amqpsub.SourceOf(src), "q", accept, opts...)
 				}
 				if err != nil {
 					t.Fatal(err)
@@ -213,32 +212,6 @@ func TestLargestValidOptionsRun(t *testing.T) {
 }
 
 // A Delivery stays valid after its handler returned: a goroutine it was
-// handed to reads the same message, not a later one.
-func TestRetainedDeliveryKeepsItsMessage(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		src := fake.New(true, fake.Messages(50, "k")...)
-		var kept []*amqpsub.Delivery
-		var seen []int
-		s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
-			kept = append(kept, d)
-			seen = append(seen, index(d))
-			return nil
-		}), amqpsub.Credit(2), amqpsub.WithSource(src))
-		cancel, errc := run(t, s)
-		synctest.Wait()
-		cancel()
-		if err := <-errc; err != nil {
-			t.Fatal(err)
-		}
-		for i, d := range kept {
-			if index(d) != seen[i] || d.GroupID() != "k" || d.Lane() != 0 {
-				t.Fatalf("delivery %d now reads message %d", seen[i], index(d))
-			}
-		}
-	})
-}
-
-// BalanceKeys on the whole pipeline: every group in order, one delivery at
 // a time, and nothing held at the end.
 func TestBalanceKeysKeepsGroupOrder(t *testing.T) {
 	for _, batch := range []bool{false, true} {
@@ -257,10 +230,10 @@ func TestBalanceKeysKeepsGroupOrder(t *testing.T) {
 					last[g] = index(d)
 				}
 			}
-			opts := []amqpsub.Option{amqpsub.WorkersByKey(4), amqpsub.BalanceKeys(), amqpsub.Credit(32), amqpsub.WithSource(src)}
+			opts := []amqpsub.Option{amqpsub.WorkersByKey(4), amqpsub.BalanceKeys(), amqpsub.Credit(32)}
 			var s *amqpsub.Subscriber
 			if batch {
-				s, _ = amqpsub.NewBatch(nowhere, "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+				s, _ = amqpsub.NewBatch(amqpsub.SourceOf(src), "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
 					for _, d := range b {
 						check(d)
 					}
@@ -268,7 +241,7 @@ func TestBalanceKeysKeepsGroupOrder(t *testing.T) {
 					return nil
 				}), append(opts, amqpsub.Batch(5, time.Millisecond))...)
 			} else {
-				s, _ = amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+				s, _ = amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
 					check(d)
 					time.Sleep(time.Millisecond)
 					return nil
@@ -286,6 +259,40 @@ func TestBalanceKeysKeepsGroupOrder(t *testing.T) {
 			st := s.Stats()
 			if violations != 0 || st.Settled.Accepted != 600 || st.GroupsHeld != 0 || len(st.Lanes) != 4 {
 				t.Fatalf("batch %v: %d violations; stats %v", batch, violations, st)
+			}
+		})
+	}
+}
+
+// MaxHeldBytes(n) with a large n (math.MaxInt64 as "no practical bound")
+// must not bound the process more tightly than a small one.
+func TestMaxHeldBytesTooLargeToScaleIsUnbounded(t *testing.T) {
+	for _, n := range []int64{1 << 40, math.MaxInt64} {
+		synctest.Test(t, func(t *testing.T) {
+			msgs := fake.Messages(100)
+			for _, m := range msgs {
+				m.Data = [][]byte{make([]byte, 10)}
+			}
+			src := fake.New(true, msgs...)
+			release := make(chan struct{})
+			s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+				<-release
+				return nil
+			}), amqpsub.Credit(256), amqpsub.MaxHeldBytes(n))
+			if err != nil {
+				t.Fatal(err)
+			}
+			cancel, errc := run(t, s)
+			for range 20 { // let a few round trips of credit happen
+				synctest.Wait()
+			}
+			st := s.Stats()
+			close(release)
+			cancel()
+			<-errc
+			t.Logf("MaxHeldBytes(%d): held %d of 100 (bytes %d)", n, st.Held, st.BytesHeld)
+			if st.Held != 100 {
+				t.Errorf("MaxHeldBytes(%d): held %d, want all 100 (1000 bytes, far under the budget)", n, st.Held)
 			}
 		})
 	}

@@ -13,36 +13,6 @@ import (
 	"github.com/amqpsub/amqpsub/pump"
 )
 
-type infoCatcher struct{ info MetricsInfo }
-
-func (m *infoCatcher) Recorder(i MetricsInfo) Recorder { m.info = i; return nil }
-
-// MetricsInfo.Credit is what the adapters export as the credit gauge, to
-// read Held against: for a session consumer, the sum of the sessions'
-// shares, max(1, Credit/n) each: 8 for Credit(2) and Sessions(8), 8 for
-// Credit(10) and Sessions(4). (Found by an outside review.)
-func TestMetricsInfoCreditOfASessionConsumer(t *testing.T) {
-	c, err := ServiceBus("Endpoint=sb://example.servicebus.windows.net/;SharedAccessKeyName=k;SharedAccessKey=dmFsdWU=")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, tc := range []struct{ credit, sessions int }{{2, 8}, {10, 4}} {
-		m := &infoCatcher{}
-		s, err := New(c, "q", HandlerFunc(func(context.Context, *Delivery) error { return nil }),
-			Credit(tc.credit), Sessions(tc.sessions), WithMetrics(m))
-		if err != nil {
-			t.Fatal(err)
-		}
-		total := 0
-		for _, p := range s.pipes {
-			total += p.pump.Credit()
-		}
-		if total != m.info.Credit {
-			t.Errorf("Credit(%d) Sessions(%d): MetricsInfo.Credit %d, the pumps' credit %d", tc.credit, tc.sessions, m.info.Credit, total)
-		}
-	}
-}
-
 type eventCatcher struct {
 	mu     sync.Mutex
 	events []Event
@@ -62,18 +32,21 @@ func (r *eventCatcher) Event(e Event) {
 
 // The lease book reports a lost lock after it let go of its mutex, so the
 // delivery may have been settled and its entry given to the next one
-// meanwhile (see lease/lost_reuse_test.go): pipe.lockLost then reports
+// meanwhile (see internal/servicebus/locks_reuse_test.go): sbKind.lockLost then reports
 // nothing, rather than an event naming the next delivery, whose lock is
-// fine. (Found by an outside review.)
+// fine.
 func TestLockLostOnAReusedEntryIsNotReported(t *testing.T) {
 	src := fake.New(false, &amqp.Message{Properties: &amqp.MessageProperties{MessageID: "old"}})
 	rec := &eventCatcher{}
-	s, err := New(Dial("amqp://127.0.0.1:1", nil), "q", HandlerFunc(func(context.Context, *Delivery) error { return nil }),
-		WithSource(src), WithMetrics(rec))
+	s, err := New(ServiceBusSourceOf(src), "q", HandlerFunc(func(context.Context, *Delivery) error { return nil }), WithMetrics(rec))
 	if err != nil {
 		t.Fatal(err)
 	}
 	p := s.pipes[0]
+	k, ok := p.kind.(*sbKind)
+	if !ok {
+		t.Fatal("not Service Bus's kind under the Service Bus profile")
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
@@ -89,7 +62,7 @@ func TestLockLostOnAReusedEntryIsNotReported(t *testing.T) {
 	if next.Entry() != old.Entry() {
 		t.Skip("the entry was not reused")
 	}
-	p.lockLost(old, &amqp.Message{Properties: &amqp.MessageProperties{MessageID: "old"}}, servicebus.ErrLockLost) // the book reports old's lock, late
+	k.lockLost(old, &amqp.Message{Properties: &amqp.MessageProperties{MessageID: "old"}}, servicebus.ErrLockLost) // the book reports old's lock, late
 	rec.mu.Lock()
 	defer rec.mu.Unlock()
 	for _, e := range rec.events {
@@ -102,20 +75,16 @@ func TestLockLostOnAReusedEntryIsNotReported(t *testing.T) {
 // A handler whose delivery's lock was lost between the lane's Begin and the
 // binding of its context (the book has let go of the delivery) gets a
 // context cancelled with servicebus.ErrLockLost at once, as it would have a
-// moment later, rather than one never cancelled. (Found by an outside
-// review.)
+// moment later, rather than one never cancelled.
 func TestLeasedContextOfADeliveryOutOfTheBook(t *testing.T) {
-	c, err := ServiceBus("Endpoint=sb://example.servicebus.windows.net/;SharedAccessKeyName=k;SharedAccessKey=dmFsdWU=")
-	if err != nil {
-		t.Fatal(err)
-	}
 	src := fake.New(false, &amqp.Message{Properties: &amqp.MessageProperties{MessageID: "m"}})
-	s, err := New(c, "q", HandlerFunc(func(context.Context, *Delivery) error { return nil }), WithSource(src))
+	s, err := New(ServiceBusSourceOf(src), "q", HandlerFunc(func(context.Context, *Delivery) error { return nil }))
 	if err != nil {
 		t.Fatal(err)
 	}
 	p := s.pipes[0]
-	if p.book == nil {
+	k, ok := p.kind.(*sbKind)
+	if !ok || k.book == nil {
 		t.Fatal("no lease book under the Service Bus profile")
 	}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -127,13 +96,13 @@ func TestLeasedContextOfADeliveryOutOfTheBook(t *testing.T) {
 	defer func() { cancel(); <-done }()
 	tk := <-p.pump.Out()
 	tk.Begin()
-	hctx, release := s.leased(context.Background(), p, tk)
+	hctx, release := k.handlerContext(context.Background(), tk)
 	if hctx.Err() != nil {
 		t.Fatalf("a delivery in the book got a cancelled context: %v", context.Cause(hctx))
 	}
 	release()
-	p.book.Remove(tk.Entry()) // what losing its lock does
-	hctx, release = s.leased(context.Background(), p, tk)
+	k.book.Remove(tk.Entry()) // what losing its lock does
+	hctx, release = k.handlerContext(context.Background(), tk)
 	defer release()
 	if !errors.Is(context.Cause(hctx), servicebus.ErrLockLost) {
 		t.Fatalf("context of a delivery out of the book: cause %v, want servicebus.ErrLockLost", context.Cause(hctx))

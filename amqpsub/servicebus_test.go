@@ -1,0 +1,897 @@
+package amqpsub
+
+// Service Bus through ServiceBus, ServiceBusWithToken, New and Run: the
+// connection string and the endpoint (SAS signing, parse errors that quote
+// no value, the emulator on any host, the port dialled, a server that is
+// not Service Bus), tokens without an Expiry, and, against the scripted
+// Service Bus peer (integration/sbpeer), session consumers (connections of
+// idle slots, the session filter's descriptor, a named session locked
+// elsewhere, the order of a session whose link is lost while one of its
+// handlers runs) and a $management link that dies under held locks. The
+// peer's tests skip without AMQPSUB_SBPEER_CONN and AMQPSUB_SBPEER_CONTROL.
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/Azure/go-amqp"
+	"github.com/amqpsub/amqpsub/internal/servicebus"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest"
+	"go.uber.org/zap/zaptest/observer"
+)
+
+// counter returns one of the peer's global counters (GET /counters).
+func (p *sbTestPeer) counter(t *testing.T, name string) int {
+	t.Helper()
+	n, _ := p.call(t, "GET", "/counters", nil)[name].(float64)
+	return int(n)
+}
+
+// runSessions runs s until the test ends, and fails the test if Run
+// returns an error.
+func runSessions(t *testing.T, s *Subscriber) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("Run: %v", err)
+			}
+		case <-time.After(30 * time.Second):
+			t.Error("Run did not return within 30 s of the stop")
+		}
+	})
+}
+
+// Idle slots on an empty session queue wait for a session on the
+// connection they have: every com.microsoft:timeout of the service is
+// answered by a new attach there, and no connection is opened after the
+// first one of each slot. AMQPSUB_SESSION_IDLE_WINDOW=60s runs it for that
+// long at the default DialTimeout (the service then waits 5 s per attach)
+// and logs the connections opened in the window.
+func TestSessionIdleSlotsKeepTheirConnections(t *testing.T) {
+	p := sbTestPeerOrSkip(t)
+	q := p.entity(t, map[string]any{"requires_session": true})
+	const slots = 4
+	opts := []Option{Sessions(slots), Logger(sbTestLog(t))}
+	window, err := time.ParseDuration(os.Getenv("AMQPSUB_SESSION_IDLE_WINDOW"))
+	if err != nil || window <= 0 {
+		// A short accept timeout (DialTimeout/2: the peer answers 50 ms
+		// early), for many timeouts in little time.
+		window = 0
+		opts = append(opts, DialTimeout(time.Second))
+	}
+	c, err := ServiceBus(p.conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(c, q, HandlerFunc(func(context.Context, *Delivery) error { return nil }), opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conns0, timeouts0 := p.counter(t, "connections_opened"), p.counter(t, "session_accept_timeouts")
+	runSessions(t, s)
+	timeouts := func() int { return p.counter(t, "session_accept_timeouts") - timeouts0 }
+	// Each slot has connected and been told "no session" at least once.
+	waitUntil(t, 30*time.Second, "a timeout per slot", func() bool { return timeouts() >= slots })
+	first := p.counter(t, "connections_opened") - conns0
+	began, t0 := time.Now(), timeouts()
+	if window > 0 {
+		time.Sleep(window) // a measurement of a wall-clock minute, not a wait for an event
+	} else {
+		// Three more timeouts per slot.
+		waitUntil(t, 30*time.Second, "three more timeouts per slot", func() bool { return timeouts() >= t0+3*slots })
+	}
+	elapsed, n := time.Since(began), timeouts()-t0
+	opened := p.counter(t, "connections_opened") - conns0 - first
+	t.Logf("Sessions(%d), empty queue: %d connections at first; then %d accept timeouts and %d connections opened in %v",
+		slots, first, n, opened, elapsed.Round(time.Millisecond))
+	if first != slots {
+		t.Errorf("%d connections opened at first, want one per slot (%d)", first, slots)
+	}
+	if opened != 0 {
+		t.Errorf("%d connections opened after the first ones, over %d accept timeouts; want none", opened, n)
+	}
+}
+
+// msgSessionWaits is what a slot logs when it took a session whose
+// handlers from a lost link still run here.
+const msgSessionWaits = "the session's handlers from its lost link still run here; waiting for them before taking its messages"
+
+// A session link lost while a handler of its session still runs: the
+// session goes back to the service, which gives it to the first slot that
+// asks (here the other, idle one). The messages of the session must not
+// start here before that handler returns, or the session's order breaks.
+// The handler's context is cancelled (the session lock went with the
+// link); a handler that ignores it keeps the session's messages waiting
+// until it returns.
+func TestSessionLinkLostWhileItsHandlerRuns(t *testing.T) {
+	for _, honours := range []bool{true, false} {
+		name := "handler returns at its context's end"
+		if !honours {
+			name = "handler ignores its context"
+		}
+		t.Run(name, func(t *testing.T) {
+			p := sbTestPeerOrSkip(t)
+			q := p.entity(t, map[string]any{"requires_session": true, "lock_duration_ms": 10000})
+			p.enqueue(t, q, 5, map[string]any{"sessions": []string{"s"}})
+			var (
+				mu          sync.Mutex
+				running     []int64 // seq of the handlers of session s running now
+				overlaps    []string
+				calls       = map[int64]int{}
+				cause       error
+				blocked     = make(chan struct{})
+				release     = make(chan struct{})
+				redelivered = make(chan struct{})
+			)
+			core, logs := observer.New(zap.InfoLevel)
+			log := zap.New(zapcore.NewTee(core, sbTestLog(t).Core()))
+			h := HandlerFunc(func(ctx context.Context, d *Delivery) error {
+				seq, _ := d.ApplicationProperties()["seq"].(int64)
+				mu.Lock()
+				if len(running) > 0 {
+					overlaps = append(overlaps, fmt.Sprintf("seq %d (session %q) started while the handler of seq %v ran", seq, d.SessionID(), running))
+				}
+				running = append(running, seq)
+				calls[seq]++
+				n := calls[seq]
+				mu.Unlock()
+				defer func() {
+					mu.Lock()
+					running = slices.DeleteFunc(running, func(s int64) bool { return s == seq })
+					mu.Unlock()
+				}()
+				switch {
+				case seq == 0 && n == 1:
+					close(blocked)
+					if honours {
+						select {
+						case <-ctx.Done():
+						case <-release:
+						}
+					} else {
+						<-release
+					}
+					mu.Lock()
+					cause = context.Cause(ctx)
+					mu.Unlock()
+				case seq == 0 && n == 2:
+					close(redelivered)
+				}
+				return nil
+			})
+			c, err := ServiceBus(p.conn)
+			if err != nil {
+				t.Fatal(err)
+			}
+			s, err := New(c, q, h, Sessions(2), Logger(log))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var once sync.Once
+			free := func() { once.Do(func() { close(release) }) }
+			runSessions(t, s)
+			t.Cleanup(free) // before Run's stop (cleanups run last first)
+			select {
+			case <-blocked:
+			case <-time.After(30 * time.Second):
+				t.Fatal("no message of session s was handled within 30 s")
+			}
+			if n, _ := p.call(t, "POST", "/faults/detach", map[string]any{"entity": q, "session_id": "s"})["detached"].(float64); n != 1 {
+				t.Fatalf("the peer detached %v links, want the one holding session s; connections %v", n, p.call(t, "GET", "/connections", nil))
+			}
+			waiting := func() bool { return logs.FilterMessage(msgSessionWaits).Len() > 0 }
+			if !honours {
+				// Until it returns, the session's messages wait: the slot
+				// that took the session again says so. (Without that wait,
+				// the redelivery starts beside the handler.)
+				waitUntil(t, 30*time.Second, "the session taken again, or its redelivery", func() bool {
+					return waiting() || isClosed(redelivered)
+				})
+				free()
+			}
+			select {
+			case <-redelivered:
+			case <-time.After(30 * time.Second):
+				t.Fatal("the first message of session s was not delivered again within 30 s")
+			}
+			waitUntil(t, 30*time.Second, "5 completed", func() bool { return p.stat(t, q, "completed") == 5 })
+			mu.Lock()
+			defer mu.Unlock()
+			t.Logf("calls per seq %v; the first handler's context ended with %v; session accepts %d",
+				calls, cause, p.counter(t, "session_accepts"))
+			if len(overlaps) > 0 {
+				t.Errorf("the session's order broke: %v", overlaps)
+			}
+			if honours && !errors.Is(cause, ErrLockLost) {
+				t.Errorf("the first handler's context ended with %v, want ErrLockLost (the session lock went with its link)", cause)
+			}
+			if !honours && !waiting() {
+				t.Errorf("no %q logged", msgSessionWaits)
+			}
+		})
+	}
+}
+
+// sessionLinks returns the peer's receiver links that hold a session:
+// session id → the session filter's descriptor as the client sent it.
+func (p *sbTestPeer) sessionLinks(t *testing.T) map[string]any {
+	t.Helper()
+	out := map[string]any{}
+	conns, _ := p.call(t, "GET", "/connections", nil)["connections"].([]any)
+	for _, c := range conns {
+		links, _ := c.(map[string]any)["links"].([]any)
+		for _, l := range links {
+			l := l.(map[string]any)
+			if id, ok := l["session_id"].(string); ok {
+				out[id] = l["session_filter_descriptor"]
+			}
+		}
+	}
+	return out
+}
+
+// sessionFilter is the session filter's name, as the service reads it.
+const sessionFilter = "com.microsoft:session-filter"
+
+// On the wire, the session filter has azservicebus's descriptor; the peer
+// grants a session for it and for the one of Microsoft's AMQP documents.
+func TestSessionFilterOnTheWire(t *testing.T) {
+	p := sbTestPeerOrSkip(t)
+	q := p.entity(t, map[string]any{"requires_session": true})
+	p.enqueue(t, q, 1, map[string]any{"sessions": []string{"a"}})
+	c, err := ServiceBus(p.conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	handled := make(chan string, 1)
+	s, err := New(c, q, HandlerFunc(func(_ context.Context, d *Delivery) error {
+		handled <- d.SessionID()
+		return nil
+	}), Sessions(1), Logger(sbTestLog(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	runSessions(t, s)
+	select {
+	case id := <-handled:
+		if id != "a" {
+			t.Fatalf("handled a message of session %q, want a", id)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("no message handled within 30 s")
+	}
+	if d := p.sessionLinks(t)["a"]; d != float64(0x137000000C) {
+		t.Errorf("amqpsub's session filter descriptor on the wire: %v, want 0x137000000C", d)
+	}
+
+	// A go-amqp receiver on a connection with claims, with either
+	// descriptor.
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	conn, err := c.(*sbConnector).connect(ctx, connectRequest{entity: q, log: sbTestLog(t), idle: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		conn.stop()
+		_ = conn.conn.Close()
+	}()
+	sess, err := conn.conn.NewSession(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for id, code := range map[string]uint64{"b": 0x137000000C, "c": 0x000001370000000C} {
+		r, err := sess.NewReceiver(ctx, q, &amqp.ReceiverOptions{
+			SettlementMode: amqp.ReceiverSettleModeSecond.Ptr(),
+			Filters:        []amqp.LinkFilter{amqp.NewLinkFilter(sessionFilter, code, id)},
+		})
+		if err != nil {
+			t.Fatalf("session %s, descriptor %#x: %v", id, code, err)
+		}
+		if got := r.LinkSourceFilterValue(sessionFilter); got != id {
+			t.Errorf("descriptor %#x: granted session %v, want %s", code, got, id)
+		}
+		if d := p.sessionLinks(t)[id]; d != float64(code) {
+			t.Errorf("descriptor %#x: the peer saw %v", code, d)
+		}
+		_ = r.Close(ctx)
+	}
+}
+
+// A named session that another consumer holds: asked for again, on the
+// same connection, after waits that grow; taken once the other lets go.
+func TestSessionIDsLockedByAnotherReceiver(t *testing.T) {
+	p := sbTestPeerOrSkip(t)
+	q := p.entity(t, map[string]any{"requires_session": true})
+	p.enqueue(t, q, 1, map[string]any{"sessions": []string{"a"}})
+	c, err := ServiceBus(p.conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	handledBy := make(chan string, 4)
+	consumer := func(name string) *Subscriber {
+		s, err := New(c, q, HandlerFunc(func(context.Context, *Delivery) error {
+			handledBy <- name
+			return nil
+		}), SessionIDs("a"), Logger(sbTestLog(t)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	first := consumer("first")
+	ctx, stopFirst := context.WithCancel(context.Background())
+	firstDone := make(chan error, 1)
+	go func() { firstDone <- first.Run(ctx) }()
+	defer stopFirst()
+	if by := <-handledBy; by != "first" {
+		t.Fatalf("handled by %s", by)
+	}
+	conns0, refused0 := p.counter(t, "connections_opened"), p.counter(t, "session_cannot_be_locked")
+	refused := func() int { return p.counter(t, "session_cannot_be_locked") - refused0 }
+	runSessions(t, consumer("second"))
+	waitUntil(t, 30*time.Second, "3 refusals", func() bool { return refused() >= 3 })
+	stopFirst()
+	if err := <-firstDone; err != nil {
+		t.Fatalf("first Run: %v", err)
+	}
+	p.enqueue(t, q, 1, map[string]any{"sessions": []string{"a"}})
+	select {
+	case by := <-handledBy:
+		if by != "second" {
+			t.Fatalf("handled by %s", by)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the second consumer did not take the session within 30 s of the first letting it go")
+	}
+	n, opened := refused(), p.counter(t, "connections_opened")-conns0
+	t.Logf("%d refusals (session-cannot-be-locked), %d connections opened by the second consumer", n, opened)
+	if opened != 1 {
+		t.Errorf("the second consumer opened %d connections, want 1", opened)
+	}
+	// At 0, 0.5-1, 1.5-3, 3.5-7 s and 7.5-15 s: the first let go after
+	// the third.
+	if n > 5 {
+		t.Errorf("%d refusals, want at most 5", n)
+	}
+}
+
+// Helpers for the tests that run against the scripted Service Bus peer
+// (integration/sbpeer), for the internals a black-box test cannot reach.
+// They skip without AMQPSUB_SBPEER_CONN and AMQPSUB_SBPEER_CONTROL.
+
+type sbTestPeer struct{ conn, ctl string }
+
+func sbTestPeerOrSkip(t *testing.T) *sbTestPeer {
+	t.Helper()
+	c, ctl := os.Getenv("AMQPSUB_SBPEER_CONN"), os.Getenv("AMQPSUB_SBPEER_CONTROL")
+	if c == "" || ctl == "" {
+		t.Skip("no Service Bus peer (AMQPSUB_SBPEER_CONN, AMQPSUB_SBPEER_CONTROL): start it with `bash integration/sbpeer/sbpeer.sh start`")
+	}
+	return &sbTestPeer{c, strings.TrimRight(ctl, "/")}
+}
+
+func (p *sbTestPeer) call(t *testing.T, method, path string, body any) map[string]any {
+	t.Helper()
+	var rd io.Reader
+	if body != nil {
+		b, _ := json.Marshal(body)
+		rd = bytes.NewReader(b)
+	}
+	req, _ := http.NewRequest(method, p.ctl+path, rd)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("peer %s %s: %v", method, path, err)
+	}
+	defer resp.Body.Close()
+	data, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("peer %s %s: %s %s", method, path, resp.Status, data)
+	}
+	out := map[string]any{}
+	_ = json.Unmarshal(data, &out)
+	return out
+}
+
+// entity creates a queue named fx-<test>-<n> with spec's settings, deleted
+// when the test ends.
+func (p *sbTestPeer) entity(t *testing.T, spec map[string]any) string {
+	t.Helper()
+	name := fmt.Sprintf("fx-%s-%d", strings.ToLower(strings.NewReplacer("/", "-", "_", "-").Replace(t.Name())), time.Now().UnixNano())
+	spec["name"] = name
+	p.call(t, "POST", "/entities", spec)
+	t.Cleanup(func() {
+		p.call(t, "POST", "/entities/delete", map[string]any{"name": name})
+		http.DefaultClient.CloseIdleConnections()
+	})
+	return name
+}
+
+// enqueue puts n messages on q (ids <q>-<i>).
+func (p *sbTestPeer) enqueue(t *testing.T, q string, n int, extra map[string]any) {
+	t.Helper()
+	body := map[string]any{"entity": q, "count": n, "message_id_prefix": q}
+	for k, v := range extra {
+		body[k] = v
+	}
+	p.call(t, "POST", "/messages", body)
+}
+
+// stat returns one of q's counters (completed, delivered, lock_expired…).
+func (p *sbTestPeer) stat(t *testing.T, q, name string) int {
+	t.Helper()
+	st, _ := p.call(t, "GET", "/entity?name="+q, nil)["stats"].(map[string]any)
+	n, _ := st[name].(float64)
+	return int(n)
+}
+
+func sbTestLog(t *testing.T) *zap.Logger { return zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)) }
+
+// waitUntil polls cond until it holds, failing the test after within.
+func waitUntil(t *testing.T, within time.Duration, what string, cond func() bool) {
+	t.Helper()
+	end := time.Now().Add(within)
+	for !cond() {
+		if time.Now().After(end) {
+			t.Fatalf("timed out after %v waiting for %s", within, what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// An explicit port in the endpoint is dialled, with TLS unless the
+// emulator is asked for, and errors name the host and port dialled.
+func TestServiceBusEndpointPort(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	addr := ln.Addr().String()
+	// What each connection opens with: a TLS ClientHello (0x16) or the
+	// AMQP header.
+	first := make(chan byte, 16)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			b := make([]byte, 1)
+			_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+			if _, err := io.ReadFull(c, b); err == nil {
+				first <- b[0]
+			}
+			c.Close()
+		}
+	}()
+	tp := SASTokenProvider("Root", "k", time.Hour)
+	for _, tc := range []struct {
+		name string
+		c    func() (Connector, error)
+		tls  bool
+	}{
+		{"connection string", func() (Connector, error) {
+			return ServiceBus("Endpoint=sb://" + addr + "/;SharedAccessKeyName=Root;SharedAccessKey=k")
+		}, true},
+		{"connection string, emulator", func() (Connector, error) {
+			return ServiceBus("Endpoint=sb://" + addr + ";SharedAccessKeyName=Root;SharedAccessKey=k;UseDevelopmentEmulator=true")
+		}, false},
+		{"sb://", func() (Connector, error) { return ServiceBusWithToken("sb://"+addr, tp) }, true},
+		{"amqps://", func() (Connector, error) { return ServiceBusWithToken("amqps://"+addr+"/", tp) }, true},
+		{"amqp://", func() (Connector, error) { return ServiceBusWithToken("amqp://"+addr, tp) }, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, err := tc.c()
+			if err != nil {
+				t.Fatal(err)
+			}
+			s, err := New(c, "q", HandlerFunc(func(context.Context, *Delivery) error { return nil }),
+				DialTimeout(2*time.Second), Logger(sbTestLog(t)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = s.Run(context.Background())
+			t.Logf("Run: %v", err)
+			if err == nil || !strings.Contains(err.Error(), addr) {
+				t.Errorf("Run = %v: want an error naming %s", err, addr)
+			}
+			select {
+			case b := <-first:
+				if isTLS := b == 0x16; isTLS != tc.tls {
+					t.Fatalf("the connection opened with %#x: TLS %v, want %v", b, isTLS, tc.tls)
+				}
+			case <-time.After(5 * time.Second):
+				t.Fatalf("no connection to %s", addr)
+			}
+		})
+	}
+}
+
+// An AMQP server that is not Service Bus (Artemis) gives no claims-based
+// security answer: the error says what to check.
+func TestServiceBusOnAnotherServer(t *testing.T) {
+	raw := os.Getenv("AMQPSUB_ARTEMIS_URL")
+	if raw == "" {
+		t.Skip("no AMQP server that is not Service Bus (AMQPSUB_ARTEMIS_URL)")
+	}
+	u, err := url.Parse(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := ServiceBusWithToken("amqp://"+u.Host, SASTokenProvider("Root", "k", time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(c, "fx-not-service-bus", HandlerFunc(func(context.Context, *Delivery) error { return nil }),
+		DialTimeout(2*time.Second), Logger(sbTestLog(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = s.Run(context.Background())
+	t.Logf("Run: %v", err)
+	if err == nil || !strings.Contains(err.Error(), "is this a Service Bus endpoint?") {
+		t.Fatalf("Run = %v: want a hint that this is not Service Bus", err)
+	}
+}
+
+// The $management reply link dies (closed under the subscriber, as a
+// detach by the service ends it) while deliveries are held whose locks
+// need renewing: their locks must not be lost.
+//
+//   - after it answered: the link pair is attached again on the same
+//     session, the receive link is not touched, no delivery is handled
+//     twice; the same when the sender dies instead;
+//   - before it answered anything: it is not attached again in a loop; the
+//     first renewal that finds it gone closes the receive link, the pump
+//     attaches both anew, and the service delivers what was held again.
+func TestServiceBusManagementLinkDies(t *testing.T) {
+	p := sbTestPeerOrSkip(t)
+	closeReceiver := func(m *servicebus.Management) linkCloser { _, r := m.Pair(); return r }
+	closeSender := func(m *servicebus.Management) linkCloser { snd, _ := m.Pair(); return snd }
+	for _, tc := range []struct {
+		name       string
+		afterRenew bool
+		link       func(*servicebus.Management) linkCloser
+	}{
+		{"after it answered", true, closeReceiver},
+		{"sender, after it answered", true, closeSender},
+		{"before it answered", false, closeReceiver},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			q := p.entity(t, map[string]any{"lock_duration_ms": 2000})
+			var calls, cancelled atomic.Int32
+			c, err := ServiceBus(p.conn)
+			if err != nil {
+				t.Fatal(err)
+			}
+			s, err := New(c, q, HandlerFunc(func(ctx context.Context, d *Delivery) error {
+				calls.Add(1)
+				select {
+				case <-time.After(5 * time.Second): // needs a renewal or two
+					return nil
+				case <-ctx.Done():
+					cancelled.Add(1)
+					return context.Cause(ctx)
+				}
+			}), Workers(4), Logger(sbTestLog(t)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			errc := make(chan error, 1)
+			go func() { errc <- s.Run(ctx) }()
+			waitUntil(t, 10*time.Second, "attached", func() bool { return s.pipes[0].current.Load() != nil })
+			l := s.pipes[0].current.Load()
+			if tc.afterRenew {
+				p.enqueue(t, q, 4, nil)
+				waitUntil(t, 10*time.Second, "a renewal", func() bool { return s.Stats().Locks.Renewed >= 4 })
+			}
+			cctx, ccancel := context.WithTimeout(context.Background(), time.Second)
+			_ = tc.link(l.sb.mgmt).Close(cctx) // the link is gone
+			ccancel()
+			if !tc.afterRenew {
+				p.enqueue(t, q, 4, nil)
+			}
+			waitUntil(t, 30*time.Second, "4 completed", func() bool { return p.stat(t, q, "completed") == 4 })
+			cancel()
+			if err := <-errc; err != nil {
+				t.Fatal(err)
+			}
+			st := s.Stats()
+			t.Logf("handler calls %d, cancelled %d; stats %v; delivered %d, lock_expired %d",
+				calls.Load(), cancelled.Load(), st, p.stat(t, q, "delivered"), p.stat(t, q, "lock_expired"))
+			if st.Locks.Lost != 0 || p.stat(t, q, "lock_expired") != 0 {
+				t.Fatalf("%d locks lost, %d expired at the peer", st.Locks.Lost, p.stat(t, q, "lock_expired"))
+			}
+			if tc.afterRenew && (st.LinksLost != 0 || calls.Load() != 4) {
+				t.Fatalf("the receive link was replaced (%d lost) or deliveries repeated (%d calls for 4)", st.LinksLost, calls.Load())
+			}
+			if !tc.afterRenew && st.LinksLost != 1 {
+				t.Fatalf("%d links lost, want the receive link given up once", st.LinksLost)
+			}
+		})
+	}
+}
+
+// The same for a session consumer: the session's lock is renewed on the
+// $management pair attached again, and the session is kept.
+func TestServiceBusManagementLinkDiesSession(t *testing.T) {
+	p := sbTestPeerOrSkip(t)
+	q := p.entity(t, map[string]any{"lock_duration_ms": 2000, "requires_session": true})
+	p.enqueue(t, q, 1, map[string]any{"sessions": []string{"a"}})
+	lockedUntil := func() float64 {
+		sessions, _ := p.call(t, "GET", "/entity?name="+q, nil)["sessions"].(map[string]any)
+		a, _ := sessions["a"].(map[string]any)
+		v, _ := a["locked_until_ms"].(float64)
+		return v
+	}
+	var calls, cancelled atomic.Int32
+	c, err := ServiceBus(p.conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(c, q, HandlerFunc(func(ctx context.Context, d *Delivery) error {
+		calls.Add(1)
+		select {
+		case <-time.After(5 * time.Second):
+			return nil
+		case <-ctx.Done():
+			cancelled.Add(1)
+			return context.Cause(ctx)
+		}
+	}), Sessions(1), DialTimeout(4*time.Second), Logger(sbTestLog(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	errc := make(chan error, 1)
+	go func() { errc <- s.Run(ctx) }()
+	waitUntil(t, 10*time.Second, "handling", func() bool { return calls.Load() == 1 })
+	first := lockedUntil()
+	waitUntil(t, 10*time.Second, "a session lock renewal", func() bool { return lockedUntil() > first })
+	l := s.pipes[0].current.Load()
+	cctx, ccancel := context.WithTimeout(context.Background(), time.Second)
+	_, rcv := l.sb.mgmt.Pair()
+	_ = rcv.Close(cctx)
+	ccancel()
+	waitUntil(t, 30*time.Second, "1 completed", func() bool { return p.stat(t, q, "completed") == 1 })
+	cancel()
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	st := s.Stats()
+	t.Logf("handler calls %d, cancelled %d; stats %v", calls.Load(), cancelled.Load(), st)
+	if calls.Load() != 1 || cancelled.Load() != 0 || st.Locks.Lost != 0 || st.LinksLost != 0 {
+		t.Fatalf("the session was given up: %d calls, %d cancelled, stats %v", calls.Load(), cancelled.Load(), st)
+	}
+}
+
+// linkCloser is one link of a $management pair, to close under it.
+type linkCloser interface {
+	Close(ctx context.Context) error
+}
+
+// The known answer of the Azure SDK for Go's own test of its SAS signer
+// (sdk/messaging/azservicebus/internal/sas/sas_test.go,
+// TestTokenProviderWithKey): key name "keyName", key "key", audience
+// "audience", expiry 2020-01-01T01:02:03Z + 72 h.
+func TestSASTokenKnownAnswer(t *testing.T) {
+	now, _ := time.Parse(time.RFC3339, "2020-01-01T01:02:03Z")
+	p := sasProvider{keyName: "keyName", key: "key", lifetime: 72 * time.Hour, now: func() time.Time { return now }}
+	tok, err := p.Token(context.Background(), "audience")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const want = "SharedAccessSignature sr=audience&sig=8UM0iIfFCfeBSqxSdBMW8pUbhAm7mnjSUaIZTZx8V0g%3D&se=1578099723&skn=keyName"
+	if tok.Value != want || tok.Type != TokenTypeSAS || tok.Expiry.Unix() != 1578099723 {
+		t.Fatalf("token %+v\nwant %s", tok, want)
+	}
+	// The same test file's TestNewSigner: the audience is escaped, then
+	// lower-cased.
+	if v := servicebus.SignSAS("foo", "superSecret", "http://MiCrosoft.com", 1); !strings.HasPrefix(v, "SharedAccessSignature sr=http%3a%2f%2fmicrosoft.com&") {
+		t.Fatalf("audience not escaped and lower-cased: %s", v)
+	}
+}
+
+// The key must not reach an error through another key's value: a string
+// with line breaks or tabs where the ';' should be, or a whole connection
+// string given to ServiceBusWithToken.
+func TestConnectionStringErrorsQuoteNoValue(t *testing.T) {
+	const secret = "c2VjcmV0LWtleS12YWx1ZQ=="
+	for _, cs := range []string{
+		// one key per line (a .env file or a Kubernetes secret pasted as is)
+		"Endpoint=sb://ns.servicebus.windows.net/\nSharedAccessKeyName=RootManageSharedAccessKey\nSharedAccessKey=" + secret,
+		"Endpoint=sb://ns.servicebus.windows.net/\r\nSharedAccessKeyName=Root\r\nSharedAccessKey=" + secret,
+		// a tab where the ';' should be
+		"Endpoint=sb://ns.servicebus.windows.net/\tSharedAccessKey=" + secret + ";SharedAccessKeyName=Root",
+		// UseDevelopmentEmulator on a line of its own, the key after it
+		"Endpoint=sb://localhost;SharedAccessKeyName=Root;UseDevelopmentEmulator=true\nSharedAccessKey=" + secret,
+		// the key in the Endpoint's place
+		"Endpoint=" + secret + ";SharedAccessKeyName=Root",
+		"Endpoint=sb://" + secret + ";SharedAccessKeyName=Root;SharedAccessKey=k;UseDevelopmentEmulator=true",
+		"Endpoint=sb://localhost;SharedAccessKeyName=Root;SharedAccessKey=k;UseDevelopmentEmulator=" + secret,
+	} {
+		_, err := ServiceBus(cs)
+		if err == nil || !errors.Is(err, ErrConnectionString) {
+			t.Errorf("%q: %v, want an error wrapping ErrConnectionString", cs, err)
+			continue
+		}
+		if strings.Contains(err.Error(), secret) {
+			t.Errorf("the error quotes the key: %v", err)
+		}
+		if strings.ContainsAny(cs, "\n\t") && !strings.Contains(err.Error(), "separate its keys with ';'") {
+			t.Errorf("no hint about the separators: %v", err)
+		}
+	}
+	for _, endpoint := range []string{
+		"Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=Root;SharedAccessKey=" + secret,
+		"sb://ns.servicebus.windows.net/\nSharedAccessKey=" + secret,
+		"amqp://" + secret + ":5672",
+		"http://ns/" + secret,
+	} {
+		_, err := ServiceBusWithToken(endpoint, SASTokenProvider("Root", "k", time.Hour))
+		if err == nil || !errors.Is(err, ErrInvalidOption) {
+			t.Errorf("%q: %v, want an error wrapping ErrInvalidOption", endpoint, err)
+			continue
+		}
+		if strings.Contains(err.Error(), secret) {
+			t.Errorf("the error quotes the endpoint: %v", err)
+		}
+	}
+}
+
+// fuzzSecret returns a key made of chunks of random base64 drawn from seed
+// (long enough never to occur in an error's own words), joined by mid: any
+// bytes, a separator too.
+func fuzzSecret(seed uint64, mid string) (secret string, chunks []string) {
+	const b64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+	r := rand.New(rand.NewPCG(seed, seed^0x5bd1e995))
+	for range 2 {
+		b := make([]byte, 12)
+		for i := range b {
+			b[i] = b64[r.IntN(len(b64))]
+		}
+		chunks = append(chunks, string(b))
+	}
+	return chunks[0] + mid + chunks[1] + "==", chunks
+}
+
+// Connection strings come from users' configuration: any string parses or
+// fails with ErrConnectionString, never panics, and no error, of ServiceBus
+// or of ServiceBusWithToken given the string by mistake, holds any part of
+// the key, wherever it stands: as SharedAccessKey or SharedAccessSignature,
+// inside another key's value, after a line break or a tab in place of ';',
+// or as a value of its own.
+func FuzzParseConnectionString(f *testing.F) {
+	for _, seed := range []struct {
+		s, prefix, mid string
+		at             uint
+		sep            byte
+	}{
+		{"Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=Root", ";SharedAccessKey=", "", 1000, ';'},
+		{"Endpoint=sb://ns.servicebus.windows.net/\nSharedAccessKeyName=Root", "\nSharedAccessKey=", "", 1000, '\n'},
+		{"Endpoint=sb://ns.servicebus.windows.net/\tSharedAccessKeyName=Root", "\tSharedAccessKey=", "", 42, '\t'},
+		{"Endpoint=sb://localhost;SharedAccessKeyName=Root;UseDevelopmentEmulator=true", "\nSharedAccessKey=", "", 1000, ';'},
+		{"Endpoint=sb://localhost:5672;UseDevelopmentEmulator=true", ";SharedAccessSignature=SharedAccessSignature sr=x&sig=", "=;", 1000, '&'},
+		{"Endpoint=sb://ns/;SharedAccessKeyName=Root;SharedAccessKey=k", "", ";", 12, ';'},
+		{";;=;Endpoint=;EntityPath=a=b", "", "\n", 0, ' '},
+		{"Endpoint=;SharedAccessKeyName=Root;SharedAccessKey=k", "sb://", "", 9, ';'},
+	} {
+		f.Add(seed.s, seed.at, seed.sep, seed.prefix, seed.mid, uint64(len(seed.s)))
+	}
+	f.Fuzz(func(t *testing.T, s string, at uint, sep byte, prefix, mid string, seed uint64) {
+		if len(mid) > 4 || len(prefix) > 64 {
+			return
+		}
+		secret, chunks := fuzzSecret(seed, mid)
+		pos := int(min(at, uint(len(s))))
+		in := s[:pos] + prefix + secret + string(sep) + s[pos:]
+		leaks := func(err error) bool {
+			for _, c := range chunks {
+				if strings.Contains(err.Error(), c) {
+					return true
+				}
+			}
+			return false
+		}
+		c, err := servicebus.ParseConnString(in)
+		if err != nil {
+			if !errors.Is(err, ErrConnectionString) {
+				t.Fatalf("error %v does not wrap ErrConnectionString", err)
+			}
+			if leaks(err) {
+				t.Fatalf("the error holds the key %q: %v", secret, err)
+			}
+		} else if c.Host == "" || (c.SAS == "" && (c.KeyName == "" || c.Key == "")) {
+			t.Fatalf("parsed %+v from %q", *c, in)
+		}
+		if _, err := ServiceBusWithToken(in, SASTokenProvider("Root", "k", time.Hour)); err != nil && leaks(err) {
+			t.Fatalf("ServiceBusWithToken's error holds the key %q: %v", secret, err)
+		}
+	})
+}
+
+// The emulator is reached by any host name, with plain AMQP to its port or
+// 5672, and its audiences are amqp:// ones; without the emulator the same
+// host gets TLS on 5671.
+func TestServiceBusEmulatorOnAnyHost(t *testing.T) {
+	tp := SASTokenProvider("Root", "k", time.Hour)
+	for _, tc := range []struct {
+		name     string
+		make     func() (Connector, error)
+		emulator bool
+		dial     string
+		audience string
+	}{
+		{"connection string, service name", func() (Connector, error) {
+			return ServiceBus("Endpoint=sb://servicebus-emulator;SharedAccessKeyName=Root;SharedAccessKey=k;UseDevelopmentEmulator=true;")
+		}, true, "amqp://servicebus-emulator:5672 (Service Bus emulator)", "amqp://servicebus-emulator/q"},
+		{"connection string, service name and port", func() (Connector, error) {
+			return ServiceBus("Endpoint=sb://servicebus-emulator:5673;SharedAccessKeyName=Root;SharedAccessKey=k;UseDevelopmentEmulator=true")
+		}, true, "amqp://servicebus-emulator:5673 (Service Bus emulator)", "amqp://servicebus-emulator:5673/q"},
+		{"connection string, no emulator", func() (Connector, error) {
+			return ServiceBus("Endpoint=sb://servicebus-emulator;SharedAccessKeyName=Root;SharedAccessKey=k")
+		}, false, "sb://servicebus-emulator:5671", "amqps://servicebus-emulator/q"},
+		{"amqp:// endpoint, service name", func() (Connector, error) {
+			return ServiceBusWithToken("amqp://servicebus-emulator", tp)
+		}, true, "amqp://servicebus-emulator:5672 (Service Bus emulator)", "amqp://servicebus-emulator/q"},
+		{"amqp:// endpoint, another address", func() (Connector, error) {
+			return ServiceBusWithToken("amqp://10.1.2.3:5672", tp)
+		}, true, "amqp://10.1.2.3:5672 (Service Bus emulator)", "amqp://10.1.2.3:5672/q"},
+	} {
+		c, err := tc.make()
+		if err != nil {
+			t.Errorf("%s: %v", tc.name, err)
+			continue
+		}
+		sc := c.(*sbConnector)
+		if sc.emulator != tc.emulator || sc.String() != tc.dial || sc.audience("q") != tc.audience {
+			t.Errorf("%s: emulator %v, dials %s, audience %s; want %v, %s, %s", tc.name,
+				sc.emulator, sc.String(), sc.audience("q"), tc.emulator, tc.dial, tc.audience)
+		}
+	}
+}
+
+type fixedToken Token
+
+func (f fixedToken) Token(context.Context, string) (Token, error) { return Token(f), nil }
+
+// A token with no Expiry would never be refreshed: only a pre-made SAS
+// token may have none.
+func TestZeroExpiryOnlyForSAS(t *testing.T) {
+	_, err := tokenFunc(fixedToken{Type: TokenTypeJWT, Value: "eyJ"})(context.Background(), "amqps://ns/q")
+	if !errors.Is(err, ErrInvalidOption) {
+		t.Fatalf("a JWT with no Expiry: %v, want an error wrapping ErrInvalidOption", err)
+	}
+	t.Log(err)
+	if _, err := tokenFunc(fixedToken{Type: TokenTypeSAS, Value: "SharedAccessSignature sr=x"})(context.Background(), "amqps://ns/q"); err != nil {
+		t.Fatalf("a pre-made SAS token with no Expiry: %v", err)
+	}
+}

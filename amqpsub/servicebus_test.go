@@ -31,6 +31,7 @@ import (
 
 	"github.com/Azure/go-amqp"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
+	"github.com/amqpsub/amqpsub/internal/wait"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest"
@@ -208,7 +209,7 @@ func TestSessionLinkLostWhileItsHandlerRuns(t *testing.T) {
 				// that took the session again says so. (Without that wait,
 				// the redelivery starts beside the handler.)
 				waitUntil(t, 30*time.Second, "the session taken again, or its redelivery", func() bool {
-					return waiting() || isClosed(redelivered)
+					return waiting() || wait.Closed(redelivered)
 				})
 				free()
 			}

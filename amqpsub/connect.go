@@ -71,12 +71,13 @@ type dialer struct {
 
 // Dial returns a Connector that dials url (amqp://host:port or
 // amqps://host:port, with user:password@ for SASL PLAIN; the port defaults
-// to 5672 and 5671) with go-amqp's options (nil for the defaults; for amqps,
-// TLSConfig's ServerName defaults to the host). The subscriber owns the
-// connections it dials and closes them when it stops; after a lost
-// connection it dials a new one. Errors and logs name the address without
-// its credentials. For a broker with several addresses (a backup, a
-// cluster), see DialFailover.
+// to 5672 and 5671) with go-amqp's options (nil for the defaults; for
+// amqps, TLSConfig's ServerName defaults to the host).
+//
+// The subscriber owns the connections it dials and closes them when it
+// stops; after a lost connection it dials a new one. Errors and logs name
+// the address without its credentials. For a broker with several addresses
+// (a backup, a cluster), see DialFailover.
 func Dial(url string, opts *amqp.ConnOptions) Connector { return &dialer{url: url, opts: opts} }
 
 func (d *dialer) connect(ctx context.Context, req connectRequest) (*connection, error) {

@@ -26,7 +26,7 @@ import (
 //
 // On Artemis, address is the fully qualified name (address::queue) of the
 // queue's dead-letter queue: "DLQ::DLQ.{queue}" with
-// auto-create-dead-letter-resources (as in our test broker), "DLQ::DLQ"
+// auto-create-dead-letter-resources (as in integration/artemis/broker.xml), "DLQ::DLQ"
 // with the stock broker.xml. Create that queue before the first dead
 // letter (docs/brokers.md has the recipe), or the first rejection, made
 // before auto-creation, loses its reason. The copy carries what Artemis itself adds to a
@@ -154,9 +154,11 @@ func deadLetterCopy(m *amqp.Message, address, queue string, oe *OutcomeError) *a
 // deadLetterID is the duplicate-detection id of m's dead-letter copy: the
 // same for every delivery of m (so a copy sent again after a crash between
 // the copy and the accept is stored once), and different for any other
-// message. It names the message-id and hashes the body, so that two
-// messages that share a message-id (producers reuse them) both keep their
-// copy; and it hashes the id of an earlier copy of m and Artemis's
+// message.
+//
+// It names the message-id and hashes the body, so that two messages that
+// share a message-id (producers reuse them) both keep their copy; and it
+// hashes the id of an earlier copy of m and Artemis's
 // x-opt-ORIG-MESSAGE-ID, which a message retried from the dead-letter queue
 // carries, so that its second copy is not taken for its first.
 func deadLetterID(m *amqp.Message, address string) string {

@@ -212,14 +212,17 @@ func annotation(m *amqp.Message, key string) (any, bool) {
 
 // OnSettled asks for f to be called once the delivery's settlement has been
 // applied: with the outcome sent, and nil when the broker took it,
-// ErrNotSettled when it was not sent, or the broker's or link's error. Call
-// it from the handler, before it returns; a later call replaces f. f runs
-// on the subscriber's receiving goroutine and must return at once, without
-// blocking. It is not called when the subscriber stops before the
-// settlement was applied (an abandoned handler, a stop with GracePeriod(0)),
-// and it reports false, never calling f, when called after the delivery's
-// settlement was handed over (from a goroutine the handler left behind).
+// ErrNotSettled when it was not sent, or the broker's or link's error.
 // Tracing uses it for a settle span per delivery.
+//
+// Call it from the handler, before it returns; a later call replaces f. f
+// runs on the subscriber's receiving goroutine and must return at once,
+// without blocking.
+//
+// f is not called when the subscriber stops before the settlement was
+// applied (an abandoned handler, a stop with GracePeriod(0)). OnSettled
+// reports false, never calling f, when called after the delivery's
+// settlement was handed over (from a goroutine the handler left behind).
 func (d *Delivery) OnSettled(f func(o Outcome, err error)) bool {
 	if f == nil || d.t.Entry() == nil {
 		return false

@@ -10,16 +10,22 @@ import (
 )
 
 // IsFatal is the default test of FatalErrors. It takes as fatal what
-// reconnecting cannot mend: the broker refusing the credentials (a SASL
-// outcome of auth or sys-perm, whatever the mechanism) or access
-// (amqp:unauthorized-access), an address that does not exist
-// (amqp:not-found), a link the broker will not attach as asked
-// (amqp:invalid-field, amqp:not-implemented, and amqp:illegal-state, which
-// Artemis sends for capability "queue" on a multicast address), and a
-// connection given with Conn that is gone (ErrLinkLost), and a connector
-// given something it cannot use (ErrInvalidOption: a Service Bus token
-// without an expiry, say). Lost connections,
-// links and sessions, timeouts and refused TCP connections are not fatal.
+// reconnecting cannot mend:
+//
+//   - the broker refusing the credentials (a SASL outcome of auth or
+//     sys-perm, whatever the mechanism) or access
+//     (amqp:unauthorized-access);
+//   - an address that does not exist (amqp:not-found);
+//   - a link the broker will not attach as asked (amqp:invalid-field,
+//     amqp:not-implemented, and amqp:illegal-state, which Artemis sends for
+//     capability "queue" on a multicast address);
+//   - a connection given with Conn that is gone (ErrLinkLost);
+//   - a connector given something it cannot use (ErrInvalidOption: a
+//     Service Bus token without an expiry, say).
+//
+// Lost connections, links and sessions, timeouts and refused TCP
+// connections are not fatal.
+//
 // It judges the errors of attempts to reconnect (any error of the first
 // attach ends Run), and with DialFailover each address's error in a pass
 // (a fatal one ends the pass and Run, on the first attach too), never what
@@ -34,7 +40,8 @@ import (
 // one instead), and com.microsoft:entity-disabled (an entity an operator
 // disabled stays so until one enables it). com.microsoft:server-busy is
 // not fatal: the service is throttling, and the next attempt waits at
-// least 10 s (serverBusyWait); com.microsoft:timeout is not fatal either.
+// least 10 s (ServerBusyWait in internal/servicebus); com.microsoft:timeout
+// is not fatal either.
 func IsFatal(err error) bool {
 	var ae *amqp.Error
 	if errors.As(err, &ae) {

@@ -27,10 +27,13 @@ func (f HandlerFunc) Handle(ctx context.Context, d *Delivery) error { return f(c
 // BatchHandler handles a batch of deliveries and returns one outcome for
 // each, as Handler does for one: results[i] settles batch[i]. A nil slice
 // accepts the whole batch. A slice of the wrong length, or a panic, retries
-// the whole batch. With WorkersByKey a batch holds several groups, each in
-// order; to keep a group's order, a handler that fails one of its
-// deliveries returns a failure for the group's later ones as well. The
-// slice is valid only until HandleBatch returns; the Deliveries stay
+// the whole batch.
+//
+// With WorkersByKey a batch holds several groups, each in order; to keep a
+// group's order, a handler that fails one of its deliveries returns a
+// failure for the group's later ones as well.
+//
+// The slice is valid only until HandleBatch returns; the Deliveries stay
 // valid.
 type BatchHandler interface {
 	HandleBatch(ctx context.Context, batch []*Delivery) (results []error)

@@ -8,9 +8,12 @@ import (
 
 // Metrics makes a Recorder for each Subscriber given it (WithMetrics), so
 // that a metrics library sees what the subscriber does without amqpsub
-// depending on one. New calls Recorder once, with what does not change
-// while the subscriber lives; an adapter typically resolves its labels
-// there, so that the Recorder's calls on the delivery path need no lookup.
+// depending on one.
+//
+// New calls Recorder once, with what does not change while the subscriber
+// lives; an adapter typically resolves its labels there, so that the
+// Recorder's calls on the delivery path need no lookup.
+//
 // The adapters live in modules of their own:
 // github.com/amqpsub/amqpsub/contrib/amqpprom (Prometheus) and
 // github.com/amqpsub/amqpsub/contrib/amqpotel (OpenTelemetry metrics and

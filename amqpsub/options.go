@@ -126,12 +126,15 @@ func WorkersByKey(n int) Option {
 // is bound to a lane only while that lane has one of its deliveries (in its
 // handler or open batch); the group's other deliveries wait in a shared
 // pool, in order, and any lane that is free takes the next group that is
-// ready. Each group still runs in order, one delivery at a time (and its
-// batches keep their order), but a slow or busy group holds back no other
-// group, and groups spread over the lanes by load: with 100 groups on 8
-// lanes of 1 ms handlers, the lanes stay busy where the hash placement
-// leaves some idle. The cost is a lock shared by the lanes, taken a few
-// times per delivery. LocalRetry of a delivery holds only its own group.
+// ready.
+//
+// Each group still runs in order, one delivery at a time (and its batches
+// keep their order), but a slow or busy group holds back no other group,
+// and groups spread over the lanes by load: with 100 groups on 8 lanes of
+// 1 ms handlers, the lanes stay busy where the hash placement leaves some
+// idle. LocalRetry of a delivery holds only its own group. The cost is a
+// lock shared by the lanes, taken a few times per delivery.
+//
 // Only with WorkersByKey. Default: off (a group's lane is the hash of its
 // group-id, mod n).
 func BalanceKeys() Option {
@@ -156,13 +159,18 @@ func (c *config) setWorkers(name string, n int, byKey bool) {
 
 // Batch sets the size and wait of the batches a BatchHandler gets: a batch
 // closes at size deliveries or wait after its first delivery, whichever
-// comes first. A wait of 0 means no wait: a batch closes as soon as no more
-// deliveries are waiting, so batches are as large as the backlog allows and
-// a lone delivery is handed over at once. A lane's batch holds only what
-// the broker has sent and not seen settled, which the credit bounds and the
-// lanes share: batches reach size only with Credit ≥ lanes × size (the
-// default Credit(256) with Workers(8) gives batches of about 32, closed by
-// wait); a size above the credit acts as the credit. Only for NewBatch.
+// comes first. Only for NewBatch.
+//
+// A wait of 0 means no wait: a batch closes as soon as no more deliveries
+// are waiting, so batches are as large as the backlog allows and a lone
+// delivery is handed over at once.
+//
+// A lane's batch holds only what the broker has sent and not seen settled,
+// which the credit bounds and the lanes share: batches reach size only with
+// Credit ≥ lanes × size (the default Credit(256) with Workers(8) gives
+// batches of about 32, closed by wait); a size above the credit acts as
+// the credit.
+//
 // Size must be ≥ 1, wait ≥ 0. Default: Batch(100, 10*time.Millisecond).
 func Batch(size int, wait time.Duration) Option {
 	return optionFunc(func(c *config) {
@@ -307,11 +315,14 @@ func OnReconnect(f func(attempts int, cause error)) Option {
 // dead-lettered for their delivery count, failed settlements, lost links and
 // reconnects, a broker sending past its credit, handlers abandoned at a
 // stop (see EventKind). Each Event names its kind, its error, and the
-// delivery's identity when there is one. Events are passed to f in order,
-// on a goroutine of their own, so f never slows the pump or a lane; if f
-// falls more than 1024 events behind, later ones are dropped and counted
-// (Stats.EventsDropped). Run waits for f to finish the events queued before
-// it returns, within CloseTimeout. Default: none (events are only logged).
+// delivery's identity when there is one.
+//
+// Events are passed to f in order, on a goroutine of their own, so f never
+// slows the pump or a lane; if f falls more than 1024 events behind, later
+// ones are dropped and counted (Stats.EventsDropped). Run waits for f to
+// finish the events queued before it returns, within CloseTimeout.
+//
+// Default: none (events are only logged).
 func OnEvent(f func(Event)) Option {
 	return optionFunc(func(c *config) { c.onEvent = f })
 }
@@ -331,24 +342,33 @@ type RetryPolicy struct {
 
 // LocalRetry retries a delivery (or, for a BatchHandler, the deliveries of
 // a batch that failed, as a batch of their own) in its lane before a Retry
-// outcome goes to the broker. The lane does nothing else meanwhile, so the
-// delivery's group keeps its order, which a broker redelivery would break:
-// give a Budget that outlasts the outages you expect (a store restarting,
-// say), and let the broker's own redelivery count (Artemis
-// max-delivery-attempts, with redelivery-delay) handle what outlasts it. A
-// stop or Close ends the waiting and releases the delivery: it goes back
-// to the broker uncounted, since the stop, not the message, cut its
-// retries short (Results.Release counts it); so does the loss of its
-// Service Bus lock, which cancels the handler's context (nothing is sent
-// then: the service delivers the message again). A delivery whose link is
-// lost (Artemis, RabbitMQ, a Service Bus session) stops being retried at
-// once: no result of it could be settled, and the broker delivers it
-// again. Only
-// Retry outcomes are retried, never Release or Reject. A BatchHandler that
-// fails a delivery of a group must fail the group's later deliveries in the
-// same batch too: the ones it accepted are settled at once, and their
-// effects would then come before the failed one's. p needs Attempts or
-// Budget > 0, both ≥ 0, and 0 ≤ Initial ≤ Max. Default: off.
+// outcome goes to the broker. Only Retry outcomes are retried, never
+// Release or Reject.
+//
+// The lane does nothing else meanwhile, so the delivery's group keeps its
+// order, which a broker redelivery would break: give a Budget that outlasts
+// the outages you expect (a store restarting, say), and let the broker's
+// own redelivery count (Artemis max-delivery-attempts, with
+// redelivery-delay) handle what outlasts it.
+//
+// Retrying ends early:
+//
+//   - A stop or Close ends the waiting and releases the delivery: it goes
+//     back to the broker uncounted, since the stop, not the message, cut
+//     its retries short (Results.Release counts it).
+//   - The loss of its Service Bus lock ends it too, and cancels the
+//     handler's context; nothing is sent then: the service delivers the
+//     message again.
+//   - A delivery whose link is lost (Artemis, RabbitMQ, a Service Bus
+//     session) stops being retried at once: no result of it could be
+//     settled, and the broker delivers it again.
+//
+// A BatchHandler that fails a delivery of a group must fail the group's
+// later deliveries in the same batch too: the ones it accepted are settled
+// at once, and their effects would then come before the failed one's.
+//
+// p needs Attempts or Budget > 0, both ≥ 0, and 0 ≤ Initial ≤ Max.
+// Default: off.
 func LocalRetry(p RetryPolicy) Option {
 	return optionFunc(func(c *config) {
 		if p.Initial == 0 {
@@ -377,24 +397,30 @@ func WaitForQueue() Option {
 
 // MaxHeldBytes bounds the bytes of the deliveries the process holds, as
 // Credit bounds their number: credit is granted only while the bodies held
-// (see MaxMessageSize for what is counted) stay under n. The broker does not
-// say how large a message is before sending it, so the subscriber grants by
-// the sizes it has seen: as many as n holds of the largest lately (a
-// larger size counts at once; the estimate then decays by 1/16 a
-// delivery), one at a time until it has seen one. One delivery always
-// flows when nothing is held, however large, so nothing stalls. What is
-// held passes n only by deliveries larger than any lately: those granted
-// while smaller ones came, up to the credit. With traffic of mixed sizes
-// (mostly small, now and then very large), lower Credit too: the bound on
-// bodies held is about n + Credit × the largest message. Stats.BytesHeld
-// and MaxBytesHeld show it. It counts bodies held, not the process's
-// memory: go-amqp assembles each message in a growing buffer before
-// decoding it, and Go's collector lets the heap grow to twice what is live
-// unless GOMEMLIMIT says otherwise, so expect the RSS to reach two to four
-// times the bytes held, and set GOMEMLIMIT in a container. With Sessions,
-// each session held gets its share of n. Must be ≥ 0; 0 means no bound.
-// Default: off (the credit alone bounds what is held: 256 deliveries of
-// 1 MiB hold 256 MiB).
+// (see MaxMessageSize for what is counted) stay under n.
+//
+// The broker does not say how large a message is before sending it, so the
+// subscriber grants by the sizes it has seen: as many as n holds of the
+// largest lately (a larger size counts at once; the estimate then decays
+// by 1/16 a delivery), one at a time until it has seen one. One delivery
+// always flows when nothing is held, however large, so nothing stalls.
+//
+// What is held passes n only by deliveries larger than any lately: those
+// granted while smaller ones came, up to the credit. With traffic of mixed
+// sizes (mostly small, now and then very large), lower Credit too: the
+// bound on bodies held is about n + Credit × the largest message.
+// Stats.BytesHeld and MaxBytesHeld show it.
+//
+// It counts bodies held, not the process's memory: go-amqp assembles each
+// message in a growing buffer before decoding it, and Go's collector lets
+// the heap grow to twice what is live unless GOMEMLIMIT says otherwise, so
+// expect the RSS to reach two to four times the bytes held, and set
+// GOMEMLIMIT in a container.
+//
+// With Sessions, each session held gets its share of n.
+//
+// Must be ≥ 0; 0 means no bound. Default: off (the credit alone bounds what
+// is held: 256 deliveries of 1 MiB hold 256 MiB).
 func MaxHeldBytes(n int64) Option {
 	return checked("MaxHeldBytes", n, n >= 0, "must be ≥ 0", func(c *config) {
 		c.maxHeldBytes = n
@@ -403,22 +429,28 @@ func MaxHeldBytes(n int64) Option {
 
 // MaxMessageSize dead-letters, before a handler sees it, every delivery
 // whose body is larger than n bytes (its data sections, or a binary or
-// string value; the rest of a message is not counted). On Service Bus
-// (AzureServiceBus) it is rejected as Reject does there: condition
-// com.microsoft:dead-letter, DeadLetterReason "MaxMessageSizeExceeded" and
-// a DeadLetterErrorDescription naming the size and n, so the service moves
-// it to the entity's dead-letter queue with that reason. Elsewhere it is
-// rejected with condition amqp:link:message-size-exceeded and a reason,
-// and the broker dead-letters it. Stats.Results.Oversize counts them and
-// OnEvent hears of each
-// (EventOversize). The limit is checked once the message has arrived, not
-// on the wire: go-amqp v1.7 drops its own limit when the broker's attach
-// declares none, as Artemis's does. So an oversized message is read whole
-// before it is refused, and costs the process two to four times its size
-// in memory for a moment (see MaxHeldBytes), though not in BytesHeld. To
-// keep such messages away from consumers altogether, limit them where they
-// are produced (Artemis: an address setting or a broker plugin). Must be
-// ≥ 0; 0 means no limit. Default: off.
+// string value; the rest of a message is not counted).
+// Stats.Results.Oversize counts them and OnEvent hears of each
+// (EventOversize). How it is rejected follows the broker:
+//
+//   - On Service Bus (AzureServiceBus) it is rejected as Reject does there:
+//     condition com.microsoft:dead-letter, DeadLetterReason
+//     "MaxMessageSizeExceeded" and a DeadLetterErrorDescription naming the
+//     size and n, so the service moves it to the entity's dead-letter queue
+//     with that reason.
+//   - Elsewhere it is rejected with condition
+//     amqp:link:message-size-exceeded and a reason, and the broker
+//     dead-letters it.
+//
+// The limit is checked once the message has arrived, not on the wire:
+// go-amqp v1.7 drops its own limit when the broker's attach declares none,
+// as Artemis's does. So an oversized message is read whole before it is
+// refused, and costs the process two to four times its size in memory for
+// a moment (see MaxHeldBytes), though not in BytesHeld. To keep such
+// messages away from consumers altogether, limit them where they are
+// produced (Artemis: an address setting or a broker plugin).
+//
+// Must be ≥ 0; 0 means no limit. Default: off.
 func MaxMessageSize(n int64) Option {
 	return checked("MaxMessageSize", n, n >= 0, "must be ≥ 0", func(c *config) {
 		c.maxMessageSize = n

@@ -228,13 +228,14 @@ type running struct {
 }
 
 // graceful waits for the pumps to settle everything held, up to the grace
-// period. GracePeriod(0) waits only until each pump holds nothing but what
+// period. Close cuts the wait short.
+//
+// GracePeriod(0) waits only until each pump holds nothing but what
 // handlers and settlers have: what waited in the pump, Out, a lane's queue
 // or an open batch was released (or handed to a settler, which sends it
 // after: see Run); and that for a quarter of CloseTimeout at most, so that
 // a pump stuck on a settlement the broker does not take (a peer that
-// stopped reading) cannot hold the stop past its bound. Close cuts the
-// wait short.
+// stopped reading) cannot hold the stop past its bound.
 func (s *Subscriber) graceful(runs []*running) {
 	if s.cfg.grace == 0 {
 		by := time.Now().Add(s.cfg.closeTimeout / 4)

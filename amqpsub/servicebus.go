@@ -21,10 +21,11 @@ import (
 //	Endpoint=sb://<namespace>.servicebus.windows.net/;SharedAccessKeyName=<rule>;SharedAccessKey=<key>
 //
 // or with SharedAccessSignature=<token> in place of the key name and key,
-// EntityPath=<entity> and UseDevelopmentEmulator=true optional. It connects
-// with TLS to the Endpoint's port, 5671 when it names none (the emulator:
-// plain AMQP to the Endpoint's port or 5672, on any host, such as
-// localhost or the emulator's service name in a compose file),
+// EntityPath=<entity> and UseDevelopmentEmulator=true optional.
+//
+// It connects with TLS to the Endpoint's port, 5671 when it names none (the
+// emulator: plain AMQP to the Endpoint's port or 5672, on any host, such as
+// localhost or the emulator's service name in a compose file), and
 // authenticates with SASL ANONYMOUS and claims-based security: a SAS token
 // for the entity and one for its $management node, put on $cbs at once and
 // again before they expire (tokens signed with the key last 2 h; a pre-made
@@ -54,12 +55,14 @@ func ServiceBus(connectionString string) (Connector, error) {
 // endpoint ("sb://<namespace>.servicebus.windows.net", or, for the
 // emulator, "amqp://localhost:5672") that authenticates with the tokens tp
 // gives: an Entra ID (JWT) source, say (see TokenProvider), or
-// SASTokenProvider with a lifetime of your choice. sb:// and amqps://
-// connect with TLS, to the endpoint's port or 5671; amqp:// (the emulator,
-// on any host: localhost, or its service name in a compose file) without,
-// to its port or 5672. The endpoint is a URL,
-// not a connection string (give that to ServiceBus). See ServiceBus. Errors
-// wrap ErrInvalidOption and quote nothing of endpoint.
+// SASTokenProvider with a lifetime of your choice. See ServiceBus.
+//
+// sb:// and amqps:// connect with TLS, to the endpoint's port or 5671;
+// amqp:// (the emulator, on any host: localhost, or its service name in a
+// compose file) without, to its port or 5672. The endpoint is a URL, not a
+// connection string (give that to ServiceBus).
+//
+// Errors wrap ErrInvalidOption and quote nothing of endpoint.
 func ServiceBusWithToken(endpoint string, tp TokenProvider) (Connector, error) {
 	if tp == nil {
 		return nil, fmt.Errorf("%w: nil TokenProvider", ErrInvalidOption)
@@ -161,19 +164,22 @@ func (c *sbConnector) connect(ctx context.Context, req connectRequest) (*connect
 
 // MaxLockRenewal bounds, on Azure Service Bus, how long after its handler
 // began a delivery's message lock is still renewed (LocalRetry's waits
-// included). After that the lock expires (up to one lock duration later:
-// the last renewal's), the handler's context is cancelled (cause
-// lease.ErrLockLost), its result is not sent, and the service delivers the
-// message again, counted, to whichever receiver asks next. So a handler
-// that outlives its lock can see its work done twice (once more if it
-// ignores its context), and under WorkersByKey the redelivery comes after
-// the group's later messages: its order is broken. Set it above the
-// longest handler. While a delivery
-// waits for a handler (behind a busy group, say) its lock is renewed for as
-// long as it waits: the credit bounds how many wait. Must be ≥ 0; 0 renews
-// no lock of a delivery in a handler. Default: 5 min, as the .NET
-// processor's MaxAutoLockRenewalDuration, which also counts from the
-// handler's start.
+// included). Set it above the longest handler.
+//
+// After that the lock expires (up to one lock duration later: the last
+// renewal's), the handler's context is cancelled (cause ErrLockLost), its
+// result is not sent, and the service delivers the message again, counted,
+// to whichever receiver asks next. So a handler that outlives its lock can
+// see its work done twice (once more if it ignores its context), and under
+// WorkersByKey the redelivery comes after the group's later messages: its
+// order is broken.
+//
+// While a delivery waits for a handler (behind a busy group, say) its lock
+// is renewed for as long as it waits: the credit bounds how many wait.
+//
+// Must be ≥ 0; 0 renews no lock of a delivery in a handler. Default: 5 min,
+// as the .NET processor's MaxAutoLockRenewalDuration, which also counts
+// from the handler's start.
 func MaxLockRenewal(d time.Duration) Option {
 	return checked("MaxLockRenewal", d, d >= 0, "must be ≥ 0", func(c *config) {
 		c.maxLockRenewal = d
@@ -190,21 +196,25 @@ const maxSessions = 256
 // Sessions makes the subscriber a session consumer of a session-enabled
 // Service Bus entity: it holds up to max sessions at once, each on a link
 // of its own with its share of the credit (at least 1), accepting the next
-// available session whenever it has room; the handlers of each session run
-// as Workers or WorkersByKey say, per session (the default Workers(1) runs
-// each session's messages one at a time, in order, so Sessions(4) runs up
-// to 4 handlers at once). A handler's Retry sends its message back to the
-// service, which delivers it again after the session's messages already
-// sent: to keep a session's order through a passing failure, use
-// LocalRetry, which retries in the lane. A session's lock is renewed
-// while the consumer holds it; a session with no message for
-// SessionIdleTimeout is closed and the next one accepted; when no session
-// is available the service says so after a while and the consumer asks
-// again. Delivery.SessionState and SetSessionState read and write the
-// session's state. Only with the AzureServiceBus profile; not with
-// SessionIDs. Each session held is a connection of its own (8 for
-// Sessions(8); the emulator allows 10 in all). Must be between 1 and 256.
-// Default: off (the entity must not require sessions).
+// available session whenever it has room. Only with the AzureServiceBus
+// profile; not with SessionIDs.
+//
+// The handlers of each session run as Workers or WorkersByKey say, per
+// session: the default Workers(1) runs each session's messages one at a
+// time, in order, so Sessions(4) runs up to 4 handlers at once. A handler's
+// Retry sends its message back to the service, which delivers it again
+// after the session's messages already sent: to keep a session's order
+// through a passing failure, use LocalRetry, which retries in the lane.
+//
+// A session's lock is renewed while the consumer holds it; a session with
+// no message for SessionIdleTimeout is closed and the next one accepted;
+// when no session is available the service says so after a while and the
+// consumer asks again. Delivery.SessionState and Delivery.SetSessionState
+// read and write the session's state.
+//
+// Each session held is a connection of its own (8 for Sessions(8); the
+// emulator allows 10 in all). Must be between 1 and 256. Default: off (the
+// entity must not require sessions).
 func Sessions(max int) Option {
 	return optionFunc(func(c *config) {
 		if max < 1 || max > maxSessions {
@@ -240,11 +250,9 @@ func SessionIDs(ids ...string) Option {
 
 // SessionIdleTimeout is how long a session consumer keeps a session that
 // sends no message (and of which it holds none) before it closes it and
-// accepts the next. A finished session holds its place that long: with
-// many short sessions, a few seconds keeps the consumer moving (8 sessions
-// of 5 messages under Sessions(4) took 60 s at the default in a trial, the
-// second four waiting for the first four to idle out). Must be > 0.
-// Default: 1 min.
+// accepts the next. A finished session holds its slot that long, and the
+// sessions beyond Sessions' max wait for a slot: with many short sessions,
+// a few seconds keeps the consumer moving. Must be > 0. Default: 1 min.
 func SessionIdleTimeout(d time.Duration) Option {
 	return checked("SessionIdleTimeout", d, d > 0, "must be > 0", func(c *config) {
 		c.sessionIdle = d

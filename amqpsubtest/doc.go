@@ -70,8 +70,8 @@
 //     ignored, as Artemis ignores them; with undeliverable-here the message
 //     is not delivered on that link again while it is attached.
 //   - modified{delivery-failed} (amqpsub's Retry): its count goes up by one;
-//     when it reaches MaxDeliveryAttempts (10 by default; 5 in our test
-//     broker) the message is dead-lettered, otherwise it goes back.
+//     when it reaches MaxDeliveryAttempts (10 by default; 5 in the
+//     repository's test brokers) the message is dead-lettered, otherwise it goes back.
 //   - rejected (Reject, RejectWith, MaxDeliveryCount): dead-lettered at
 //     once. The dead letter keeps the rejected outcome's error (condition,
 //     description, info), which Artemis does not (see amqpsub.DeadLetterCopy).
@@ -146,7 +146,8 @@
 //     another profile, and Sessions or SessionIDs.
 //   - Each delivery is locked for LockDuration (60 s by default) from when
 //     it is sent. It carries the lock token as its 16-byte delivery tag
-//     (.NET's Guid layout, which lease.LockToken reads), and message
+//     (.NET's Guid layout, which amqpsub reads: servicebus.LockToken in
+//     internal/servicebus), and message
 //     annotations x-opt-locked-until (when the lock expires),
 //     x-opt-sequence-number (from 1, in publish order) and
 //     x-opt-enqueued-time (when it was published). Its header's
@@ -157,7 +158,7 @@
 //     extends each lock to LockDuration from then (Delivery.Renewals,
 //     Delivery.LockedUntil); a request naming a lock that is expired,
 //     settled or unknown renews none and fails with an error wrapping
-//     lease.ErrLockLost, as the service's status 410 does.
+//     amqpsub.ErrLockLost, as the service's status 410 does.
 //   - A lock that is not renewed in time (a handler ran past MaxLockRenewal,
 //     say) expires at its locked-until: the delivery is recorded as
 //     LockExpired, and the message goes back, counted. A settlement that

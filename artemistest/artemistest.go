@@ -102,11 +102,13 @@ func Run(ctx context.Context, opts ...Option) (*Broker, error) {
 // Start starts a broker for the test t, as Run does, and registers a
 // cleanup that stops it (SIGTERM, SIGKILL after WithStopTimeout) and
 // removes its files; if the test failed, the cleanup first logs the tail
-// of the broker's output. If the broker cannot start, Start fails the
-// test with t.Fatal and a message that says why (with the broker's
-// output when it ran). Start reports through t.Logf unless WithLogf says
-// otherwise. The start-up is bounded by t.Context() (and so by go test
-// -timeout) and by WithStartTimeout.
+// of the broker's output.
+//
+// If the broker cannot start, Start fails the test with t.Fatal and a
+// message that says why (with the broker's output when it ran). Start
+// reports through t.Logf unless WithLogf says otherwise. The start-up is
+// bounded by t.Context() (and so by go test -timeout) and by
+// WithStartTimeout.
 func Start(t testing.TB, opts ...Option) *Broker {
 	t.Helper()
 	opts = append([]Option{WithLogf(t.Logf)}, opts...)

@@ -97,7 +97,8 @@ func defaultConfig() config {
 	}
 }
 
-// defaultCacheDir is where our scripts keep the distribution too, so that
+// defaultCacheDir is where the repository's broker scripts
+// (integration/*.sh) keep the distribution too, so that
 // a machine that ran them has nothing to download.
 func defaultCacheDir() string {
 	if d := os.Getenv("AMQPSUB_CACHE"); d != "" {
@@ -166,7 +167,8 @@ var credentialRE = regexp.MustCompile(`^[A-Za-z0-9._~-]+$`)
 // may do everything). Logins without them, or with a wrong password, are
 // refused. Both may hold letters, digits and "-._~" only (they go into
 // the URL and, in a container, through a shell script unquoted).
-// Default: "amqpsub", "amqpsub", as in our scripts.
+// Default: "amqpsub", "amqpsub", as in the repository's
+// integration/artemis.sh.
 func WithCredentials(user, password string) Option {
 	return optionFunc(func(c *config) error {
 		if !credentialRE.MatchString(user) || !credentialRE.MatchString(password) {
@@ -287,12 +289,15 @@ func WithQueues(names ...string) Option {
 }
 
 // WithBrokerXML replaces the broker.xml the broker runs with (see
-// DefaultBrokerXML, which is a good start to edit). Its acceptors must
-// take their host and port from the system properties that Run sets:
-// ${amqpsub.host}, ${amqpsub.port} (AMQP; Broker.URL) and, if it has
-// one, ${amqpsub.coreport} (CORE; Broker.CoreAddr). Security must stay on
-// with role amq for the user of WithCredentials, which is what `artemis
-// create --require-login` writes into the users and roles files.
+// DefaultBrokerXML, which is a good start to edit).
+//
+// Its acceptors must take their host and port from the system properties
+// that Run sets: ${amqpsub.host}, ${amqpsub.port} (AMQP; Broker.URL) and,
+// if it has one, ${amqpsub.coreport} (CORE; Broker.CoreAddr). Security
+// must stay on with role amq for the user of WithCredentials, which is
+// what `artemis create --require-login` writes into the users and roles
+// files.
+//
 // Default: DefaultBrokerXML().
 func WithBrokerXML(xml []byte) Option {
 	return optionFunc(func(c *config) error {

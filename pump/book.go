@@ -153,10 +153,12 @@ func (t Ticket) Stale() bool {
 // settlement: with the outcome's kind, and nil when the broker took it,
 // ErrNotSent when it was not sent, or the broker's or link's error. f runs
 // on the pump's goroutine and must return at once. A later call replaces
-// an earlier one's f. It reports false, and f is never called, when the
-// delivery is already settling or settled. f is not called for a delivery
-// that is dropped unsettled (its link lost before a handler took it), nor
-// for one whose settlement comes after Run returned.
+// an earlier one's f.
+//
+// It reports false, and f is never called, when the delivery is already
+// settling or settled. f is not called for a delivery that is dropped
+// unsettled (its link lost before a handler took it), nor for one whose
+// settlement comes after Run returned.
 func (t Ticket) OnSettled(f func(k Kind, err error)) bool {
 	if s := t.State(); s != Buffered && s != Handling {
 		return false
@@ -271,13 +273,16 @@ func (p *Pump) dropStale() {
 }
 
 // LoseLock tells the pump that the broker's lock of t's delivery is lost
-// (Service Bus): a delivery no handler has taken yet is dropped (it stops
-// counting as held at once, and the consumer that finds it passes it to
-// Settle, which only frees it); a delivery in a handler is marked, so that
-// its settlement is not sent and counted as skipped. It may be called from
-// any goroutine; a delivery already settling or settled is left alone. It
-// reports whether it acted: false when the ticket's delivery was settling
-// or settled, or its entry already holds another.
+// (Service Bus). It may be called from any goroutine.
+//
+// A delivery no handler has taken yet is dropped (it stops counting as
+// held at once, and the consumer that finds it passes it to Settle, which
+// only frees it); a delivery in a handler is marked, so that its
+// settlement is not sent and counted as skipped. A delivery already
+// settling or settled is left alone.
+//
+// It reports whether it acted: false when the ticket's delivery was
+// settling or settled, or its entry already holds another.
 func (p *Pump) LoseLock(t Ticket) bool {
 	for {
 		w := t.d.word.Load()

@@ -54,6 +54,7 @@ type Config struct {
 	// Bus has it): go-amqp then waits a round trip per settlement, which on
 	// the pump's goroutine would cap the rate at one per round trip. A
 	// delivery stays held until its answer came or SettleTimeout passed.
+	//
 	// Each settler sends its settlements one after another, in the order
 	// it was given them: those of one key (SettleInOrder) all go to the
 	// same one, the others in turn to each. 0 settles on the pump's
@@ -64,12 +65,14 @@ type Config struct {
 	// the link it came on, and that its Source can still settle it once
 	// that link is gone: Service Bus keeps a message's lock until it
 	// expires, and takes its settlement by lock token on the entity's
-	// $management node (the source falls back to that). A lost link then
-	// leaves its deliveries held: those buffered still go to handlers,
-	// their leases stay in the book, and every settlement is sent through
-	// the source the delivery came from. Requires Settlers > 0. false (the
-	// default) drops what a lost link held, and skips the settlements of
-	// its deliveries (Stats.Stale): the broker redelivers them.
+	// $management node (the source falls back to that). Requires
+	// Settlers > 0.
+	//
+	// A lost link then leaves its deliveries held: those buffered still go
+	// to handlers, their leases stay in the book, and every settlement is
+	// sent through the source the delivery came from. false (the default)
+	// drops what a lost link held, and skips the settlements of its
+	// deliveries (Stats.Stale): the broker redelivers them.
 	KeepAcrossLinks bool
 	// SettleTimeout bounds each settlement sent by a settler; 0 means 30 s.
 	SettleTimeout time.Duration
@@ -206,11 +209,13 @@ func (p *Pump) Released() <-chan struct{} { return p.released }
 // still held are in handlers: every other one was released (by the pump,
 // or by the consumers that had taken it from Out and passed it to Settle)
 // and the release applied, or with Settlers handed to a settler or queued
-// for one. It is closed when a stop finds the pump without a link (while
-// it reattaches: nothing can be released then, what is held is stale) and
-// when Run returns, too. A consumer
-// that cuts its handlers short at a stop waits for it first, so that what
-// no handler had goes back before any handler is cancelled.
+// for one.
+//
+// It is closed when a stop finds the pump without a link (while it
+// reattaches: nothing can be released then, what is held is stale) and
+// when Run returns, too. A consumer that cuts its handlers short at a stop
+// waits for it first, so that what no handler had goes back before any
+// handler is cancelled.
 func (p *Pump) Quiet() <-chan struct{} { return p.quiet }
 
 func (p *Pump) markQuiet() { p.quietOnce.Do(func() { close(p.quiet) }) }

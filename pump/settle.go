@@ -71,24 +71,28 @@ type settlement struct {
 
 // Settle hands the pump a delivery's settlement and reports true; it
 // reports false, and does nothing, when the delivery was already settled: a
-// delivery settles once. It never blocks and does not wait for the broker:
-// the pump applies queued settlements in a burst whenever it wakes, also
-// while a delivery waits for room in Out. A dropped delivery (see State) is
-// only freed, whatever the outcome. Settlements that arrive after Run has
-// returned are not applied; the broker redelivers those deliveries once the
-// link is closed.
+// delivery settles once.
+//
+// It never blocks and does not wait for the broker: the pump applies
+// queued settlements in a burst whenever it wakes, also while a delivery
+// waits for room in Out. A dropped delivery (see State) is only freed,
+// whatever the outcome. Settlements that arrive after Run has returned are
+// not applied; the broker redelivers those deliveries once the link is
+// closed.
 func (p *Pump) Settle(t Ticket, o Outcome) bool {
 	return p.settleAs(t, settlement{d: t.d, o: o})
 }
 
 // SettleInOrder is Settle for a settlement that must reach the broker
 // after every earlier one of the same key, which the caller gives in the
-// order it decided them: with Settlers, the settlements of one key go out
-// one after another, each once the broker answered the one before, while
-// those of other keys go out beside them. A key is a group's (its
-// group-id's hash, say), so that a group's later settlement never reaches
-// the broker before an earlier one. Without Settlers every settlement is
-// sent in order on the pump's goroutine, and SettleInOrder is Settle.
+// order it decided them. A key is a group's (its group-id's hash, say), so
+// that a group's later settlement never reaches the broker before an
+// earlier one.
+//
+// With Settlers, the settlements of one key go out one after another, each
+// once the broker answered the one before, while those of other keys go
+// out beside them. Without Settlers every settlement is sent in order on
+// the pump's goroutine, and SettleInOrder is Settle.
 func (p *Pump) SettleInOrder(t Ticket, o Outcome, key uint64) bool {
 	return p.settleAs(t, settlement{d: t.d, o: o, key: key, ordered: true})
 }

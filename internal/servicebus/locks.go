@@ -323,6 +323,7 @@ func (b *Book) Run(ctx context.Context) {
 // round picks the locks to renew now (every one due within a window of
 // the earliest, so that they share a request; at most room, those that
 // expire first), the ones past their expiry, and when to look next.
+//
 // Deliveries whose settlement is being sent (pump.Ticket.Sending) are left
 // alone: renewing one would only be refused as lost, and whether it is lost
 // is for the settlement's answer to say. One whose settlement waits for its

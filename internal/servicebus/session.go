@@ -208,12 +208,14 @@ const (
 
 // keepSessionLock renews a session lock that expires at until, with renew
 // (which returns the new expiry), until ctx ends (it returns nil) or the
-// lock is lost (it returns why). A renewal goes out at the rule of message
-// locks: once remaining − min(remaining/2, 10 s) of the remaining time has
-// passed. A failed request is reported to retrying and tried again after
-// half the time left (between 250 ms and 2 s), for as long as the lock
-// lasts: the lock is lost when it expired, or at once when the service says
-// it is (status 410) or the $management link is gone for good.
+// lock is lost (it returns why).
+//
+// A renewal goes out at the rule of message locks: once remaining −
+// min(remaining/2, 10 s) of the remaining time has passed. A failed request
+// is reported to retrying and tried again after half the time left
+// (between 250 ms and 2 s), for as long as the lock lasts: the lock is lost
+// when it expired, or at once when the service says it is (status 410) or
+// the $management link is gone for good.
 func keepSessionLock(ctx context.Context, until time.Time, renew func(context.Context) (time.Time, error),
 	retrying func(err error, until time.Time)) error {
 	timer := time.NewTimer(time.Hour)

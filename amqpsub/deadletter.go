@@ -11,7 +11,7 @@ import (
 	"github.com/cespare/xxhash/v2"
 )
 
-// DeadLetterCopy makes a Reject (and a MaxDeliveryCount or MaxMessageSize
+// DeadLetterCopy makes a [Reject] (and a [MaxDeliveryCount] or [MaxMessageSize]
 // rejection: the copy then carries the whole oversized body back) keep its
 // reason on brokers that drop it, such as Artemis: instead of settling the
 // delivery as rejected, the subscriber sends a copy of the message to
@@ -20,8 +20,8 @@ import (
 // and then accepts the original. If the copy cannot be sent (the address
 // does not exist yet, say), the delivery is rejected as without this
 // option, and the broker dead-letters it without the reason; that is
-// logged, reported as EventDeadLetterCopyFailed and counted in
-// Stats.DeadLetterCopyFailures. "{queue}" in
+// logged, reported as [EventDeadLetterCopyFailed] and counted in
+// [Stats.DeadLetterCopyFailures]. "{queue}" in
 // address stands for the queue's name.
 //
 // On Artemis, address is the fully qualified name (address::queue) of the
@@ -41,11 +41,11 @@ import (
 // messages with the same message-id and the same body (a producer that
 // sent one message twice) make the same id: Artemis stores the second
 // copy as a duplicate, that is not at all, and the original is accepted,
-// so the second is in neither queue (Stats.DeadLetterCopies counts it all
+// so the second is in neither queue ([Stats.DeadLetterCopies] counts it all
 // the same). Producers that may send a message twice should give each send
 // a message-id of its own. A message without a message-id gets no such id:
 // after such a crash its copy may be stored twice. The two steps are not one transaction: go-amqp has
-// no AMQP transactions. Not for the RabbitMQ3 profile (RabbitMQ
+// no AMQP transactions. Not for the [RabbitMQ3] profile (RabbitMQ
 // dead-letters through the queue's dead-letter exchange), nor for Service
 // Bus, which keeps the reason itself. Default: off.
 func DeadLetterCopy(address string) Option {

@@ -25,7 +25,7 @@ import (
 // delivery stays locked to its receiver unless the lock is renewed. Service
 // Bus takes 5 s to 5 min; the queue takes any d > 0, and panics otherwise,
 // or when the queue does not play Service Bus (give
-// WithProfile(amqpsub.AzureServiceBus) too). Default: 60 s, Service Bus's
+// WithProfile([amqpsub.AzureServiceBus]) too). Default: 60 s, Service Bus's
 // default.
 func LockDuration(d time.Duration) Option {
 	return optionFunc(func(q *Queue) {

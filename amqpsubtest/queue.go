@@ -16,7 +16,7 @@ import (
 )
 
 // Queue is an in-memory queue that plays the broker for Subscribers. Make
-// one with NewQueue, give its Connector to amqpsub.New or NewBatch, and
+// one with [NewQueue], give its Connector to [amqpsub.New] or NewBatch, and
 // Publish messages to it. It is safe for concurrent use.
 type Queue struct {
 	rules           rules
@@ -40,7 +40,7 @@ type Queue struct {
 	lastToken uint64
 }
 
-// An Option configures a Queue.
+// An Option configures a [Queue].
 type Option interface{ apply(*Queue) }
 
 type optionFunc func(*Queue)
@@ -48,14 +48,14 @@ type optionFunc func(*Queue)
 func (f optionFunc) apply(q *Queue) { f(q) }
 
 // WithProfile makes the queue behave as the broker of profile p does (see
-// the package documentation): amqpsub.Artemis and amqpsub.Generic get
-// Artemis's rules, amqpsub.RabbitMQ3 gets RabbitMQ 3.10's, and
-// amqpsub.AzureServiceBus gets Service Bus peek-lock on a queue without
-// sessions (message locks, LockDuration). NewQueue panics on a profile it
+// the package documentation): [amqpsub.Artemis] and [amqpsub.Generic] get
+// Artemis's rules, [amqpsub.RabbitMQ3] gets RabbitMQ 3.10's, and
+// [amqpsub.AzureServiceBus] gets Service Bus peek-lock on a queue without
+// sessions (message locks, [LockDuration]). [NewQueue] panics on a profile it
 // has no rules for.
 //
 // Give the subscriber the same profile; a Service Bus queue's Connector
-// gives it AzureServiceBus itself, as amqpsub.ServiceBus's does.
+// gives it AzureServiceBus itself, as [amqpsub.ServiceBus]'s does.
 //
 // Default: amqpsub.Artemis.
 func WithProfile(p amqpsub.Profile) Option {
@@ -98,13 +98,13 @@ func NewQueue(opts ...Option) *Queue {
 }
 
 // Connector returns a Connector whose every attach opens a new link on q:
-// give it to amqpsub.New or NewBatch in place of amqpsub.Dial. The queue
+// give it to [amqpsub.New] or NewBatch in place of [amqpsub.Dial]. The queue
 // name given to New is not checked. Several subscribers may consume q at
 // once, as replicas do: each attach is a link of its own.
 //
-// On a queue that plays Service Bus it stands in for amqpsub.ServiceBus's
+// On a queue that plays Service Bus it stands in for [amqpsub.ServiceBus]'s
 // connector: the subscriber takes the AzureServiceBus profile without
-// WithProfile, and New refuses another profile, and Sessions or SessionIDs
+// [WithProfile], and New refuses another profile, and Sessions or SessionIDs
 // (the queue has no sessions).
 func (q *Queue) Connector() amqpsub.Connector {
 	if testhook.Connector == nil {
@@ -151,7 +151,7 @@ func (q *Queue) Publish(msgs ...*amqp.Message) {
 // a link or loses the connection: their Receive and settlements fail with
 // err, and their unsettled deliveries go back to the queue with their
 // delivery count unchanged (Artemis closes an AMQP consumer as not failed),
-// recorded as Unsettled. Under Service Bus they stay locked instead, and
+// recorded as [Unsettled]. Under Service Bus they stay locked instead, and
 // their settlements are taken (see the package documentation).
 //
 // A subscriber sees a lost link and attaches again, through its Connector,

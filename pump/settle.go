@@ -19,7 +19,7 @@ const (
 	Accept Kind = iota
 	// Release returns the delivery to the queue, not counted as a failure.
 	Release
-	// Modify returns the delivery to the queue as modified (see Outcome).
+	// Modify returns the delivery to the queue as modified (see [Outcome]).
 	Modify
 	// Reject settles the delivery as rejected: dead-lettered by most brokers.
 	Reject
@@ -46,9 +46,9 @@ func (k Kind) String() string {
 // Outcome is a settlement.
 type Outcome struct {
 	Kind Kind
-	// Error is sent with Reject; nil sends none.
+	// Error is sent with [Reject]; nil sends none.
 	Error *amqp.Error
-	// DeliveryFailed and UndeliverableHere go with Modify.
+	// DeliveryFailed and UndeliverableHere go with [Modify].
 	DeliveryFailed    bool
 	UndeliverableHere bool
 }
@@ -75,7 +75,7 @@ type settlement struct {
 //
 // It never blocks and does not wait for the broker: the pump applies
 // queued settlements in a burst whenever it wakes, also while a delivery
-// waits for room in Out. A dropped delivery (see State) is only freed,
+// waits for room in Out. A dropped delivery (see [State]) is only freed,
 // whatever the outcome. Settlements that arrive after Run has returned are
 // not applied; the broker redelivers those deliveries once the link is
 // closed.
@@ -260,10 +260,10 @@ func (p *Pump) unsent(d *Delivery, kind Kind) {
 	p.notSent(d, kind)
 }
 
-// ErrNotSent is what Meter.Settled and a Ticket's OnSettled function hear
+// ErrNotSent is what [Meter.Settled] and a [Ticket]'s OnSettled function hear
 // of a settlement that was not sent: the delivery's link was lost, or its
 // lock (Service Bus), while a handler had it, or Run ended before it could
-// be sent (Stats.Unsent). The broker delivers it again.
+// be sent ([Stats.Unsent]). The broker delivers it again.
 var ErrNotSent = errors.New("pump: settlement not sent: the delivery's link or lock was lost; the broker delivers it again")
 
 // notSent reports a settlement that was skipped.

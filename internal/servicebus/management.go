@@ -27,9 +27,9 @@ type Management struct {
 // is lost (or unknown).
 const lockLostStatus = 410
 
-// RenewLocks renews message locks (Renewer). Its errors are
+// RenewLocks renews message locks ([Renewer]). Its errors are
 // Request's; a 200 whose expirations are not one per token wraps
-// ErrIncomplete. The lease book decides what each means for the
+// [ErrIncomplete]. The lease book decides what each means for the
 // locks.
 func (m *Management) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
 	const op = "com.microsoft:renew-lock"
@@ -60,10 +60,10 @@ func errorCondition(m *amqp.Message) amqp.ErrCond {
 // Request sends operation with body and returns the answer, or an error:
 //
 //   - a *statusError for an answer that is not a success, wrapping
-//     ErrLockLost for status 410, ErrBadRequest for 400, and ErrServerBusy
-//     for 503 or an errorCondition of com.microsoft:server-busy (the .NET
-//     client maps both to ServiceBusy);
-//   - one wrapping ErrNodeGone when the $management link pair is gone for
+//     [ErrLockLost] for status 410, [ErrBadRequest] for 400, and
+//     [ErrServerBusy] for 503 or an errorCondition of
+//     com.microsoft:server-busy (the .NET client maps both to ServiceBusy);
+//   - one wrapping [ErrNodeGone] when the $management link pair is gone for
 //     good;
 //   - or the link's error.
 //

@@ -46,7 +46,7 @@ func IsNoSession(err error) bool {
 }
 
 // Session is the source of a session link: its receiver, which it ends
-// with pump.ErrSourceDone when the session has been idle (no message,
+// with [pump.ErrSourceDone] when the session has been idle (no message,
 // nothing held) for the idle timeout, and the renewal of the session's
 // lock, which a goroutine keeps up while the link lives.
 type Session struct {
@@ -121,11 +121,11 @@ func ticksTime(v any) (time.Time, bool) {
 }
 
 // Receive returns the session's next message, or an error wrapping
-// pump.ErrSourceDone once the session has been idle for SessionIdleTimeout
+// [pump.ErrSourceDone] once the session has been idle for SessionIdleTimeout
 // with nothing of it held. When the link is lost, the session's lock went
 // with it (a session is locked to its link): every delivery of the session
 // is given up at once, before Receive returns the link's error, and the
-// context of each handler still running is cancelled with ErrLockLost.
+// context of each handler still running is cancelled with [ErrLockLost].
 func (src *Session) Receive(ctx context.Context, opts *amqp.ReceiveOptions) (*amqp.Message, error) {
 	for {
 		rctx, cancel := context.WithTimeout(ctx, src.idle)

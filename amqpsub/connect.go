@@ -17,8 +17,8 @@ import (
 	"github.com/amqpsub/amqpsub/internal/wire"
 )
 
-// A Connector gives a Subscriber its AMQP connection. Make one with Dial,
-// DialFailover, Conn or ServiceBus.
+// A Connector gives a [Subscriber] its AMQP connection. Make one with [Dial],
+// [DialFailover], [Conn] or [ServiceBus].
 type Connector interface {
 	// connect returns a connection for a link to req.entity.
 	connect(ctx context.Context, req connectRequest) (*connection, error)
@@ -69,14 +69,15 @@ type dialer struct {
 	wire wire.Options // the zero value, but for the benchmark's comparisons (testhook.DialWire)
 }
 
-// Dial returns a Connector that dials url (amqp://host:port or
+// Dial returns a [Connector] that dials url (amqp://host:port or
 // amqps://host:port, with user:password@ for SASL PLAIN; the port defaults
-// to 5672 and 5671) with go-amqp's options (nil for the defaults; for amqps,
-// TLSConfig's ServerName defaults to the host). The subscriber owns the
-// connections it dials and closes them when it stops; after a lost
-// connection it dials a new one. Errors and logs name the address without
-// its credentials. For a broker with several addresses (a backup, a
-// cluster), see DialFailover.
+// to 5672 and 5671) with go-amqp's options (nil for the defaults; for
+// amqps, TLSConfig's ServerName defaults to the host).
+//
+// The subscriber owns the connections it dials and closes them when it
+// stops; after a lost connection it dials a new one. Errors and logs name
+// the address without its credentials. For a broker with several addresses
+// (a backup, a cluster), see [DialFailover].
 func Dial(url string, opts *amqp.ConnOptions) Connector { return &dialer{url: url, opts: opts} }
 
 func (d *dialer) connect(ctx context.Context, req connectRequest) (*connection, error) {
@@ -175,11 +176,11 @@ func (d *dialer) String() string { return redact(d.url) }
 
 type given struct{ c *amqp.Conn }
 
-// Conn returns a Connector for a connection the caller opened and keeps
+// Conn returns a [Connector] for a connection the caller opened and keeps
 // owning: the subscriber opens its own session on it and closes only that
 // session. After a lost link it opens a new session on the same connection;
 // when the connection itself is lost, Run returns an error wrapping
-// ErrLinkLost, since it cannot dial another.
+// [ErrLinkLost], since it cannot dial another.
 func Conn(c *amqp.Conn) Connector { return given{c} }
 
 func (g given) connect(context.Context, connectRequest) (*connection, error) {
@@ -280,9 +281,9 @@ func (s *scrubbed) Error() string {
 
 func (s *scrubbed) Unwrap() error { return s.err }
 
-// DialFailover returns a Connector for a broker reachable at several
+// DialFailover returns a [Connector] for a broker reachable at several
 // addresses (a live broker and its backups, or the brokers of a cluster
-// that all hold the queue), each a URL as Dial takes it, all dialed with
+// that all hold the queue), each a URL as [Dial] takes it, all dialed with
 // the same go-amqp options (nil for the defaults; for amqps, TLSConfig's
 // ServerName defaults to each address's host). Credentials go in each URL.
 //
@@ -293,26 +294,26 @@ func (s *scrubbed) Unwrap() error { return s.err }
 // connected but could not open the session or attach the link). The first
 // address that answers is used; on the first connect, one that answered
 // but could not serve the queue is passed over too, until every address
-// was tried. DialTimeout bounds each address on its own:
+// was tried. [DialTimeout] bounds each address on its own:
 // the dial, and then the session and link on the connection it gave; a
 // pass through n addresses that do not answer lasts up to n × DialTimeout.
 // Within a pass the next address is tried at once; between passes the
-// reconnect loop waits its backoff (Backoff), as with Dial.
+// reconnect loop waits its backoff ([Backoff]), as with Dial.
 //
 // When no address answers, the error names each address tried, in order,
-// with why it failed, and wraps every cause, so errors.Is and errors.As see
-// them all. An error the subscriber's FatalErrors calls fatal (the broker
-// refusing the credentials, under IsFatal) ends the pass at once, the
+// with why it failed, and wraps every cause, so [errors.Is] and [errors.As] see
+// them all. An error the subscriber's [FatalErrors] calls fatal (the broker
+// refusing the credentials, under [IsFatal]) ends the pass at once, the
 // remaining addresses untried: the credentials or the configuration are
 // wrong, and another address of the same broker would say the same. So it
 // ends Run as it would with Dial, on the first connect as on a reconnect.
 //
 // The list is checked here: an empty list, an empty URL, one that does not
 // parse, one without a host, or a scheme other than amqp, amqps or
-// amqp+ssl gives an error wrapping ErrInvalidOption that names each bad
+// amqp+ssl gives an error wrapping [ErrInvalidOption] that names each bad
 // entry by its index (urls[i]) and never its password. Errors and logs name
 // the addresses without their credentials; the log line of each attach and
-// EventReconnected (Event.Broker) name the address in use. The subscriber
+// [EventReconnected] ([Event.Broker]) name the address in use. The subscriber
 // owns the connections it dials, as with Dial.
 func DialFailover(urls []string, opts *amqp.ConnOptions) (Connector, error) {
 	if len(urls) == 0 {

@@ -11,7 +11,7 @@ import (
 	"github.com/cespare/xxhash/v2"
 )
 
-// DeadLetterCopy makes a Reject (and a MaxDeliveryCount or MaxMessageSize
+// DeadLetterCopy makes a [Reject] (and a [MaxDeliveryCount] or [MaxMessageSize]
 // rejection: the copy then carries the whole oversized body back) keep its
 // reason on brokers that drop it, such as Artemis: instead of settling the
 // delivery as rejected, the subscriber sends a copy of the message to
@@ -20,13 +20,13 @@ import (
 // and then accepts the original. If the copy cannot be sent (the address
 // does not exist yet, say), the delivery is rejected as without this
 // option, and the broker dead-letters it without the reason; that is
-// logged, reported as EventDeadLetterCopyFailed and counted in
-// Stats.DeadLetterCopyFailures. "{queue}" in
+// logged, reported as [EventDeadLetterCopyFailed] and counted in
+// [Stats.DeadLetterCopyFailures]. "{queue}" in
 // address stands for the queue's name.
 //
 // On Artemis, address is the fully qualified name (address::queue) of the
 // queue's dead-letter queue: "DLQ::DLQ.{queue}" with
-// auto-create-dead-letter-resources (as in our test broker), "DLQ::DLQ"
+// auto-create-dead-letter-resources (as in integration/artemis/broker.xml), "DLQ::DLQ"
 // with the stock broker.xml. Create that queue before the first dead
 // letter (docs/brokers.md has the recipe), or the first rejection, made
 // before auto-creation, loses its reason. The copy carries what Artemis itself adds to a
@@ -41,11 +41,11 @@ import (
 // messages with the same message-id and the same body (a producer that
 // sent one message twice) make the same id: Artemis stores the second
 // copy as a duplicate, that is not at all, and the original is accepted,
-// so the second is in neither queue (Stats.DeadLetterCopies counts it all
+// so the second is in neither queue ([Stats.DeadLetterCopies] counts it all
 // the same). Producers that may send a message twice should give each send
 // a message-id of its own. A message without a message-id gets no such id:
 // after such a crash its copy may be stored twice. The two steps are not one transaction: go-amqp has
-// no AMQP transactions. Not for the RabbitMQ3 profile (RabbitMQ
+// no AMQP transactions. Not for the [RabbitMQ3] profile (RabbitMQ
 // dead-letters through the queue's dead-letter exchange), nor for Service
 // Bus, which keeps the reason itself. Default: off.
 func DeadLetterCopy(address string) Option {
@@ -154,9 +154,11 @@ func deadLetterCopy(m *amqp.Message, address, queue string, oe *OutcomeError) *a
 // deadLetterID is the duplicate-detection id of m's dead-letter copy: the
 // same for every delivery of m (so a copy sent again after a crash between
 // the copy and the accept is stored once), and different for any other
-// message. It names the message-id and hashes the body, so that two
-// messages that share a message-id (producers reuse them) both keep their
-// copy; and it hashes the id of an earlier copy of m and Artemis's
+// message.
+//
+// It names the message-id and hashes the body, so that two messages that
+// share a message-id (producers reuse them) both keep their copy; and it
+// hashes the id of an earlier copy of m and Artemis's
 // x-opt-ORIG-MESSAGE-ID, which a message retried from the dead-letter queue
 // carries, so that its second copy is not taken for its first.
 func deadLetterID(m *amqp.Message, address string) string {

@@ -58,7 +58,7 @@ func (d *Delivery) event(kind EventKind, err error) Event {
 		DeliveryCount: d.DeliveryCount(), Lane: d.lane}
 }
 
-// Message returns the underlying go-amqp message, for anything Delivery does
+// Message returns the underlying go-amqp message, for anything [Delivery] does
 // not wrap. Settle deliveries through the handler's return value, never
 // through go-amqp.
 func (d *Delivery) Message() *amqp.Message { return d.msg }
@@ -83,7 +83,7 @@ func bodyKind(m *amqp.Message) BodyKind {
 
 // Body returns the bytes of the message's data sections, joined when there
 // are several. An empty body gives nil, nil. A body of another kind gives an
-// error wrapping ErrBodyKind.
+// error wrapping [ErrBodyKind].
 func (d *Delivery) Body() ([]byte, error) { return dataBody(d.msg) }
 
 func dataBody(m *amqp.Message) ([]byte, error) {
@@ -109,7 +109,7 @@ func dataBody(m *amqp.Message) ([]byte, error) {
 }
 
 // Value returns the amqp-value body. A body of another kind gives an error
-// wrapping ErrBodyKind.
+// wrapping [ErrBodyKind].
 func (d *Delivery) Value() (any, error) {
 	if k := bodyKind(d.msg); k != BodyValue {
 		return nil, fmt.Errorf("%w: want amqp-value, have %s", ErrBodyKind, k)
@@ -118,7 +118,7 @@ func (d *Delivery) Value() (any, error) {
 }
 
 // Sequence returns the amqp-sequence sections. A body of another kind gives
-// an error wrapping ErrBodyKind.
+// an error wrapping [ErrBodyKind].
 func (d *Delivery) Sequence() ([][]any, error) {
 	if k := bodyKind(d.msg); k != BodySequence {
 		return nil, fmt.Errorf("%w: want amqp-sequence, have %s", ErrBodyKind, k)
@@ -126,7 +126,7 @@ func (d *Delivery) Sequence() ([][]any, error) {
 	return d.msg.Sequence, nil
 }
 
-// GroupID returns the AMQP group-id, the key WorkersByKey orders by; "" when
+// GroupID returns the AMQP group-id, the key [WorkersByKey] orders by; "" when
 // the message has none.
 func (d *Delivery) GroupID() string { return groupID(d.msg) }
 
@@ -167,13 +167,13 @@ func (d *Delivery) ContentType() string {
 // first delivery.
 //
 //   - Artemis counts deliveries that failed (modified{delivery-failed},
-//     amqpsub's Retry); a release does not count.
+//     amqpsub's [Retry]); a release does not count.
 //   - RabbitMQ 3.10 always sends 0; see FirstAcquirer.
 //   - On Service Bus it is one less than the DeliveryCount the service and
 //     its clients report (azservicebus, message.go, and .NET's
 //     ServiceBusReceivedMessage add 1 to the header's count): 0 here is
 //     DeliveryCount 1 there. An abandon (Retry) and an expired lock count.
-//     See MaxDeliveryCount for how the two line up.
+//     See [MaxDeliveryCount] for how the two line up.
 func (d *Delivery) DeliveryCount() uint32 {
 	if h := d.msg.Header; h != nil {
 		return h.DeliveryCount
@@ -199,7 +199,7 @@ func (d *Delivery) ApplicationProperties() map[string]any { return d.msg.Applica
 // Annotation returns the message annotation named key (such as
 // "x-opt-jms-msg-type") and whether it is present. Annotation keys are AMQP
 // symbols: go-amqp decodes them as strings, but a message built in Go may
-// hold an amqp.Symbol key, which is found too.
+// hold an [amqp.Symbol] key, which is found too.
 func (d *Delivery) Annotation(key string) (any, bool) { return annotation(d.msg, key) }
 
 func annotation(m *amqp.Message, key string) (any, bool) {
@@ -212,14 +212,17 @@ func annotation(m *amqp.Message, key string) (any, bool) {
 
 // OnSettled asks for f to be called once the delivery's settlement has been
 // applied: with the outcome sent, and nil when the broker took it,
-// ErrNotSettled when it was not sent, or the broker's or link's error. Call
-// it from the handler, before it returns; a later call replaces f. f runs
-// on the subscriber's receiving goroutine and must return at once, without
-// blocking. It is not called when the subscriber stops before the
-// settlement was applied (an abandoned handler, a stop with GracePeriod(0)),
-// and it reports false, never calling f, when called after the delivery's
-// settlement was handed over (from a goroutine the handler left behind).
+// [ErrNotSettled] when it was not sent, or the broker's or link's error.
 // Tracing uses it for a settle span per delivery.
+//
+// Call it from the handler, before it returns; a later call replaces f. f
+// runs on the subscriber's receiving goroutine and must return at once,
+// without blocking.
+//
+// f is not called when the subscriber stops before the settlement was
+// applied (an abandoned handler, a stop with GracePeriod(0)). OnSettled
+// reports false, never calling f, when called after the delivery's
+// settlement was handed over (from a goroutine the handler left behind).
 func (d *Delivery) OnSettled(f func(o Outcome, err error)) bool {
 	if f == nil || d.t.Entry() == nil {
 		return false
@@ -232,7 +235,7 @@ func (d *Delivery) OnSettled(f func(o Outcome, err error)) bool {
 }
 
 // SessionID returns the Service Bus session the delivery belongs to, when
-// it came through a session consumer (Sessions, SessionIDs); "" otherwise.
+// it came through a session consumer ([Sessions], [SessionIDs]); "" otherwise.
 func (d *Delivery) SessionID() string {
 	if d.l == nil || d.l.sb == nil || d.l.sb.session == nil {
 		return ""
@@ -242,7 +245,7 @@ func (d *Delivery) SessionID() string {
 
 // SessionState returns the state stored with the delivery's session (nil
 // when none is set), from the service. It returns an error wrapping
-// ErrNoSession when the delivery did not come through a session consumer,
+// [ErrNoSession] when the delivery did not come through a session consumer,
 // or its session is no longer held. ctx bounds the request.
 func (d *Delivery) SessionState(ctx context.Context) ([]byte, error) {
 	src, err := d.heldSession()

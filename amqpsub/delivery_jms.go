@@ -35,15 +35,15 @@ const (
 	// JMSMessage: a plain Message, without a body.
 	JMSMessage JMSType = 0
 	// JMSObject: an ObjectMessage, a serialized Java object; see
-	// Delivery.JavaSerialized.
+	// [Delivery.JavaSerialized].
 	JMSObject JMSType = 1
-	// JMSMap: a MapMessage; see Delivery.Map.
+	// JMSMap: a MapMessage; see [Delivery.Map].
 	JMSMap JMSType = 2
-	// JMSBytes: a BytesMessage; see Delivery.Body.
+	// JMSBytes: a BytesMessage; see [Delivery.Body].
 	JMSBytes JMSType = 3
-	// JMSStream: a StreamMessage; see Delivery.Stream.
+	// JMSStream: a StreamMessage; see [Delivery.Stream].
 	JMSStream JMSType = 4
-	// JMSText: a TextMessage; see Delivery.Text.
+	// JMSText: a TextMessage; see [Delivery.Text].
 	JMSText JMSType = 5
 )
 
@@ -58,7 +58,7 @@ func (t JMSType) String() string {
 
 // Annotation and content-type values of the AMQP JMS mapping.
 const (
-	// AnnotationJMSMsgType is the message annotation holding the JMSType,
+	// AnnotationJMSMsgType is the message annotation holding the [JMSType],
 	// a byte.
 	AnnotationJMSMsgType = "x-opt-jms-msg-type"
 	// ContentTypeJavaSerialized is the content-type of an ObjectMessage's
@@ -166,7 +166,7 @@ func textContentType(ct string) error {
 // int64 for a long, []byte for bytes, and so on); the map belongs to the
 // message, do not modify it. An empty body gives nil, nil. Another body, or
 // a map with a key that is not a string, gives an error wrapping
-// ErrBodyKind.
+// [ErrBodyKind].
 func (d *Delivery) Map() (map[string]any, error) {
 	m := d.msg
 	if bodyKind(m) != BodyValue {
@@ -198,7 +198,7 @@ func (d *Delivery) Map() (map[string]any, error) {
 // Stream returns the items of a JMS StreamMessage: the amqp-sequence
 // sections joined, or an amqp-value list. The items keep their decoded
 // types and belong to the message. An empty body gives nil, nil; another
-// body gives an error wrapping ErrBodyKind.
+// body gives an error wrapping [ErrBodyKind].
 func (d *Delivery) Stream() ([]any, error) {
 	m := d.msg
 	switch bodyKind(m) {
@@ -225,7 +225,7 @@ func (d *Delivery) Stream() ([]any, error) {
 // Java-serialized object, in data sections with content-type
 // application/x-java-serialized-object. Go cannot decode them; hand them to
 // Java, or reject the message. An empty body gives nil, nil; another body
-// gives an error wrapping ErrBodyKind.
+// gives an error wrapping [ErrBodyKind].
 func (d *Delivery) JavaSerialized() ([]byte, error) {
 	m := d.msg
 	switch bodyKind(m) {

@@ -3,13 +3,13 @@
 // on Apache ActiveMQ Artemis (the default), RabbitMQ 3.10 and other AMQP 1.0
 // brokers.
 //
-// A Subscriber reads one queue through one receiver link:
+// A [Subscriber] reads one queue through one receiver link:
 //
 //	broker ──credit──▶ pump ──channel (credit deep)──▶ lanes ──▶ handler
 //	   ▲                 │                                          │
 //	   └──settlements────┴◀──────────── outcome ────────────────────┘
 //
-// The broker sends ahead at most the credit (Credit, 256 by default). One
+// The broker sends ahead at most the credit ([Credit], 256 by default). One
 // goroutine, the pump, owns the link: it puts each delivery in a channel as
 // deep as the credit, applies the settlements the handlers produce, and
 // grants credit back in chunks as deliveries settle. So the process never
@@ -19,8 +19,8 @@
 // Deliveries fan out to workers: Workers(n) runs n handlers at once with no
 // order; WorkersByKey(n) runs n lanes, sends each delivery to the lane its
 // AMQP group-id hashes to and runs a lane's deliveries one at a time, in
-// order. Deliveries without a group-id rotate over the lanes. NewBatch takes
-// a BatchHandler that gets batches closed at a size or a wait.
+// order. Deliveries without a group-id rotate over the lanes. [NewBatch] takes
+// a [BatchHandler] that gets batches closed at a size or a wait.
 //
 // A handler returns nil to accept a delivery, Release() to put it back
 // untouched, Reject(reason) to dead-letter it, and any other error (or a

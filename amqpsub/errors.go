@@ -9,19 +9,25 @@ import (
 	"github.com/amqpsub/amqpsub/pump"
 )
 
-// IsFatal is the default test of FatalErrors. It takes as fatal what
-// reconnecting cannot mend: the broker refusing the credentials (a SASL
-// outcome of auth or sys-perm, whatever the mechanism) or access
-// (amqp:unauthorized-access), an address that does not exist
-// (amqp:not-found), a link the broker will not attach as asked
-// (amqp:invalid-field, amqp:not-implemented, and amqp:illegal-state, which
-// Artemis sends for capability "queue" on a multicast address), and a
-// connection given with Conn that is gone (ErrLinkLost), and a connector
-// given something it cannot use (ErrInvalidOption: a Service Bus token
-// without an expiry, say). Lost connections,
-// links and sessions, timeouts and refused TCP connections are not fatal.
+// IsFatal is the default test of [FatalErrors]. It takes as fatal what
+// reconnecting cannot mend:
+//
+//   - the broker refusing the credentials (a SASL outcome of auth or
+//     sys-perm, whatever the mechanism) or access
+//     (amqp:unauthorized-access);
+//   - an address that does not exist (amqp:not-found);
+//   - a link the broker will not attach as asked (amqp:invalid-field,
+//     amqp:not-implemented, and amqp:illegal-state, which Artemis sends for
+//     capability "queue" on a multicast address);
+//   - a connection given with [Conn] that is gone ([ErrLinkLost]);
+//   - a connector given something it cannot use (ErrInvalidOption: a
+//     Service Bus token without an expiry, say).
+//
+// Lost connections, links and sessions, timeouts and refused TCP
+// connections are not fatal.
+//
 // It judges the errors of attempts to reconnect (any error of the first
-// attach ends Run), and with DialFailover each address's error in a pass
+// attach ends Run), and with [DialFailover] each address's error in a pass
 // (a fatal one ends the pass and Run, on the first attach too), never what
 // ended a link: a link Service Bus detaches with amqp:unauthorized-access
 // when its token expired is reconnected (with a new token); a reconnect
@@ -30,11 +36,12 @@ import (
 // On Service Bus it takes as fatal what azservicebus does
 // (internal/errors.go, its recovery kinds): amqp:unauthorized-access, a
 // missing entity (amqp:not-found, which is how the service refuses an
-// attach to an entity that does not exist; see WaitForQueue to wait for
+// attach to an entity that does not exist; see [WaitForQueue] to wait for
 // one instead), and com.microsoft:entity-disabled (an entity an operator
 // disabled stays so until one enables it). com.microsoft:server-busy is
 // not fatal: the service is throttling, and the next attempt waits at
-// least 10 s (serverBusyWait); com.microsoft:timeout is not fatal either.
+// least 10 s (ServerBusyWait in internal/servicebus); com.microsoft:timeout
+// is not fatal either.
 func IsFatal(err error) bool {
 	var ae *amqp.Error
 	if errors.As(err, &ae) {
@@ -62,25 +69,25 @@ func isCond(err error, cond amqp.ErrCond) bool {
 
 // ErrStopping is the cause (context.Cause) of a handler's context cancelled
 // by a stop: the grace period ran out, Close was called, or attaching failed
-// for good. A handler tells it from a lost lock (ErrLockLost, on
+// for good. A handler tells it from a lost lock ([ErrLockLost], on
 // Service Bus) this way; its result is ignored.
 var ErrStopping = errors.New("amqpsub: the subscriber is stopping")
 
 // Errors Run returns.
 var (
-	// ErrClosed is returned by Run when the Subscriber was already run, or
+	// ErrClosed is returned by Run when the [Subscriber] was already run, or
 	// closed or shut down before Run.
 	ErrClosed = errors.New("amqpsub: subscriber closed")
 	// ErrLinkLost is wrapped by the error Run returns when a lost link or
 	// connection could not be replaced: reconnecting failed with an error
-	// FatalErrors calls fatal, or the connection given with Conn is gone.
+	// [FatalErrors] calls fatal, or the connection given with [Conn] is gone.
 	// A lost link that can be replaced is replaced, and Run goes on.
 	ErrLinkLost = errors.New("amqpsub: link lost")
 	// ErrAbandoned is wrapped by the error Run returns when handlers had
 	// not returned by the end of the stop (the grace period, then
-	// CloseTimeout); the error says how many. Their context was cancelled,
+	// [CloseTimeout]); the error says how many. Their context was cancelled,
 	// their results are ignored, and the broker redelivers their
-	// deliveries. It is also wrapped when an OnReconnect function had not
+	// deliveries. It is also wrapped when an [OnReconnect] function had not
 	// returned by then.
 	ErrAbandoned = errors.New("amqpsub: handlers abandoned")
 	// ErrLockLost is the cause (context.Cause) of a handler's context
@@ -88,22 +95,22 @@ var (
 	// was lost; its settlement is then not sent.
 	ErrLockLost = servicebus.ErrLockLost
 	// ErrHandlerPanic is wrapped by the error a handler's panic becomes
-	// (logged, and passed to OnEvent); the delivery is retried.
+	// (logged, and passed to [OnEvent]); the delivery is retried.
 	ErrHandlerPanic = errors.New("amqpsub: handler panicked")
 )
 
-// ErrInvalidOption is wrapped by the error New and NewBatch return for an
+// ErrInvalidOption is wrapped by the error [New] and [NewBatch] return for an
 // option with a value out of range or an option that does not fit the
-// subscriber (such as Batch with a plain Handler), and by the error
-// DialFailover and ServiceBusWithToken return for addresses they cannot
+// subscriber (such as [Batch] with a plain [Handler]), and by the error
+// [DialFailover] and [ServiceBusWithToken] return for addresses they cannot
 // use.
 var ErrInvalidOption = errors.New("amqpsub: invalid option")
 
-// ErrBodyKind is returned (wrapped) by Delivery.Body, Value and Sequence
+// ErrBodyKind is returned (wrapped) by [Delivery.Body], Value and Sequence
 // when the message's body is of another kind; the message says which.
 var ErrBodyKind = errors.New("amqpsub: body is of another kind")
 
-// ErrNotSettled is what Recorder.Settled and a Delivery's OnSettled
+// ErrNotSettled is what [Recorder.Settled] and a [Delivery]'s OnSettled
 // function hear of a settlement that was not sent, because the delivery's
 // link (or, on Service Bus, its lock) was lost while a handler had it. The
 // broker delivers the message again.
@@ -113,13 +120,13 @@ var ErrNotSettled = pump.ErrNotSent
 // Service Bus takes as "dead-letter this message".
 const ErrCondDeadLetter = servicebus.CondDeadLetter
 
-// ErrConnectionString is wrapped by the error ServiceBus returns for a
+// ErrConnectionString is wrapped by the error [ServiceBus] returns for a
 // connection string it cannot use. The error names the key at fault and
 // quotes none of the string's values: any of them may hold the key, when
 // the ';' between two is missing.
 var ErrConnectionString = servicebus.ErrConnectionString
 
-// ErrNoSession is returned by Delivery.SessionState and SetSessionState
-// for a delivery that did not come through a session consumer (Sessions,
-// SessionIDs), or whose session the consumer no longer holds.
+// ErrNoSession is returned by [Delivery.SessionState] and SetSessionState
+// for a delivery that did not come through a session consumer ([Sessions],
+// [SessionIDs]), or whose session the consumer no longer holds.
 var ErrNoSession = errors.New("amqpsub: the delivery's session is not held")

@@ -7,19 +7,19 @@ import (
 	"time"
 )
 
-// EventKind says what an Event reports.
+// EventKind says what an [Event] reports.
 type EventKind uint8
 
 const (
-	// EventHandlerFailed means a handler returned an error that means Retry (Err);
-	// the delivery went back to the broker as a failed attempt, or is
-	// retried in the lane (Attempt > 0) under LocalRetry.
+	// EventHandlerFailed means a handler returned an error that means [Retry]
+	// (Err); the delivery went back to the broker as a failed attempt, or is
+	// retried in the lane (Attempt > 0) under [LocalRetry].
 	EventHandlerFailed EventKind = iota + 1
-	// EventHandlerPanicked means a handler panicked (Err wraps ErrHandlerPanic
-	// and holds the value); the delivery is retried.
+	// EventHandlerPanicked means a handler panicked (Err wraps
+	// [ErrHandlerPanic] and holds the value); the delivery is retried.
 	EventHandlerPanicked
 	// EventPoisoned means a delivery was dead-lettered before any handler saw
-	// it, its delivery count being past MaxDeliveryCount.
+	// it, its delivery count being past [MaxDeliveryCount].
 	EventPoisoned
 	// EventSettleFailed means the broker did not take a settlement (Err); it
 	// redelivers the delivery.
@@ -43,14 +43,14 @@ const (
 	// settlement skipped. The service delivers it again.
 	EventLockLost
 	// EventAbandoned means at the end of Run, Count handlers had not returned
-	// within the grace period and CloseTimeout; their results are ignored
+	// within the grace period and [CloseTimeout]; their results are ignored
 	// and the broker redelivers their deliveries.
 	EventAbandoned
-	// EventDeadLetterCopyFailed means DeadLetterCopy could not send a delivery's
-	// copy to the dead-letter address (Err); the delivery was rejected
-	// instead, and the broker dead-letters it without the reason.
+	// EventDeadLetterCopyFailed means [DeadLetterCopy] could not send a
+	// delivery's copy to the dead-letter address (Err); the delivery was
+	// rejected instead, and the broker dead-letters it without the reason.
 	EventDeadLetterCopyFailed
-	// EventOversize means a delivery's body was larger than MaxMessageSize
+	// EventOversize means a delivery's body was larger than [MaxMessageSize]
 	// (Err); it was rejected before any handler saw it.
 	EventOversize
 )
@@ -65,7 +65,7 @@ func (k EventKind) String() string {
 	return fmt.Sprintf("EventKind(%d)", k)
 }
 
-// Event is an error or lifecycle event of a running Subscriber (OnEvent).
+// Event is an error or lifecycle event of a running [Subscriber] ([OnEvent]).
 type Event struct {
 	Kind  EventKind
 	Err   error
@@ -77,14 +77,14 @@ type Event struct {
 	GroupID       string
 	DeliveryCount uint32
 	Lane          int
-	// Attempt is the reconnect attempt (EventReconnected,
-	// EventReconnectFailed) or the retry in the lane (EventHandlerFailed),
+	// Attempt is the reconnect attempt ([EventReconnected],
+	// [EventReconnectFailed]) or the retry in the lane ([EventHandlerFailed]),
 	// from 1; 0 otherwise.
 	Attempt int
-	// Count is how many handlers were abandoned (EventAbandoned).
+	// Count is how many handlers were abandoned ([EventAbandoned]).
 	Count int
 	// Broker names the address the new link is on, without credentials
-	// (EventReconnected): with DialFailover, the one of the list in use.
+	// ([EventReconnected]): with [DialFailover], the one of the list in use.
 	Broker string
 }
 

@@ -16,7 +16,7 @@ import (
 	"github.com/amqpsub/amqpsub/pump"
 )
 
-// RejectCondition is the AMQP error condition sent with a Reject outcome;
+// RejectCondition is the AMQP error condition sent with a [Reject] outcome;
 // its description is the reason given to Reject.
 const RejectCondition amqp.ErrCond = "amqpsub:rejected"
 

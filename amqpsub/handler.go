@@ -13,30 +13,33 @@ import "context"
 // the delivery is retried. ctx is cancelled when the subscriber gives up on
 // the handler (Close, or the grace period of a graceful stop running out);
 // the delivery's settlement is then in doubt and the broker may redeliver it.
-// The Delivery stays valid after Handle returns.
+// The [Delivery] stays valid after Handle returns.
 type Handler interface {
 	Handle(ctx context.Context, d *Delivery) error
 }
 
-// HandlerFunc adapts a function to a Handler.
+// HandlerFunc adapts a function to a [Handler].
 type HandlerFunc func(ctx context.Context, d *Delivery) error
 
 // Handle calls f(ctx, d).
 func (f HandlerFunc) Handle(ctx context.Context, d *Delivery) error { return f(ctx, d) }
 
 // BatchHandler handles a batch of deliveries and returns one outcome for
-// each, as Handler does for one: results[i] settles batch[i]. A nil slice
+// each, as [Handler] does for one: results[i] settles batch[i]. A nil slice
 // accepts the whole batch. A slice of the wrong length, or a panic, retries
-// the whole batch. With WorkersByKey a batch holds several groups, each in
-// order; to keep a group's order, a handler that fails one of its
-// deliveries returns a failure for the group's later ones as well. The
-// slice is valid only until HandleBatch returns; the Deliveries stay
+// the whole batch.
+//
+// With [WorkersByKey] a batch holds several groups, each in order; to keep a
+// group's order, a handler that fails one of its deliveries returns a
+// failure for the group's later ones as well.
+//
+// The slice is valid only until HandleBatch returns; the Deliveries stay
 // valid.
 type BatchHandler interface {
 	HandleBatch(ctx context.Context, batch []*Delivery) (results []error)
 }
 
-// BatchHandlerFunc adapts a function to a BatchHandler.
+// BatchHandlerFunc adapts a function to a [BatchHandler].
 type BatchHandlerFunc func(ctx context.Context, batch []*Delivery) []error
 
 // HandleBatch calls f(ctx, batch).

@@ -16,7 +16,7 @@ import (
 //
 // plainKind, for Artemis, RabbitMQ and any other AMQP 1.0 broker, adds
 // nothing. Service Bus's kind (sblink.go) adds peek-lock: the lease book
-// that renews locks, settlement by lock token once a link is gone, the
+// (servicebus.Book) that renews locks, settlement by lock token once a link is gone, the
 // $management node beside each link, and sessions.
 type brokerKind interface {
 	// configure adds to the pipe's pump configuration, once, as the pipe

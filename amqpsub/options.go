@@ -7,7 +7,7 @@ import (
 	"go.uber.org/zap"
 )
 
-// Option configures a Subscriber.
+// Option configures a [Subscriber].
 type Option interface {
 	apply(*config)
 }
@@ -107,7 +107,7 @@ func Credit(n int) Option {
 }
 
 // Workers runs up to n handlers at once, with no order between deliveries.
-// Must be between 1 and 4096, and not given with WorkersByKey. Default:
+// Must be between 1 and 4096, and not given with [WorkersByKey]. Default:
 // Workers(1), which handles deliveries one at a time in queue order.
 func Workers(n int) Option {
 	return optionFunc(func(c *config) { c.setWorkers(fmt.Sprintf("Workers(%d)", n), n, false) })
@@ -117,21 +117,24 @@ func Workers(n int) Option {
 // to, and a lane handles its deliveries one at a time in arrival order, so
 // each group keeps its order while groups run side by side. Deliveries
 // without a group-id (or with an empty one) rotate over the lanes. Must be
-// between 1 and 4096, and not given with Workers. Default: off (Workers(1)).
+// between 1 and 4096, and not given with [Workers]. Default: off (Workers(1)).
 func WorkersByKey(n int) Option {
 	return optionFunc(func(c *config) { c.setWorkers(fmt.Sprintf("WorkersByKey(%d)", n), n, true) })
 }
 
-// BalanceKeys changes how WorkersByKey places groups on its lanes: a group
+// BalanceKeys changes how [WorkersByKey] places groups on its lanes: a group
 // is bound to a lane only while that lane has one of its deliveries (in its
 // handler or open batch); the group's other deliveries wait in a shared
 // pool, in order, and any lane that is free takes the next group that is
-// ready. Each group still runs in order, one delivery at a time (and its
-// batches keep their order), but a slow or busy group holds back no other
-// group, and groups spread over the lanes by load: with 100 groups on 8
-// lanes of 1 ms handlers, the lanes stay busy where the hash placement
-// leaves some idle. The cost is a lock shared by the lanes, taken a few
-// times per delivery. LocalRetry of a delivery holds only its own group.
+// ready.
+//
+// Each group still runs in order, one delivery at a time (and its batches
+// keep their order), but a slow or busy group holds back no other group,
+// and groups spread over the lanes by load: with 100 groups on 8 lanes of
+// 1 ms handlers, the lanes stay busy where the hash placement leaves some
+// idle. [LocalRetry] of a delivery holds only its own group. The cost is a
+// lock shared by the lanes, taken a few times per delivery.
+//
 // Only with WorkersByKey. Default: off (a group's lane is the hash of its
 // group-id, mod n).
 func BalanceKeys() Option {
@@ -154,15 +157,20 @@ func (c *config) setWorkers(name string, n int, byKey bool) {
 	c.workers, c.byKey = n, byKey
 }
 
-// Batch sets the size and wait of the batches a BatchHandler gets: a batch
+// Batch sets the size and wait of the batches a [BatchHandler] gets: a batch
 // closes at size deliveries or wait after its first delivery, whichever
-// comes first. A wait of 0 means no wait: a batch closes as soon as no more
-// deliveries are waiting, so batches are as large as the backlog allows and
-// a lone delivery is handed over at once. A lane's batch holds only what
-// the broker has sent and not seen settled, which the credit bounds and the
-// lanes share: batches reach size only with Credit ≥ lanes × size (the
-// default Credit(256) with Workers(8) gives batches of about 32, closed by
-// wait); a size above the credit acts as the credit. Only for NewBatch.
+// comes first. Only for [NewBatch].
+//
+// A wait of 0 means no wait: a batch closes as soon as no more deliveries
+// are waiting, so batches are as large as the backlog allows and a lone
+// delivery is handed over at once.
+//
+// A lane's batch holds only what the broker has sent and not seen settled,
+// which the credit bounds and the lanes share: batches reach size only with
+// [Credit] ≥ lanes × size (the default Credit(256) with Workers(8) gives
+// batches of about 32, closed by wait); a size above the credit acts as
+// the credit.
+//
 // Size must be ≥ 1, wait ≥ 0. Default: Batch(100, 10*time.Millisecond).
 func Batch(size int, wait time.Duration) Option {
 	return optionFunc(func(c *config) {
@@ -181,16 +189,16 @@ func Batch(size int, wait time.Duration) Option {
 
 // GracePeriod bounds how long a graceful stop waits for the handlers in
 // progress. When it runs out their context is cancelled (its cause is
-// ErrStopping), their results are ignored and the connection is closed;
+// [ErrStopping]), their results are ignored and the connection is closed;
 // the broker redelivers what was not settled.
 //
 // GracePeriod(0) releases the buffered deliveries and cancels the handlers
 // at once: once the releases are applied, or after a quarter of
-// CloseTimeout, whichever comes first. On Azure Service Bus, where each
+// [CloseTimeout], whichever comes first. On Azure Service Bus, where each
 // settlement waits for the service's answer, the settlements decided
 // before the handlers were cancelled (results, releases) are still sent
 // afterwards, up to a quarter of CloseTimeout before the stop's bound;
-// those not sent by then are counted in Stats.Unsent.
+// those not sent by then are counted in [Stats.Unsent].
 //
 // Must be ≥ 0. Default: 30 s.
 func GracePeriod(d time.Duration) Option {
@@ -200,7 +208,7 @@ func GracePeriod(d time.Duration) Option {
 }
 
 // DialTimeout bounds connecting, opening the session and attaching the link.
-// With DialFailover it bounds each address tried on its own: a pass through
+// With [DialFailover] it bounds each address tried on its own: a pass through
 // n addresses takes up to n × DialTimeout. Must be > 0. Default: 10 s.
 func DialTimeout(d time.Duration) Option {
 	return checked("DialTimeout", d, d > 0, "must be > 0", func(c *config) {
@@ -217,7 +225,7 @@ func CloseTimeout(d time.Duration) Option {
 	})
 }
 
-// WithProfile sets the broker profile: how the link is attached, how Retry
+// WithProfile sets the broker profile: how the link is attached, how [Retry]
 // is settled and how the link is closed. Default: Artemis.
 func WithProfile(p Profile) Option {
 	return optionFunc(func(c *config) {
@@ -251,7 +259,7 @@ func LinkName(name string) Option {
 	return optionFunc(func(c *config) { c.linkName = name })
 }
 
-// IdleTimeout sets the AMQP idle timeout of the connections Dial opens: the
+// IdleTimeout sets the AMQP idle timeout of the connections [Dial] opens: the
 // broker is asked to send a frame at least every half of it, and a
 // connection that stays silent for longer is taken as lost (a half-open TCP
 // connection is found that way) and reconnected. It applies when Dial's
@@ -281,7 +289,7 @@ func Backoff(initial, max time.Duration) Option {
 
 // FatalErrors sets the test that decides which errors end Run instead of
 // being retried by reconnecting. nil retries everything, forever. Default:
-// IsFatal.
+// [IsFatal].
 func FatalErrors(isFatal func(error) bool) Option {
 	return optionFunc(func(c *config) {
 		if isFatal == nil {
@@ -295,9 +303,9 @@ func FatalErrors(isFatal func(error) bool) Option {
 // link in place of a lost one, with the number of attempts it took and the
 // error that ended the old link. It runs on the goroutine that attaches
 // links, before the new link receives anything; keep it short: a stop
-// waits for it up to CloseTimeout, after which Run returns an error
-// wrapping ErrAbandoned (and the new link is closed once f returns). The
-// same news reaches OnEvent as EventReconnected. Default: none.
+// waits for it up to [CloseTimeout], after which Run returns an error
+// wrapping [ErrAbandoned] (and the new link is closed once f returns). The
+// same news reaches [OnEvent] as [EventReconnected]. Default: none.
 func OnReconnect(f func(attempts int, cause error)) Option {
 	return optionFunc(func(c *config) { c.onReconnect = f })
 }
@@ -306,17 +314,20 @@ func OnReconnect(f func(attempts int, cause error)) Option {
 // subscriber meets while it runs: handler failures and panics, deliveries
 // dead-lettered for their delivery count, failed settlements, lost links and
 // reconnects, a broker sending past its credit, handlers abandoned at a
-// stop (see EventKind). Each Event names its kind, its error, and the
-// delivery's identity when there is one. Events are passed to f in order,
-// on a goroutine of their own, so f never slows the pump or a lane; if f
-// falls more than 1024 events behind, later ones are dropped and counted
-// (Stats.EventsDropped). Run waits for f to finish the events queued before
-// it returns, within CloseTimeout. Default: none (events are only logged).
+// stop (see [EventKind]). Each [Event] names its kind, its error, and the
+// delivery's identity when there is one.
+//
+// Events are passed to f in order, on a goroutine of their own, so f never
+// slows the pump or a lane; if f falls more than 1024 events behind, later
+// ones are dropped and counted ([Stats.EventsDropped]). Run waits for f to
+// finish the events queued before it returns, within [CloseTimeout].
+//
+// Default: none (events are only logged).
 func OnEvent(f func(Event)) Option {
 	return optionFunc(func(c *config) { c.onEvent = f })
 }
 
-// RetryPolicy says how LocalRetry retries a failed delivery in its lane.
+// RetryPolicy says how [LocalRetry] retries a failed delivery in its lane.
 type RetryPolicy struct {
 	// Attempts is the most retries after the first failure; 0 means no
 	// limit on attempts, so that Budget alone bounds them.
@@ -329,26 +340,35 @@ type RetryPolicy struct {
 	Initial, Max time.Duration
 }
 
-// LocalRetry retries a delivery (or, for a BatchHandler, the deliveries of
-// a batch that failed, as a batch of their own) in its lane before a Retry
-// outcome goes to the broker. The lane does nothing else meanwhile, so the
-// delivery's group keeps its order, which a broker redelivery would break:
-// give a Budget that outlasts the outages you expect (a store restarting,
-// say), and let the broker's own redelivery count (Artemis
-// max-delivery-attempts, with redelivery-delay) handle what outlasts it. A
-// stop or Close ends the waiting and releases the delivery: it goes back
-// to the broker uncounted, since the stop, not the message, cut its
-// retries short (Results.Release counts it); so does the loss of its
-// Service Bus lock, which cancels the handler's context (nothing is sent
-// then: the service delivers the message again). A delivery whose link is
-// lost (Artemis, RabbitMQ, a Service Bus session) stops being retried at
-// once: no result of it could be settled, and the broker delivers it
-// again. Only
-// Retry outcomes are retried, never Release or Reject. A BatchHandler that
-// fails a delivery of a group must fail the group's later deliveries in the
-// same batch too: the ones it accepted are settled at once, and their
-// effects would then come before the failed one's. p needs Attempts or
-// Budget > 0, both ≥ 0, and 0 ≤ Initial ≤ Max. Default: off.
+// LocalRetry retries a delivery (or, for a [BatchHandler], the deliveries of
+// a batch that failed, as a batch of their own) in its lane before a [Retry]
+// outcome goes to the broker. Only Retry outcomes are retried, never
+// [Release] or [Reject].
+//
+// The lane does nothing else meanwhile, so the delivery's group keeps its
+// order, which a broker redelivery would break: give a Budget that outlasts
+// the outages you expect (a store restarting, say), and let the broker's
+// own redelivery count (Artemis max-delivery-attempts, with
+// redelivery-delay) handle what outlasts it.
+//
+// Retrying ends early:
+//
+//   - A stop or Close ends the waiting and releases the delivery: it goes
+//     back to the broker uncounted, since the stop, not the message, cut
+//     its retries short ([Results.Release] counts it).
+//   - The loss of its Service Bus lock ends it too, and cancels the
+//     handler's context; nothing is sent then: the service delivers the
+//     message again.
+//   - A delivery whose link is lost (Artemis, RabbitMQ, a Service Bus
+//     session) stops being retried at once: no result of it could be
+//     settled, and the broker delivers it again.
+//
+// A BatchHandler that fails a delivery of a group must fail the group's
+// later deliveries in the same batch too: the ones it accepted are settled
+// at once, and their effects would then come before the failed one's.
+//
+// p needs Attempts or Budget > 0, both ≥ 0, and 0 ≤ Initial ≤ Max.
+// Default: off.
 func LocalRetry(p RetryPolicy) Option {
 	return optionFunc(func(c *config) {
 		if p.Initial == 0 {
@@ -366,7 +386,7 @@ func LocalRetry(p RetryPolicy) Option {
 }
 
 // WaitForQueue makes a missing queue (amqp:not-found at attach) a reason to
-// wait and try again, with the Backoff waits, rather than an error that
+// wait and try again, with the [Backoff] waits, rather than an error that
 // ends Run, also at the first attach. It is for queues that appear after
 // the consumer starts, such as the dead-letter queue Artemis creates with
 // the first dead letter (auto-create-dead-letter-resources): a dead-letter
@@ -376,25 +396,31 @@ func WaitForQueue() Option {
 }
 
 // MaxHeldBytes bounds the bytes of the deliveries the process holds, as
-// Credit bounds their number: credit is granted only while the bodies held
-// (see MaxMessageSize for what is counted) stay under n. The broker does not
-// say how large a message is before sending it, so the subscriber grants by
-// the sizes it has seen: as many as n holds of the largest lately (a
-// larger size counts at once; the estimate then decays by 1/16 a
-// delivery), one at a time until it has seen one. One delivery always
-// flows when nothing is held, however large, so nothing stalls. What is
-// held passes n only by deliveries larger than any lately: those granted
-// while smaller ones came, up to the credit. With traffic of mixed sizes
-// (mostly small, now and then very large), lower Credit too: the bound on
-// bodies held is about n + Credit × the largest message. Stats.BytesHeld
-// and MaxBytesHeld show it. It counts bodies held, not the process's
-// memory: go-amqp assembles each message in a growing buffer before
-// decoding it, and Go's collector lets the heap grow to twice what is live
-// unless GOMEMLIMIT says otherwise, so expect the RSS to reach two to four
-// times the bytes held, and set GOMEMLIMIT in a container. With Sessions,
-// each session held gets its share of n. Must be ≥ 0; 0 means no bound.
-// Default: off (the credit alone bounds what is held: 256 deliveries of
-// 1 MiB hold 256 MiB).
+// [Credit] bounds their number: credit is granted only while the bodies held
+// (see [MaxMessageSize] for what is counted) stay under n.
+//
+// The broker does not say how large a message is before sending it, so the
+// subscriber grants by the sizes it has seen: as many as n holds of the
+// largest lately (a larger size counts at once; the estimate then decays
+// by 1/16 a delivery), one at a time until it has seen one. One delivery
+// always flows when nothing is held, however large, so nothing stalls.
+//
+// What is held passes n only by deliveries larger than any lately: those
+// granted while smaller ones came, up to the credit. With traffic of mixed
+// sizes (mostly small, now and then very large), lower Credit too: the
+// bound on bodies held is about n + Credit × the largest message.
+// [Stats.BytesHeld] and MaxBytesHeld show it.
+//
+// It counts bodies held, not the process's memory: go-amqp assembles each
+// message in a growing buffer before decoding it, and Go's collector lets
+// the heap grow to twice what is live unless GOMEMLIMIT says otherwise, so
+// expect the RSS to reach two to four times the bytes held, and set
+// GOMEMLIMIT in a container.
+//
+// With [Sessions], each session held gets its share of n.
+//
+// Must be ≥ 0; 0 means no bound. Default: off (the credit alone bounds what
+// is held: 256 deliveries of 1 MiB hold 256 MiB).
 func MaxHeldBytes(n int64) Option {
 	return checked("MaxHeldBytes", n, n >= 0, "must be ≥ 0", func(c *config) {
 		c.maxHeldBytes = n
@@ -403,22 +429,28 @@ func MaxHeldBytes(n int64) Option {
 
 // MaxMessageSize dead-letters, before a handler sees it, every delivery
 // whose body is larger than n bytes (its data sections, or a binary or
-// string value; the rest of a message is not counted). On Service Bus
-// (AzureServiceBus) it is rejected as Reject does there: condition
-// com.microsoft:dead-letter, DeadLetterReason "MaxMessageSizeExceeded" and
-// a DeadLetterErrorDescription naming the size and n, so the service moves
-// it to the entity's dead-letter queue with that reason. Elsewhere it is
-// rejected with condition amqp:link:message-size-exceeded and a reason,
-// and the broker dead-letters it. Stats.Results.Oversize counts them and
-// OnEvent hears of each
-// (EventOversize). The limit is checked once the message has arrived, not
-// on the wire: go-amqp v1.7 drops its own limit when the broker's attach
-// declares none, as Artemis's does. So an oversized message is read whole
-// before it is refused, and costs the process two to four times its size
-// in memory for a moment (see MaxHeldBytes), though not in BytesHeld. To
-// keep such messages away from consumers altogether, limit them where they
-// are produced (Artemis: an address setting or a broker plugin). Must be
-// ≥ 0; 0 means no limit. Default: off.
+// string value; the rest of a message is not counted).
+// Stats.Results.Oversize counts them and [OnEvent] hears of each
+// ([EventOversize]). How it is rejected follows the broker:
+//
+//   - On Service Bus ([AzureServiceBus]) it is rejected as [Reject] does there:
+//     condition com.microsoft:dead-letter, DeadLetterReason
+//     "MaxMessageSizeExceeded" and a DeadLetterErrorDescription naming the
+//     size and n, so the service moves it to the entity's dead-letter queue
+//     with that reason.
+//   - Elsewhere it is rejected with condition
+//     amqp:link:message-size-exceeded and a reason, and the broker
+//     dead-letters it.
+//
+// The limit is checked once the message has arrived, not on the wire:
+// go-amqp v1.7 drops its own limit when the broker's attach declares none,
+// as Artemis's does. So an oversized message is read whole before it is
+// refused, and costs the process two to four times its size in memory for
+// a moment (see [MaxHeldBytes]), though not in BytesHeld. To keep such
+// messages away from consumers altogether, limit them where they are
+// produced (Artemis: an address setting or a broker plugin).
+//
+// Must be ≥ 0; 0 means no limit. Default: off.
 func MaxMessageSize(n int64) Option {
 	return checked("MaxMessageSize", n, n >= 0, "must be ≥ 0", func(c *config) {
 		c.maxMessageSize = n
@@ -430,10 +462,10 @@ func MaxMessageSize(n int64) Option {
 // one of their own, or lower than theirs. How deliveries are counted
 // follows the broker (see [Delivery.DeliveryCount]):
 //
-//   - On Service Bus (AzureServiceBus) it means what an entity's
+//   - On Service Bus ([AzureServiceBus]) it means what an entity's
 //     MaxDeliveryCount means: the n-th delivery is the last one handled
 //     (the service's count, the AMQP header's delivery-count + 1, is then
-//     n). The next is rejected as Reject does there, with
+//     n). The next is rejected as [Reject] does there, with
 //     DeadLetterReason "MaxDeliveryCountExceeded" (the service's own
 //     reason at the entity's limit) and a DeadLetterErrorDescription that
 //     says amqpsub rejected it. An entity's own limit at or below n acts

@@ -8,8 +8,8 @@ import (
 )
 
 // OutcomeError is the error a handler returns to choose how a delivery is
-// settled other than by accepting it. Make one with Release, Retry or
-// Reject; it may be wrapped (errors.As finds it). A nil *OutcomeError
+// settled other than by accepting it. Make one with [Release], [Retry] or
+// [Reject]; it may be wrapped ([errors.As] finds it). A nil *OutcomeError
 // returned as a (non-nil) error, or a zero OutcomeError, means Retry.
 type OutcomeError struct {
 	kind        Result
@@ -35,7 +35,7 @@ func (e *OutcomeError) Error() string {
 	return "amqpsub: " + e.kind.String()
 }
 
-// Unwrap returns the error given to Retry.
+// Unwrap returns the error given to [Retry].
 func (e *OutcomeError) Unwrap() error {
 	if e == nil {
 		return nil
@@ -52,9 +52,9 @@ func Release() error { return releaseOutcome }
 // Retry returns the delivery to the queue as a failed attempt: on Artemis it
 // is settled as modified{delivery-failed}, so the broker's delivery count
 // goes up and the delivery is dead-lettered after max-delivery-attempts.
-// Under the RabbitMQ3 profile it is released, since RabbitMQ 3.10 ends the
+// Under the [RabbitMQ3] profile it is released, since RabbitMQ 3.10 ends the
 // session on modified. Any error a handler returns that is not an
-// OutcomeError means Retry; Retry(err) just says so explicitly. err may be
+// [OutcomeError] means Retry; Retry(err) just says so explicitly. err may be
 // nil. Retry of an error that is already a Retry returns it unchanged.
 func Retry(err error) error {
 	if o, ok := err.(*OutcomeError); ok && o != nil && o.kind == ResultRetry {
@@ -67,10 +67,10 @@ func Retry(err error) error {
 // rejected, with an error whose description is reason (and info
 // DeadLetterReason = reason, the key Service Bus reads). Artemis moves it
 // to the queue's dead-letter address (without one it is dropped) but keeps
-// no trace of the reason; see DeadLetterCopy for a way to keep it.
+// no trace of the reason; see [DeadLetterCopy] for a way to keep it.
 func Reject(reason string) error { return &OutcomeError{kind: ResultReject, reason: reason} }
 
-// RejectWith is Reject with a longer description besides the reason (info
+// RejectWith is [Reject] with a longer description besides the reason (info
 // DeadLetterErrorDescription, as Service Bus names it).
 func RejectWith(reason, description string) error {
 	return &OutcomeError{kind: ResultReject, reason: reason, description: description}
@@ -114,7 +114,7 @@ func (r Result) String() string {
 	return "Result(?)"
 }
 
-// ResultOf returns what a handler's error means: see Handler.
+// ResultOf returns what a handler's error means: see [Handler].
 func ResultOf(err error) Result {
 	r, _ := decide(err)
 	return r
@@ -134,8 +134,8 @@ const (
 	ResultAccept Result = iota
 	// ResultRelease is Release().
 	ResultRelease
-	// ResultReject is Reject, RejectWith, or a delivery past
-	// MaxDeliveryCount or MaxMessageSize.
+	// ResultReject is [Reject], [RejectWith], or a delivery past
+	// [MaxDeliveryCount] or [MaxMessageSize].
 	ResultReject
 	// ResultRetry is Retry(err), any other error, or a panic.
 	ResultRetry

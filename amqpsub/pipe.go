@@ -11,7 +11,8 @@ import (
 
 // pipe is one receive path: a pump, the lanes behind it, the links its
 // attacher opens one after another, and what the broker's kind adds to
-// them (kind: a lease book, on Service Bus).
+// them (kind: sbKind, with its lease book, on Service Bus).
+//
 // A subscriber has one; a Service Bus session consumer has one per session
 // it holds at once, each with its share of the credit.
 type pipe struct {
@@ -32,7 +33,7 @@ type pipe struct {
 	// keeps: a lost link's deliveries stay held and settleable
 	// (pump.Config.KeepAcrossLinks), so none of them becomes stale.
 	keeps bool
-	// ordered: the pump sends settlements concurrently (Settlers), so
+	// ordered: the pump sends settlements concurrently (pump.Config.Settlers), so
 	// settle orders those of a group.
 	ordered bool
 }
@@ -65,7 +66,7 @@ func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
 }
 
 // attachedLink records l (nil under a test source) as the pipe's current
-// link, wakes what waits for one (management), and arms linkDown for it.
+// link, wakes what waits for one (sbKind.management), and arms linkDown for it.
 func (p *pipe) attachedLink(l *link) {
 	down := make(chan struct{})
 	p.linkDown.Store(&down)

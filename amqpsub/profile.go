@@ -8,7 +8,7 @@ import (
 )
 
 // Profile holds what differs between brokers on the wire. Use one of
-// Artemis, RabbitMQ3, AzureServiceBus or Generic.
+// Artemis, [RabbitMQ3], [AzureServiceBus] or [Generic].
 type Profile struct {
 	name string
 	// sourceCaps are sent as the source capabilities at attach.
@@ -70,20 +70,20 @@ var (
 	RabbitMQ3 = rabbitMQ3()
 
 	// Generic assumes only the AMQP 1.0 specification: the queue name is the
-	// address, Retry is modified{delivery-failed}.
+	// address, [Retry] is modified{delivery-failed}.
 	Generic = generic()
 
 	// AzureServiceBus is for Azure Service Bus in peek-lock mode; the
-	// ServiceBus connector selects it. The queue name is the entity path: a
+	// [ServiceBus] connector selects it. The queue name is the entity path: a
 	// queue, "<topic>/Subscriptions/<subscription>", or either followed by
-	// "/$DeadLetterQueue". Accept completes a message; Retry abandons it
-	// (modified: Service Bus counts it towards MaxDeliveryCount and
-	// dead-letters it there); Release releases it (the service does not
+	// "/$DeadLetterQueue". Accept completes a message; [Retry] abandons it
+	// (modified: Service Bus counts it towards [MaxDeliveryCount] and
+	// dead-letters it there); [Release] releases it (the service does not
 	// count a release, so the buffered deliveries a stop gives back do not
-	// count either); Reject dead-letters it with DeadLetterReason and
+	// count either); [Reject] dead-letters it with DeadLetterReason and
 	// DeadLetterErrorDescription. Settlements wait for the service's
 	// answer, many at a time, and the lock of every delivery held is
-	// renewed (MaxLockRenewal).
+	// renewed ([MaxLockRenewal]).
 	AzureServiceBus = azureServiceBus()
 )
 

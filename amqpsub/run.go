@@ -19,23 +19,23 @@ import (
 //
 // Cancelling ctx starts a graceful stop, like Shutdown: no more credit,
 // deliveries no handler has taken are released at once, handlers in
-// progress get the grace period (GracePeriod) to finish and are settled;
-// then the link, session and connection are closed within CloseTimeout.
+// progress get the grace period ([GracePeriod]) to finish and are settled;
+// then the link, session and connection are closed within [CloseTimeout].
 // Close stops at once: handlers' ctx is cancelled and the connection closed
 // within CloseTimeout; the broker redelivers what was held. A fatal error
-// (see FatalErrors) stops the same way as a graceful stop, except that what
+// (see [FatalErrors]) stops the same way as a graceful stop, except that what
 // is held can no longer be settled.
 //
 // Whatever the handlers do, Run returns within GracePeriod + CloseTimeout
 // of the start of a stop, and within CloseTimeout of Close: handlers that
 // have not returned by then are abandoned (their ctx is cancelled and their
-// results ignored) and the error wraps ErrAbandoned.
+// results ignored) and the error wraps [ErrAbandoned].
 //
 // Run returns nil after a stop it was asked for. It returns an error naming
 // the broker when it cannot connect or attach at the start (within
-// DialTimeout; with DialFailover, within DialTimeout for each address
-// tried, the error naming each), one wrapping ErrLinkLost when a lost link
-// or connection could not be replaced, and ErrClosed when called a second
+// [DialTimeout]; with [DialFailover], within DialTimeout for each address
+// tried, the error naming each), one wrapping [ErrLinkLost] when a lost link
+// or connection could not be replaced, and [ErrClosed] when called a second
 // time, or after Shutdown or Close.
 func (s *Subscriber) Run(ctx context.Context) error {
 	s.mu.Lock()
@@ -228,13 +228,14 @@ type running struct {
 }
 
 // graceful waits for the pumps to settle everything held, up to the grace
-// period. GracePeriod(0) waits only until each pump holds nothing but what
+// period. Close cuts the wait short.
+//
+// GracePeriod(0) waits only until each pump holds nothing but what
 // handlers and settlers have: what waited in the pump, Out, a lane's queue
 // or an open batch was released (or handed to a settler, which sends it
 // after: see Run); and that for a quarter of CloseTimeout at most, so that
 // a pump stuck on a settlement the broker does not take (a peer that
-// stopped reading) cannot hold the stop past its bound. Close cuts the
-// wait short.
+// stopped reading) cannot hold the stop past its bound.
 func (s *Subscriber) graceful(runs []*running) {
 	if s.cfg.grace == 0 {
 		by := time.Now().Add(s.cfg.closeTimeout / 4)
@@ -305,8 +306,8 @@ func (s *Subscriber) abandon() int {
 
 // Shutdown starts a graceful stop (see Run) and waits until Run has returned
 // or ctx ends, whichever comes first; then it returns ctx.Err(). The stop
-// goes on after ctx ends, bounded by GracePeriod + CloseTimeout. Shutdown
-// before Run makes Run return ErrClosed. It is safe to call more than once.
+// goes on after ctx ends, bounded by [GracePeriod] + [CloseTimeout]. Shutdown
+// before Run makes Run return [ErrClosed]. It is safe to call more than once.
 func (s *Subscriber) Shutdown(ctx context.Context) error {
 	s.mu.Lock()
 	if !s.closed {
@@ -329,7 +330,7 @@ func (s *Subscriber) Shutdown(ctx context.Context) error {
 
 // Close stops at once: handlers' ctx is cancelled, nothing more is settled,
 // and the connection is closed, so the broker redelivers every delivery the
-// subscriber held. Close does not wait; Run returns within CloseTimeout. It
+// subscriber held. Close does not wait; Run returns within [CloseTimeout]. It
 // is safe to call more than once, and after Shutdown.
 func (s *Subscriber) Close() error {
 	s.mu.Lock()

@@ -304,13 +304,16 @@ func (s *Subscriber) handlersOf(id string) int {
 }
 
 // awaitSession returns once no handler of src's session runs in this
-// process, before the session's link is handed to the pump: a session whose
-// link was lost while a handler of it ran goes back to the service, which
-// gives it to the first receiver that asks (another slot, or this one
-// again), and its messages, the one in that handler first, would otherwise
-// run beside it. Those handlers' contexts were cancelled with the loss (see
-// Receive); one that does not return keeps the session's messages waiting
-// here, its lock renewed, until it does. ctx ends the wait with its error.
+// process, before the session's link is handed to the pump. ctx ends the
+// wait with its error.
+//
+// A session whose link was lost while a handler of it ran goes back to the
+// service, which gives it to the first receiver that asks (another slot,
+// or this one again), and its messages, the one in that handler first,
+// would otherwise run beside it. Those handlers' contexts were cancelled
+// with the loss (see servicebus.Session.Receive); one that does not return
+// keeps the session's messages waiting here, its lock renewed, until it
+// does.
 func (k *sbKind) awaitSession(ctx context.Context, src *servicebus.Session) error {
 	s := k.s
 	n := s.handlersOf(src.ID())

@@ -15,28 +15,29 @@ import (
 	"github.com/amqpsub/amqpsub/internal/wire"
 )
 
-// ServiceBus returns a Connector for Azure Service Bus from a connection
+// ServiceBus returns a [Connector] for Azure Service Bus from a connection
 // string as the Azure portal gives it:
 //
 //	Endpoint=sb://<namespace>.servicebus.windows.net/;SharedAccessKeyName=<rule>;SharedAccessKey=<key>
 //
 // or with SharedAccessSignature=<token> in place of the key name and key,
-// EntityPath=<entity> and UseDevelopmentEmulator=true optional. It connects
-// with TLS to the Endpoint's port, 5671 when it names none (the emulator:
-// plain AMQP to the Endpoint's port or 5672, on any host, such as
-// localhost or the emulator's service name in a compose file),
+// EntityPath=<entity> and UseDevelopmentEmulator=true optional.
+//
+// It connects with TLS to the Endpoint's port, 5671 when it names none (the
+// emulator: plain AMQP to the Endpoint's port or 5672, on any host, such as
+// localhost or the emulator's service name in a compose file), and
 // authenticates with SASL ANONYMOUS and claims-based security: a SAS token
 // for the entity and one for its $management node, put on $cbs at once and
 // again before they expire (tokens signed with the key last 2 h; a pre-made
 // SharedAccessSignature is used as it is, never refreshed). See
-// TokenProvider for when tokens are refreshed and what a failed refresh
+// [TokenProvider] for when tokens are refreshed and what a failed refresh
 // does. A refused token ends Run with an error naming the entity (never the
-// key), which IsFatal takes as fatal.
+// key), which [IsFatal] takes as fatal.
 //
-// Subscribers made with it use the AzureServiceBus profile. A connection
+// Subscribers made with it use the [AzureServiceBus] profile. A connection
 // string with EntityPath takes that entity only: New must be given it as
 // the queue. An invalid connection string gives an error wrapping
-// ErrConnectionString that names the key at fault and quotes none of the
+// [ErrConnectionString] that names the key at fault and quotes none of the
 // string's values.
 func ServiceBus(connectionString string) (Connector, error) {
 	cs, err := servicebus.ParseConnString(connectionString)
@@ -50,16 +51,18 @@ func ServiceBus(connectionString string) (Connector, error) {
 	return newSBConnector(cs.Host, cs.Emulator, cs.Entity, tp), nil
 }
 
-// ServiceBusWithToken returns a Connector for the Service Bus namespace at
+// ServiceBusWithToken returns a [Connector] for the Service Bus namespace at
 // endpoint ("sb://<namespace>.servicebus.windows.net", or, for the
 // emulator, "amqp://localhost:5672") that authenticates with the tokens tp
-// gives: an Entra ID (JWT) source, say (see TokenProvider), or
-// SASTokenProvider with a lifetime of your choice. sb:// and amqps://
-// connect with TLS, to the endpoint's port or 5671; amqp:// (the emulator,
-// on any host: localhost, or its service name in a compose file) without,
-// to its port or 5672. The endpoint is a URL,
-// not a connection string (give that to ServiceBus). See ServiceBus. Errors
-// wrap ErrInvalidOption and quote nothing of endpoint.
+// gives: an Entra ID (JWT) source, say (see [TokenProvider]), or
+// [SASTokenProvider] with a lifetime of your choice. See [ServiceBus].
+//
+// sb:// and amqps:// connect with TLS, to the endpoint's port or 5671;
+// amqp:// (the emulator, on any host: localhost, or its service name in a
+// compose file) without, to its port or 5672. The endpoint is a URL, not a
+// connection string (give that to ServiceBus).
+//
+// Errors wrap [ErrInvalidOption] and quote nothing of endpoint.
 func ServiceBusWithToken(endpoint string, tp TokenProvider) (Connector, error) {
 	if tp == nil {
 		return nil, fmt.Errorf("%w: nil TokenProvider", ErrInvalidOption)
@@ -160,20 +163,23 @@ func (c *sbConnector) connect(ctx context.Context, req connectRequest) (*connect
 }
 
 // MaxLockRenewal bounds, on Azure Service Bus, how long after its handler
-// began a delivery's message lock is still renewed (LocalRetry's waits
-// included). After that the lock expires (up to one lock duration later:
-// the last renewal's), the handler's context is cancelled (cause
-// lease.ErrLockLost), its result is not sent, and the service delivers the
-// message again, counted, to whichever receiver asks next. So a handler
-// that outlives its lock can see its work done twice (once more if it
-// ignores its context), and under WorkersByKey the redelivery comes after
-// the group's later messages: its order is broken. Set it above the
-// longest handler. While a delivery
-// waits for a handler (behind a busy group, say) its lock is renewed for as
-// long as it waits: the credit bounds how many wait. Must be ≥ 0; 0 renews
-// no lock of a delivery in a handler. Default: 5 min, as the .NET
-// processor's MaxAutoLockRenewalDuration, which also counts from the
-// handler's start.
+// began a delivery's message lock is still renewed ([LocalRetry]'s waits
+// included). Set it above the longest handler.
+//
+// After that the lock expires (up to one lock duration later: the last
+// renewal's), the handler's context is cancelled (cause [ErrLockLost]), its
+// result is not sent, and the service delivers the message again, counted,
+// to whichever receiver asks next. So a handler that outlives its lock can
+// see its work done twice (once more if it ignores its context), and under
+// [WorkersByKey] the redelivery comes after the group's later messages: its
+// order is broken.
+//
+// While a delivery waits for a handler (behind a busy group, say) its lock
+// is renewed for as long as it waits: the credit bounds how many wait.
+//
+// Must be ≥ 0; 0 renews no lock of a delivery in a handler. Default: 5 min,
+// as the .NET processor's MaxAutoLockRenewalDuration, which also counts
+// from the handler's start.
 func MaxLockRenewal(d time.Duration) Option {
 	return checked("MaxLockRenewal", d, d >= 0, "must be ≥ 0", func(c *config) {
 		c.maxLockRenewal = d
@@ -190,21 +196,25 @@ const maxSessions = 256
 // Sessions makes the subscriber a session consumer of a session-enabled
 // Service Bus entity: it holds up to max sessions at once, each on a link
 // of its own with its share of the credit (at least 1), accepting the next
-// available session whenever it has room; the handlers of each session run
-// as Workers or WorkersByKey say, per session (the default Workers(1) runs
-// each session's messages one at a time, in order, so Sessions(4) runs up
-// to 4 handlers at once). A handler's Retry sends its message back to the
-// service, which delivers it again after the session's messages already
-// sent: to keep a session's order through a passing failure, use
-// LocalRetry, which retries in the lane. A session's lock is renewed
-// while the consumer holds it; a session with no message for
-// SessionIdleTimeout is closed and the next one accepted; when no session
-// is available the service says so after a while and the consumer asks
-// again. Delivery.SessionState and SetSessionState read and write the
-// session's state. Only with the AzureServiceBus profile; not with
-// SessionIDs. Each session held is a connection of its own (8 for
-// Sessions(8); the emulator allows 10 in all). Must be between 1 and 256.
-// Default: off (the entity must not require sessions).
+// available session whenever it has room. Only with the [AzureServiceBus]
+// profile; not with [SessionIDs].
+//
+// The handlers of each session run as [Workers] or [WorkersByKey] say, per
+// session: the default Workers(1) runs each session's messages one at a
+// time, in order, so Sessions(4) runs up to 4 handlers at once. A handler's
+// [Retry] sends its message back to the service, which delivers it again
+// after the session's messages already sent: to keep a session's order
+// through a passing failure, use [LocalRetry], which retries in the lane.
+//
+// A session's lock is renewed while the consumer holds it; a session with
+// no message for [SessionIdleTimeout] is closed and the next one accepted;
+// when no session is available the service says so after a while and the
+// consumer asks again. [Delivery.SessionState] and [Delivery.SetSessionState]
+// read and write the session's state.
+//
+// Each session held is a connection of its own (8 for Sessions(8); the
+// emulator allows 10 in all). Must be between 1 and 256. Default: off (the
+// entity must not require sessions).
 func Sessions(max int) Option {
 	return optionFunc(func(c *config) {
 		if max < 1 || max > maxSessions {
@@ -217,8 +227,8 @@ func Sessions(max int) Option {
 
 // SessionIDs makes the subscriber a session consumer of the named sessions
 // only, each on a link of its own, held for as long as the subscriber runs
-// (a session left idle for SessionIdleTimeout is accepted again). See
-// Sessions. Not with Sessions; at least one id and at most 256, none empty,
+// (a session left idle for [SessionIdleTimeout] is accepted again). See
+// [Sessions]. Not with Sessions; at least one id and at most 256, none empty,
 // none twice.
 func SessionIDs(ids ...string) Option {
 	return optionFunc(func(c *config) {
@@ -240,11 +250,9 @@ func SessionIDs(ids ...string) Option {
 
 // SessionIdleTimeout is how long a session consumer keeps a session that
 // sends no message (and of which it holds none) before it closes it and
-// accepts the next. A finished session holds its place that long: with
-// many short sessions, a few seconds keeps the consumer moving (8 sessions
-// of 5 messages under Sessions(4) took 60 s at the default in a trial, the
-// second four waiting for the first four to idle out). Must be > 0.
-// Default: 1 min.
+// accepts the next. A finished session holds its slot that long, and the
+// sessions beyond [Sessions]' max wait for a slot: with many short sessions,
+// a few seconds keeps the consumer moving. Must be > 0. Default: 1 min.
 func SessionIdleTimeout(d time.Duration) Option {
 	return checked("SessionIdleTimeout", d, d > 0, "must be > 0", func(c *config) {
 		c.sessionIdle = d
@@ -267,16 +275,16 @@ func SettleTimeout(d time.Duration) Option {
 // Token is a credential for one audience of Service Bus, put on the
 // connection's $cbs node (claims-based security).
 type Token struct {
-	// Type is TokenTypeSAS or TokenTypeJWT.
+	// Type is [TokenTypeSAS] or [TokenTypeJWT].
 	Type string
 	// Value is the token itself: "SharedAccessSignature sr=…" for SAS, the
 	// JWT for Entra ID.
 	Value string
 	// Expiry is when the token stops being valid; the subscriber puts a new
 	// one before then. The zero time means it is never refreshed, and is
-	// for a pre-made SAS token only (TokenTypeSAS): a token of any other
+	// for a pre-made SAS token only ([TokenTypeSAS]): a token of any other
 	// type with no Expiry is refused with an error wrapping
-	// ErrInvalidOption, since Service Bus would detach the links when it
+	// [ErrInvalidOption], since Service Bus would detach the links when it
 	// expired.
 	Expiry time.Time
 }
@@ -291,7 +299,7 @@ const (
 //
 // audience is "amqps://<namespace>/<entity path>" ("amqp://" in emulator
 // mode), for the entity and for "<entity path>/$management". An Entra ID
-// provider returns type TokenTypeJWT with the access token for the scope
+// provider returns type [TokenTypeJWT] with the access token for the scope
 // "https://servicebus.azure.net/.default" (the same token for every
 // audience) and its expiry.
 //
@@ -299,11 +307,11 @@ const (
 // (two calls, one after the other) when it connects, and again for each
 // audience 10 minutes before its token's Expiry (halfway, for a token that
 // lives less than 20 minutes). A subscriber has a connection of its own
-// for each session it holds (Sessions, SessionIDs) and makes a new one
+// for each session it holds ([Sessions], [SessionIDs]) and makes a new one
 // after a lost connection, so Token is called concurrently and must be
 // safe for concurrent use; a provider that can should cache its token.
 //
-// Each call is bounded by ctx's deadline: DialTimeout when connecting;
+// Each call is bounded by ctx's deadline: [DialTimeout] when connecting;
 // 30 s, and no later than the token in place expires, for a refresh. Token
 // should return when ctx ends; one that does not is left to return in its
 // own time (its result is dropped), and does not hold up Run or Close. A
@@ -312,7 +320,7 @@ const (
 // until 30 s (at most a tenth of the token's lifetime) before the token in
 // place expires; then the connection is dropped and made anew, which asks
 // for tokens again. A token the service refuses (status 401 or 403) drops the
-// connection at once, and the reconnect's refusal ends Run (IsFatal).
+// connection at once, and the reconnect's refusal ends Run ([IsFatal]).
 //
 // An adapter for azidentity (any azcore.TokenCredential), kept out of
 // amqpsub so that its go.mod stays small:
@@ -336,7 +344,7 @@ type TokenProvider interface {
 	Token(ctx context.Context, audience string) (Token, error)
 }
 
-// SASTokenProvider returns a TokenProvider that signs SAS tokens with a
+// SASTokenProvider returns a [TokenProvider] that signs SAS tokens with a
 // shared access key, each valid for lifetime (the Azure SDKs use 2 h; must
 // be > 0).
 func SASTokenProvider(keyName, key string, lifetime time.Duration) TokenProvider {

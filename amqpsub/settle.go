@@ -78,14 +78,14 @@ func (s *Subscriber) rejection(d *Delivery, oe *OutcomeError, lost bool) pump.Ou
 	return pump.Outcome{Kind: pump.Reject, Error: oe.rejectError(cond)}
 }
 
-// settle hands t's settlement to the pump. Where settlements are sent
-// concurrently (Settlers: Service Bus), those of one group go out in the
-// order they were decided, each once the one before was answered, so that
-// a lost link cannot leave a group's earlier message to come back after a
-// later one was settled; keyless deliveries under WorkersByKey are ordered
-// by lane, the others not at all.
-// lane is the delivery's lane, -1 when it is not known (a release at a
-// stop).
+// settle hands t's settlement to the pump. lane is the delivery's lane, -1
+// when it is not known (a release at a stop).
+//
+// Where settlements are sent concurrently (pump.Config.Settlers: Service
+// Bus), those of one group go out in the order they were decided, each once
+// the one before was answered, so that a lost link cannot leave a group's
+// earlier message to come back after a later one was settled; keyless
+// deliveries under WorkersByKey are ordered by lane, the others not at all.
 func (p *pipe) settle(t pump.Ticket, o pump.Outcome, lane int) {
 	if !p.ordered {
 		p.pump.Settle(t, o)

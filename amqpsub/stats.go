@@ -8,7 +8,7 @@ import (
 	"go.uber.org/zap/zapcore"
 )
 
-// Stats are a Subscriber's counters: totals since New, and a census of the
+// Stats are a [Subscriber]'s counters: totals since [New], and a census of the
 // deliveries the process holds now.
 type Stats struct {
 	// Held is the number of deliveries held in the process now: waiting in
@@ -27,7 +27,7 @@ type Stats struct {
 	// meanwhile.
 	Buffered, Handling, Settling int
 	// BytesHeld is the size of the bodies held now, MaxBytesHeld the most
-	// at once (see MaxHeldBytes; counted with or without it).
+	// at once (see [MaxHeldBytes]; counted with or without it).
 	BytesHeld, MaxBytesHeld int64
 
 	// Lanes is each lane's (or worker's) load now (deliveries waiting for
@@ -35,7 +35,7 @@ type Stats struct {
 	// consumer sums its sessions' lanes. Skew shows here.
 	Lanes []LaneStats
 	// GroupsHeld is the number of groups (group-ids) with deliveries in the
-	// lanes now, under BalanceKeys; 0 otherwise.
+	// lanes now, under [BalanceKeys]; 0 otherwise.
 	GroupsHeld int
 
 	// Received counts deliveries received.
@@ -43,7 +43,7 @@ type Stats struct {
 	// Settled counts the settlements the broker took, by outcome.
 	Settled Settlements
 	// Results counts what handlers decided, one per delivery (the final
-	// result, after any LocalRetry).
+	// result, after any [LocalRetry]).
 	Results Results
 
 	// SettleErrors counts settlements the broker did not take (the link was
@@ -68,15 +68,15 @@ type Stats struct {
 	// Locks counts Service Bus message locks (all zero elsewhere).
 	Locks Locks
 	// DeadLetterCopies counts rejections kept as a copy on the dead-letter
-	// address (DeadLetterCopy); their originals are in Settled.Accepted.
+	// address ([DeadLetterCopy]); their originals are in Settled.Accepted.
 	DeadLetterCopies uint64
-	// DeadLetterCopyFailures counts DeadLetterCopy copies the broker did
-	// not take (EventDeadLetterCopyFailed); those deliveries were rejected
+	// DeadLetterCopyFailures counts [DeadLetterCopy] copies the broker did
+	// not take ([EventDeadLetterCopyFailed]); those deliveries were rejected
 	// instead, and lost their reason.
 	DeadLetterCopyFailures uint64
 	// Abandoned counts handlers that had not returned when Run returned.
 	Abandoned uint64
-	// EventsDropped counts events OnEvent's function fell too far behind
+	// EventsDropped counts events [OnEvent]'s function fell too far behind
 	// to get.
 	EventsDropped uint64
 }
@@ -118,7 +118,7 @@ type Locks struct {
 	Lost, Dropped, Skipped uint64
 	// LostAtSettle counts settlements the service answered with
 	// message-lock-lost; SettleTimeouts those it did not answer within
-	// SettleTimeout. The service delivers those messages again.
+	// [SettleTimeout]. The service delivers those messages again.
 	LostAtSettle, SettleTimeouts uint64
 	// Unrenewable counts deliveries without a lock token or expiry (never
 	// renewed).
@@ -138,13 +138,13 @@ type Results struct {
 	Reject  uint64 // Reject(reason)
 	// Panics counts handler calls that panicked (each is also a Retry).
 	Panics uint64
-	// LocalRetries counts handler calls repeated in the lane (LocalRetry).
+	// LocalRetries counts handler calls repeated in the lane ([LocalRetry]).
 	LocalRetries uint64
 	// Poisoned counts deliveries rejected for their delivery count before
-	// a handler saw them (MaxDeliveryCount); they are not in Reject.
+	// a handler saw them ([MaxDeliveryCount]); they are not in Reject.
 	Poisoned uint64
 	// Oversize counts deliveries rejected for their size before a handler
-	// saw them (MaxMessageSize); they are not in Reject.
+	// saw them ([MaxMessageSize]); they are not in Reject.
 	Oversize uint64
 }
 

@@ -13,7 +13,7 @@ import (
 	"github.com/amqpsub/amqpsub/pump"
 )
 
-// Subscriber consumes one queue. Build it with New or NewBatch, start it
+// Subscriber consumes one queue. Build it with [New] or [NewBatch], start it
 // with Run.
 type Subscriber struct {
 	connector Connector
@@ -54,9 +54,9 @@ type Subscriber struct {
 	}
 }
 
-// New returns a Subscriber that consumes queue from the broker c connects
+// New returns a [Subscriber] that consumes queue from the broker c connects
 // to and passes each delivery to h. Options it is given are validated here:
-// an invalid one gives an error wrapping ErrInvalidOption. Nothing connects
+// an invalid one gives an error wrapping [ErrInvalidOption]. Nothing connects
 // until Run.
 func New(c Connector, queue string, h Handler, opts ...Option) (*Subscriber, error) {
 	if h == nil {
@@ -70,8 +70,8 @@ func New(c Connector, queue string, h Handler, opts ...Option) (*Subscriber, err
 	return s, nil
 }
 
-// NewBatch is New for a BatchHandler: deliveries are handed over in batches
-// sized by the Batch option. With WorkersByKey, batches are assembled per
+// NewBatch is [New] for a BatchHandler: deliveries are handed over in batches
+// sized by the [Batch] option. With [WorkersByKey], batches are assembled per
 // lane, so the order of each group holds across batches.
 func NewBatch(c Connector, queue string, h BatchHandler, opts ...Option) (*Subscriber, error) {
 	if h == nil {

@@ -1,4 +1,4 @@
-// Package amqpsubtest tests amqpsub handlers without a broker: a Queue plays
+// Package amqpsubtest tests amqpsub handlers without a broker: a [Queue] plays
 // the broker behind the real amqpsub pipeline (pump, credit, lanes,
 // batches, outcomes, LocalRetry, MaxDeliveryCount, reconnects, stops, and
 // on Service Bus the renewal of message locks), and records what happened
@@ -27,15 +27,15 @@
 //	}
 //
 // Drain runs the subscriber for you. To test a stop, run it yourself: call
-// sub.Run(ctx) on a goroutine, Queue.Wait for the messages to settle, and
+// sub.Run(ctx) on a goroutine, [Queue.Wait] for the messages to settle, and
 // cancel ctx, call Shutdown or Close, and check what Run returned and what
 // your handler's ctx said.
 //
-// What to assert on: Queue.Records (every message in publish order, each
-// with its deliveries: the delivery count each carried and the outcome it
-// was settled with), Queue.Accepted (in acceptance order), Queue.DeadLetters
-// (with the Reject reason and description), Queue.Queued (what is left).
-// GroupOrder checks per-group order, of what a handler recorded or of
+// What to assert on: [Queue.Records] (every message in publish order, each
+// with its deliveries: the delivery count each carried and the outcome it was
+// settled with), [Queue.Accepted] (in acceptance order), [Queue.DeadLetters]
+// (with the Reject reason and description), [Queue.Queued] (what is left).
+// [GroupOrder] checks per-group order, of what a handler recorded or of
 // Queue.Accepted. The subscriber's own Stats and OnEvent say the rest.
 //
 // # Fake time
@@ -70,8 +70,8 @@
 //     ignored, as Artemis ignores them; with undeliverable-here the message
 //     is not delivered on that link again while it is attached.
 //   - modified{delivery-failed} (amqpsub's Retry): its count goes up by one;
-//     when it reaches MaxDeliveryAttempts (10 by default; 5 in our test
-//     broker) the message is dead-lettered, otherwise it goes back.
+//     when it reaches [MaxDeliveryAttempts] (10 by default; 5 in the
+//     repository's test brokers) the message is dead-lettered, otherwise it goes back.
 //   - rejected (Reject, RejectWith, MaxDeliveryCount): dead-lettered at
 //     once. The dead letter keeps the rejected outcome's error (condition,
 //     description, info), which Artemis does not (see amqpsub.DeadLetterCopy).
@@ -80,7 +80,7 @@
 //     It may be delivered again at once, also to the link that gave it back.
 //   - A link ends when the queue loses it (LoseLinks) or when its subscriber
 //     stops receiving from it (Run returning, whatever the stop). Its
-//     unsettled deliveries go back uncounted, recorded as Unsettled (Artemis
+//     unsettled deliveries go back uncounted, recorded as [Unsettled] (Artemis
 //     closes an AMQP consumer as not failed), and settling them afterwards
 //     fails, as on a closed link (under Service Bus they stay locked: see
 //     below). RefuseAttach makes attaches fail.
@@ -142,11 +142,12 @@
 // What it does:
 //
 //   - Its Connector stands in for amqpsub.ServiceBus's: a subscriber on it
-//     takes the AzureServiceBus profile without WithProfile, and New refuses
+//     takes the AzureServiceBus profile without [WithProfile], and New refuses
 //     another profile, and Sessions or SessionIDs.
-//   - Each delivery is locked for LockDuration (60 s by default) from when
+//   - Each delivery is locked for [LockDuration] (60 s by default) from when
 //     it is sent. It carries the lock token as its 16-byte delivery tag
-//     (.NET's Guid layout, which lease.LockToken reads), and message
+//     (.NET's Guid layout, which amqpsub reads: servicebus.LockToken in
+//     internal/servicebus), and message
 //     annotations x-opt-locked-until (when the lock expires),
 //     x-opt-sequence-number (from 1, in publish order) and
 //     x-opt-enqueued-time (when it was published). Its header's
@@ -154,16 +155,16 @@
 //     lock expired.
 //   - The subscriber's lease book renews the locks through the link, in
 //     place of com.microsoft:renew-lock on the $management node: a renewal
-//     extends each lock to LockDuration from then (Delivery.Renewals,
-//     Delivery.LockedUntil); a request naming a lock that is expired,
+//     extends each lock to LockDuration from then ([Delivery.Renewals],
+//     [Delivery.LockedUntil]); a request naming a lock that is expired,
 //     settled or unknown renews none and fails with an error wrapping
-//     lease.ErrLockLost, as the service's status 410 does.
+//     amqpsub.ErrLockLost, as the service's status 410 does.
 //   - A lock that is not renewed in time (a handler ran past MaxLockRenewal,
 //     say) expires at its locked-until: the delivery is recorded as
-//     LockExpired, and the message goes back, counted. A settlement that
+//     [LockExpired], and the message goes back, counted. A settlement that
 //     comes later is refused with an *amqp.Error of condition
 //     com.microsoft:message-lock-lost (pump.ErrCondLockLost) and not
-//     applied; Delivery.Late records it (amqpsub sends none once its lease
+//     applied; [Delivery.Late] records it (amqpsub sends none once its lease
 //     book knows the lock is lost, and counts the refusals it gets in
 //     Stats().Locks.LostAtSettle).
 //   - accepted completes the message; released returns it, not counted
@@ -171,8 +172,8 @@
 //     abandon) returns it, counted, whatever delivery-failed says;
 //     modified{undeliverable-here}, a defer, is refused with
 //     amqp:not-implemented; rejected dead-letters it, with the rejected
-//     error's DeadLetterReason and DeadLetterErrorDescription (Record.Reason,
-//     Record.Description). When the count reaches MaxDeliveryAttempts (the
+//     error's DeadLetterReason and DeadLetterErrorDescription ([Record.Reason],
+//     [Record.Description]). When the count reaches MaxDeliveryAttempts (the
 //     entity's MaxDeliveryCount, 10 by default, as on Service Bus), the
 //     service dead-letters the message with reason MaxDeliveryCountExceeded.
 //   - Settlements are answered at once, and a drain (which amqpsub sends at

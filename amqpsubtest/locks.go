@@ -25,7 +25,7 @@ import (
 // delivery stays locked to its receiver unless the lock is renewed. Service
 // Bus takes 5 s to 5 min; the queue takes any d > 0, and panics otherwise,
 // or when the queue does not play Service Bus (give
-// WithProfile(amqpsub.AzureServiceBus) too). Default: 60 s, Service Bus's
+// WithProfile([amqpsub.AzureServiceBus]) too). Default: 60 s, Service Bus's
 // default.
 func LockDuration(d time.Duration) Option {
 	return optionFunc(func(q *Queue) {
@@ -171,7 +171,7 @@ func (l serviceBusLink) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]t
 // com.microsoft:renew-lock on a Service Bus entity's $management node
 // does, and returns their new expiries. When a lock is expired, settled or
 // unknown it renews none and returns an error wrapping servicebus.ErrLockLost,
-// as amqpsub's renewer does for the service's status 410. A ctx that has
+// as servicebus.Management.RenewLocks does for the service's status 410. A ctx that has
 // ended renews none; so does a link that ended (its error).
 func (l *link) renewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
 	if err := ctx.Err(); err != nil {

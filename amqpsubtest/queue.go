@@ -16,7 +16,7 @@ import (
 )
 
 // Queue is an in-memory queue that plays the broker for Subscribers. Make
-// one with NewQueue, give its Connector to amqpsub.New or NewBatch, and
+// one with [NewQueue], give its Connector to [amqpsub.New] or NewBatch, and
 // Publish messages to it. It is safe for concurrent use.
 type Queue struct {
 	rules           rules
@@ -40,7 +40,7 @@ type Queue struct {
 	lastToken uint64
 }
 
-// An Option configures a Queue.
+// An Option configures a [Queue].
 type Option interface{ apply(*Queue) }
 
 type optionFunc func(*Queue)
@@ -48,13 +48,16 @@ type optionFunc func(*Queue)
 func (f optionFunc) apply(q *Queue) { f(q) }
 
 // WithProfile makes the queue behave as the broker of profile p does (see
-// the package documentation): amqpsub.Artemis and amqpsub.Generic get
-// Artemis's rules, amqpsub.RabbitMQ3 gets RabbitMQ 3.10's, and
-// amqpsub.AzureServiceBus gets Service Bus peek-lock on a queue without
-// sessions (message locks, LockDuration). Give the subscriber the same
-// profile; a Service Bus queue's Connector gives it AzureServiceBus itself,
-// as amqpsub.ServiceBus's does. NewQueue panics on a profile it has no
-// rules for. Default: amqpsub.Artemis.
+// the package documentation): [amqpsub.Artemis] and [amqpsub.Generic] get
+// Artemis's rules, [amqpsub.RabbitMQ3] gets RabbitMQ 3.10's, and
+// [amqpsub.AzureServiceBus] gets Service Bus peek-lock on a queue without
+// sessions (message locks, [LockDuration]). [NewQueue] panics on a profile it
+// has no rules for.
+//
+// Give the subscriber the same profile; a Service Bus queue's Connector
+// gives it AzureServiceBus itself, as [amqpsub.ServiceBus]'s does.
+//
+// Default: amqpsub.Artemis.
 func WithProfile(p amqpsub.Profile) Option {
 	return optionFunc(func(q *Queue) {
 		r, ok := rulesFor(p)
@@ -69,8 +72,10 @@ func WithProfile(p amqpsub.Profile) Option {
 // (settled modified{delivery-failed}) before it is dead-lettered instead of
 // queued again: Artemis's max-delivery-attempts. n = 0 never dead-letters
 // for failures (Artemis's -1). It has no effect under the RabbitMQ3 profile,
-// where failures are not counted. Our test broker (integration/artemis)
-// uses 5. Under AzureServiceBus it is the entity's MaxDeliveryCount: an
+// where failures are not counted. The repository's test brokers
+// (integration/artemis, artemistest) use 5.
+//
+// Under AzureServiceBus it is the entity's MaxDeliveryCount: an
 // abandon (any modified outcome) and an expired lock each count, and the
 // message is dead-lettered with reason MaxDeliveryCountExceeded. Default:
 // 10, the default of Artemis and of Service Bus.
@@ -93,13 +98,14 @@ func NewQueue(opts ...Option) *Queue {
 }
 
 // Connector returns a Connector whose every attach opens a new link on q:
-// give it to amqpsub.New or NewBatch in place of amqpsub.Dial. The queue
+// give it to [amqpsub.New] or NewBatch in place of [amqpsub.Dial]. The queue
 // name given to New is not checked. Several subscribers may consume q at
-// once, as replicas do: each attach is a link of its own. On a queue that
-// plays Service Bus it stands in for amqpsub.ServiceBus's connector: the
-// subscriber takes the AzureServiceBus profile without WithProfile, New
-// refuses another profile, and Sessions or SessionIDs (the queue has no
-// sessions).
+// once, as replicas do: each attach is a link of its own.
+//
+// On a queue that plays Service Bus it stands in for [amqpsub.ServiceBus]'s
+// connector: the subscriber takes the AzureServiceBus profile without
+// [WithProfile], and New refuses another profile, and Sessions or SessionIDs
+// (the queue has no sessions).
 func (q *Queue) Connector() amqpsub.Connector {
 	if testhook.Connector == nil {
 		panic("amqpsubtest: package amqpsub did not set its test hook")
@@ -145,10 +151,12 @@ func (q *Queue) Publish(msgs ...*amqp.Message) {
 // a link or loses the connection: their Receive and settlements fail with
 // err, and their unsettled deliveries go back to the queue with their
 // delivery count unchanged (Artemis closes an AMQP consumer as not failed),
-// recorded as Unsettled. Under Service Bus they stay locked instead, and
-// their settlements are taken (see the package documentation). A subscriber sees a lost link and attaches again,
-// through its Connector, to a new link. A nil err means an *amqp.LinkError
-// with condition amqp:link:detach-forced.
+// recorded as [Unsettled]. Under Service Bus they stay locked instead, and
+// their settlements are taken (see the package documentation).
+//
+// A subscriber sees a lost link and attaches again, through its Connector,
+// to a new link. A nil err means an *amqp.LinkError with condition
+// amqp:link:detach-forced.
 func (q *Queue) LoseLinks(err error) {
 	if err == nil {
 		err = &amqp.LinkError{RemoteErr: &amqp.Error{Condition: amqp.ErrCondDetachForced,
@@ -229,12 +237,13 @@ func (q *Queue) left() string {
 
 // Drain runs sub until every message published is accepted or
 // dead-lettered (see Wait), then stops it gracefully, as a SIGTERM does
-// (by cancelling Run's ctx), and returns what Run returned. If ctx ends
-// first, the stop is the same and the error also says what was left; if
-// Run returns first (a fatal error, Shutdown, Close), the error says so.
-// Give it a ctx that ends: a queue that never drains (a handler that
-// never accepts) keeps Drain waiting until then. Drain calls sub.Run, and
-// a Subscriber runs once.
+// (by cancelling Run's ctx), and returns what Run returned. Drain calls
+// sub.Run, and a Subscriber runs once.
+//
+// If ctx ends first, the stop is the same and the error also says what was
+// left; if Run returns first (a fatal error, Shutdown, Close), the error
+// says so. Give it a ctx that ends: a queue that never drains (a handler
+// that never accepts) keeps Drain waiting until then.
 func (q *Queue) Drain(ctx context.Context, sub *amqpsub.Subscriber) error {
 	rctx, stop := context.WithCancel(ctx)
 	defer stop()

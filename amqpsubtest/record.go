@@ -21,7 +21,7 @@ const (
 	InFlight
 	// Consumed means accepted. Final.
 	Consumed
-	// DeadLettered means rejected, or failed MaxDeliveryAttempts times
+	// DeadLettered means rejected, or failed [MaxDeliveryAttempts] times
 	// (under AzureServiceBus, abandoned or its lock expired). Final.
 	DeadLettered
 )
@@ -48,7 +48,7 @@ const (
 	Released
 	// Modified means modified without delivery-failed: queued again, not
 	// counted; amqpsub does not send it to Artemis. With undeliverable-here
-	// (for Failed too), the message is not delivered on that link again.
+	// (for [Failed] too), the message is not delivered on that link again.
 	// Under AzureServiceBus it is an abandon (Retry): counted, as Failed is
 	// elsewhere.
 	Modified
@@ -64,8 +64,8 @@ const (
 	// LockExpired means the delivery's Service Bus lock expired before it
 	// was settled (AzureServiceBus): the handler took longer than the lock
 	// and its renewals (amqpsub's MaxLockRenewal), or nobody renewed it.
-	// Queued again, counted, or dead-lettered at MaxDeliveryAttempts. A
-	// settlement that came later was refused: see Delivery.Late.
+	// Queued again, counted, or dead-lettered at [MaxDeliveryAttempts]. A
+	// settlement that came later was refused: see [Delivery.Late].
 	LockExpired
 )
 
@@ -86,20 +86,20 @@ type Delivery struct {
 	Link int
 	// Outcome is how it was settled.
 	Outcome Outcome
-	// Error is the error a Rejected outcome carried; nil otherwise.
+	// Error is the error a [Rejected] outcome carried; nil otherwise.
 	Error *amqp.Error
 
 	// The rest is for the AzureServiceBus profile only: zero elsewhere.
 
 	// LockedUntil is when its lock expires (expired, when Outcome is
-	// LockExpired): the x-opt-locked-until it was delivered with, or the
+	// [LockExpired]): the x-opt-locked-until it was delivered with, or the
 	// expiry the last renewal gave.
 	LockedUntil time.Time
 	// Renewals counts the renewals of its lock the queue granted.
 	Renewals int
 	// Late is the outcome of a settlement that came after its lock had
 	// expired, which the queue refused with com.microsoft:message-lock-lost
-	// and did not apply; Pending when none came. amqpsub sends none once
+	// and did not apply; [Pending] when none came. amqpsub sends none once
 	// it knows the lock is lost.
 	Late Outcome
 }
@@ -206,7 +206,7 @@ func (r Record) String() string {
 // items. Gaps are allowed, and so is a repeat (a retry in place); a step
 // back (a redelivery after a later item) is not. Items of group "" are not
 // checked. It returns nil, or an error naming the first item out of order. Give it what a handler
-// recorded, or Queue.Accepted with the message's place in publish order:
+// recorded, or [Queue.Accepted] with the message's place in publish order:
 //
 //	amqpsubtest.GroupOrder(q.Accepted(), func(r amqpsubtest.Record) (string, int) { return r.GroupID(), r.Index })
 func GroupOrder[T any](items []T, key func(T) (group string, seq int)) error {

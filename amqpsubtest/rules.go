@@ -21,12 +21,13 @@ type rules struct {
 	// peekLock: Service Bus peek-lock on a queue without sessions. Each
 	// delivery is locked for the lock duration (its 16-byte delivery tag is
 	// the lock token; x-opt-locked-until says until when) and carries
-	// x-opt-sequence-number and x-opt-enqueued-time; a lock not renewed in
-	// time expires, and the message goes back counted; settling after that
-	// is answered with com.microsoft:message-lock-lost. Every modified
-	// outcome is an abandon, counted; modified{undeliverable-here} (a
-	// defer) is refused. A dead letter carries the service's
-	// DeadLetterReason.
+	// x-opt-sequence-number and x-opt-enqueued-time.
+	//
+	// A lock not renewed in time expires, and the message goes back
+	// counted; settling after that is answered with
+	// com.microsoft:message-lock-lost. Every modified outcome is an
+	// abandon, counted; modified{undeliverable-here} (a defer) is refused.
+	// A dead letter carries the service's DeadLetterReason.
 	peekLock bool
 }
 

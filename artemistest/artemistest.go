@@ -17,14 +17,14 @@ import (
 //go:embed broker.xml
 var defaultBrokerXML []byte
 
-// DefaultBrokerXML returns a copy of the broker.xml that Run uses unless
-// WithBrokerXML gives another: amqpsub's test settings (see the comment
+// DefaultBrokerXML returns a copy of the broker.xml that [Run] uses unless
+// [WithBrokerXML] gives another: amqpsub's test settings (see the comment
 // at its top), with acceptors on ${amqpsub.host}, ${amqpsub.port} and
 // ${amqpsub.coreport}. Edit it and pass it to WithBrokerXML to change a
 // setting.
 func DefaultBrokerXML() []byte { return bytes.Clone(defaultBrokerXML) }
 
-// A Broker is a running Artemis started by Run or Start. Its methods are
+// A Broker is a running Artemis started by [Run] or [Start]. Its methods are
 // safe for concurrent use.
 type Broker struct {
 	mode        Mode
@@ -55,14 +55,14 @@ type backend interface {
 
 // Run starts an Artemis broker and returns once its AMQP port accepts.
 // ctx bounds everything Run does: the Docker probe, a download, `artemis
-// create`, an image pull and the start-up (which WithStartTimeout bounds
+// create`, an image pull and the start-up (which [WithStartTimeout] bounds
 // too); if it ends, Run stops what it started and returns an error
 // wrapping ctx.Err(). ctx does not bound the broker's life: Run's caller
 // owns the broker and must call Stop, also when its tests fail (a local
 // process is also killed if the Go process dies, on Linux).
 //
-// Run is for TestMain and other code without a testing.TB; in a test,
-// Start does the same and stops the broker at the test's end.
+// Run is for TestMain and other code without a [testing.TB]; in a test,
+// [Start] does the same and stops the broker at the test's end.
 func Run(ctx context.Context, opts ...Option) (*Broker, error) {
 	c, err := newConfig(opts)
 	if err != nil {
@@ -99,14 +99,16 @@ func Run(ctx context.Context, opts ...Option) (*Broker, error) {
 	return b, nil
 }
 
-// Start starts a broker for the test t, as Run does, and registers a
-// cleanup that stops it (SIGTERM, SIGKILL after WithStopTimeout) and
+// Start starts a broker for the test t, as [Run] does, and registers a
+// cleanup that stops it (SIGTERM, SIGKILL after [WithStopTimeout]) and
 // removes its files; if the test failed, the cleanup first logs the tail
-// of the broker's output. If the broker cannot start, Start fails the
-// test with t.Fatal and a message that says why (with the broker's
-// output when it ran). Start reports through t.Logf unless WithLogf says
-// otherwise. The start-up is bounded by t.Context() (and so by go test
-// -timeout) and by WithStartTimeout.
+// of the broker's output.
+//
+// If the broker cannot start, Start fails the test with t.Fatal and a
+// message that says why (with the broker's output when it ran). Start
+// reports through t.Logf unless [WithLogf] says otherwise. The start-up is
+// bounded by t.Context() (and so by go test -timeout) and by
+// [WithStartTimeout].
 func Start(t testing.TB, opts ...Option) *Broker {
 	t.Helper()
 	opts = append([]Option{WithLogf(t.Logf)}, opts...)
@@ -145,13 +147,13 @@ func (b *Broker) Addr() string { return net.JoinHostPort(b.host, strconv.Itoa(b.
 // --password P`.
 func (b *Broker) CoreAddr() string { return net.JoinHostPort(b.host, strconv.Itoa(b.corePort)) }
 
-// User returns the user name in URL (see WithCredentials).
+// User returns the user name in URL (see [WithCredentials]).
 func (b *Broker) User() string { return b.user }
 
-// Password returns the password in URL (see WithCredentials).
+// Password returns the password in URL (see [WithCredentials]).
 func (b *Broker) Password() string { return b.password }
 
-// Mode returns how the broker runs: Local or Container, never Auto.
+// Mode returns how the broker runs: Local or [Container], never [Auto].
 func (b *Broker) Mode() Mode { return b.mode }
 
 // PID returns the process ID of a local broker's JVM, and 0 for a

@@ -10,11 +10,11 @@
 //
 // Start fails the test if the broker cannot start and stops it in
 // t.Cleanup. Run does the same for TestMain and other code without a
-// testing.TB; its caller calls Broker.Stop.
+// testing.TB; its caller calls [Broker.Stop].
 //
 // # Two ways to run Artemis
 //
-// In mode Auto (the default), Run probes for a Docker engine (DOCKER_HOST,
+// In mode [Auto] (the default), [Run] probes for a Docker engine (DOCKER_HOST,
 // else testcontainers' properties and the usual sockets; at most 2 s, and
 // at once when there is no socket) and then:
 //
@@ -29,7 +29,7 @@
 //     `bin/artemis run` listening on 127.0.0.1 only, on free ports, with
 //     a heap of 512M at most, and stopped by PID (SIGTERM, then SIGKILL).
 //
-// WithMode(Local) or WithMode(Container) forces one. The local path needs
+// WithMode([Local]) or WithMode([Container]) forces one. The local path needs
 // Java 17 or later and, for the first download only, Maven; it runs on
 // Unix. Brokers are independent: tests may start several, in parallel.
 //
@@ -39,10 +39,10 @@
 //
 // # The broker
 //
-// DefaultBrokerXML is the configuration: amqpsub's own test settings
+// [DefaultBrokerXML] is the configuration: amqpsub's own test settings
 // (queues and addresses created on first use, anycast; dead letters of
 // queue Q in DLQ::DLQ.Q; max-delivery-attempts 5), security on with one
-// user (amqpsub/amqpsub by default; WithCredentials), no anonymous
-// logins. WithQueues declares queues ahead; WithBrokerXML replaces the
+// user (amqpsub/amqpsub by default; [WithCredentials]), no anonymous
+// logins. [WithQueues] declares queues ahead; [WithBrokerXML] replaces the
 // whole file.
 package artemistest

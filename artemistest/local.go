@@ -160,7 +160,8 @@ func isExecutable(path string) bool {
 }
 
 // mavenDownload fetches the distribution with `mvn dependency:copy`, as
-// our scripts do, so that Maven's settings (mirrors, proxies) apply.
+// the repository's broker scripts (integration/*.sh) do, so that Maven's
+// settings (mirrors, proxies) apply.
 func mavenDownload(ctx context.Context, c *config, tarball string) error {
 	gav := "org.apache.activemq:apache-artemis:" + c.version + ":tar.gz:bin"
 	mvn, err := exec.LookPath("mvn")

@@ -13,7 +13,7 @@ import (
 	"unicode"
 )
 
-// Mode chooses how Run starts the broker.
+// Mode chooses how [Run] starts the broker.
 type Mode int
 
 const (
@@ -44,22 +44,22 @@ func (m Mode) String() string {
 	}
 }
 
-// DefaultVersion is the Artemis version Run starts unless WithVersion
+// DefaultVersion is the Artemis version [Run] starts unless [WithVersion]
 // says otherwise: the one amqpsub is tested against.
 const DefaultVersion = "2.40.0"
 
-// ErrInvalidOption is returned (wrapped) by Run, and reported by Start,
+// ErrInvalidOption is returned (wrapped) by [Run], and reported by [Start],
 // when an option has an invalid value or two options do not fit together.
 // Nothing has been started then.
 var ErrInvalidOption = errors.New("artemistest: invalid option")
 
-// ErrNoDocker is returned (wrapped) by Run in mode Container when no
-// Docker engine answers. Mode Auto never returns it: it runs a local
+// ErrNoDocker is returned (wrapped) by [Run] in mode [Container] when no
+// Docker engine answers. Mode [Auto] never returns it: it runs a local
 // process instead.
 var ErrNoDocker = errors.New("artemistest: no Docker engine reachable")
 
-// An Option configures Run and Start. Each option checks its value when
-// Run applies it and fails with an error wrapping ErrInvalidOption.
+// An Option configures [Run] and [Start]. Each option checks its value when
+// Run applies it and fails with an error wrapping [ErrInvalidOption].
 type Option interface {
 	apply(c *config) error
 }
@@ -97,7 +97,8 @@ func defaultConfig() config {
 	}
 }
 
-// defaultCacheDir is where our scripts keep the distribution too, so that
+// defaultCacheDir is where the repository's broker scripts
+// (integration/*.sh) keep the distribution too, so that
 // a machine that ran them has nothing to download.
 func defaultCacheDir() string {
 	if d := os.Getenv("AMQPSUB_CACHE"); d != "" {
@@ -132,8 +133,8 @@ var versionRE = regexp.MustCompile(`^[0-9]+\.[0-9]+\.[0-9]+$`)
 
 // WithVersion sets the Artemis version: the Maven artifact
 // org.apache.activemq:apache-artemis:VERSION:tar.gz:bin for a local
-// process, and the image tag for a container (unless WithImage names
-// another image). amqpsub is tested with DefaultVersion only.
+// process, and the image tag for a container (unless [WithImage] names
+// another image). amqpsub is tested with [DefaultVersion] only.
 // Default: DefaultVersion ("2.40.0").
 func WithVersion(v string) Option {
 	return optionFunc(func(c *config) error {
@@ -145,11 +146,11 @@ func WithVersion(v string) Option {
 	})
 }
 
-// WithImage sets the container image (mode Container, or Auto with a
+// WithImage sets the container image (mode [Container], or [Auto] with a
 // Docker engine). The image must behave like the official one: the
 // ARTEMIS_USER, ARTEMIS_PASSWORD, ANONYMOUS_LOGIN, EXTRA_ARGS and
 // JAVA_ARGS_APPEND variables, and etc-override/.
-// Default: "apache/activemq-artemis:" + the version (see WithVersion).
+// Default: "apache/activemq-artemis:" + the version (see [WithVersion]).
 func WithImage(ref string) Option {
 	return optionFunc(func(c *config) error {
 		if ref == "" || strings.ContainsFunc(ref, unicode.IsSpace) {
@@ -166,7 +167,8 @@ var credentialRE = regexp.MustCompile(`^[A-Za-z0-9._~-]+$`)
 // may do everything). Logins without them, or with a wrong password, are
 // refused. Both may hold letters, digits and "-._~" only (they go into
 // the URL and, in a container, through a shell script unquoted).
-// Default: "amqpsub", "amqpsub", as in our scripts.
+// Default: "amqpsub", "amqpsub", as in the repository's
+// integration/artemis.sh.
 func WithCredentials(user, password string) Option {
 	return optionFunc(func(c *config) error {
 		if !credentialRE.MatchString(user) || !credentialRE.MatchString(password) {
@@ -200,7 +202,7 @@ func WithCacheDir(dir string) Option {
 
 // WithStartTimeout bounds the wait from starting the broker to its AMQP
 // port accepting (a local process), or to the container being ready. A
-// download, a first image pull and `artemis create` are bounded by Run's
+// download, a first image pull and `artemis create` are bounded by [Run]'s
 // ctx only.
 // Default: 90 s.
 func WithStartTimeout(d time.Duration) Option {
@@ -213,9 +215,9 @@ func WithStartTimeout(d time.Duration) Option {
 	})
 }
 
-// WithStopTimeout sets how long the cleanup that Start registers waits
+// WithStopTimeout sets how long the cleanup that [Start] registers waits
 // for the broker to stop after SIGTERM before it kills it with SIGKILL.
-// (Broker.Stop takes a ctx instead.)
+// ([Broker.Stop] takes a ctx instead.)
 // Default: 30 s.
 func WithStopTimeout(d time.Duration) Option {
 	return optionFunc(func(c *config) error {
@@ -271,7 +273,7 @@ func jvmMemoryArgs(heap string) string {
 // name, in broker.xml, so that they exist (durable, empty) before the
 // first client attaches. The default broker.xml creates queues on first
 // use anyway; this is for tests that look at a queue before anyone sends
-// to it. Calls add up. It cannot be combined with a WithBrokerXML that
+// to it. Calls add up. It cannot be combined with a [WithBrokerXML] that
 // has its own <addresses> element.
 // Default: none.
 func WithQueues(names ...string) Option {
@@ -287,12 +289,15 @@ func WithQueues(names ...string) Option {
 }
 
 // WithBrokerXML replaces the broker.xml the broker runs with (see
-// DefaultBrokerXML, which is a good start to edit). Its acceptors must
-// take their host and port from the system properties that Run sets:
-// ${amqpsub.host}, ${amqpsub.port} (AMQP; Broker.URL) and, if it has
-// one, ${amqpsub.coreport} (CORE; Broker.CoreAddr). Security must stay on
-// with role amq for the user of WithCredentials, which is what `artemis
-// create --require-login` writes into the users and roles files.
+// [DefaultBrokerXML], which is a good start to edit).
+//
+// Its acceptors must take their host and port from the system properties
+// that [Run] sets: ${amqpsub.host}, ${amqpsub.port} (AMQP; [Broker.URL]) and,
+// if it has one, ${amqpsub.coreport} (CORE; [Broker.CoreAddr]). Security
+// must stay on with role amq for the user of [WithCredentials], which is
+// what `artemis create --require-login` writes into the users and roles
+// files.
+//
 // Default: DefaultBrokerXML().
 func WithBrokerXML(xml []byte) Option {
 	return optionFunc(func(c *config) error {
@@ -307,7 +312,7 @@ func WithBrokerXML(xml []byte) Option {
 	})
 }
 
-// WithLogf sets where Run reports what it does (the mode it chose, a
+// WithLogf sets where [Run] reports what it does (the mode it chose, a
 // download, the start-up time, a forced kill). Start passes t.Logf
 // unless this option is given.
 // Default: discard.

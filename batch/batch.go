@@ -1,7 +1,7 @@
 // Package batch assembles batches that close at a size or a wait after their
 // first item, whichever comes first.
 //
-// A Batcher is a passive state machine, like Benthos' batch policy: Add
+// A [Batcher] is a passive state machine, like Benthos' batch policy: Add
 // reports when a batch is full, UntilNext says how long until the wait
 // closes it, and Flush empties it. The loop that owns the timer lives with
 // the caller (package lanes), and tests drive it with explicit times.
@@ -17,7 +17,7 @@ type Batcher[T any] struct {
 	first time.Time
 }
 
-// New returns a Batcher that closes a batch at size items or wait after its
+// New returns a [Batcher] that closes a batch at size items or wait after its
 // first item. It panics if size < 1 or wait < 0, which callers validate
 // first.
 func New[T any](size int, wait time.Duration) *Batcher[T] {

@@ -1,7 +1,7 @@
 // Package credit keeps the link-credit accounting of one receiver.
 //
 // amqpsub attaches its receivers with go-amqp's manual credit (Credit: -1) and
-// decides itself when to grant more. An Account is a passive state machine:
+// decides itself when to grant more. An [Account] is a passive state machine:
 // the pump tells it what happened (a delivery arrived, deliveries settled, a
 // new link was attached) and asks it how much credit to grant now. It keeps
 // every counter as int64, so no counter wraps, and it survives a broker that
@@ -45,7 +45,7 @@ package credit
 
 import "fmt"
 
-// Mode says when an Account grants credit.
+// Mode says when an [Account] grants credit.
 type Mode int
 
 const (
@@ -92,7 +92,7 @@ type Account struct {
 	seen         bool  // overshoot seen on this link
 }
 
-// New returns an Account that keeps at most limit deliveries in the process
+// New returns an [Account] that keeps at most limit deliveries in the process
 // and grants credit in chunks of at least max(1, limit/8): one flow frame per
 // eighth of the credit settled, rather than one per delivery. It panics if
 // limit < 1, which callers validate first.
@@ -222,7 +222,7 @@ func (a *Account) BytesHeld() (now, most int64) { return a.bytesHeld, a.maxBytes
 // Overshoot returns the deliveries received past the credit, on all links.
 func (a *Account) Overshoot() int64 { return a.overshoot }
 
-// Snapshot is a copy of an Account's counters.
+// Snapshot is a copy of an [Account]'s counters.
 type Snapshot struct {
 	Limit       int   // configured credit
 	Mode        Mode  // current mode; Windowed after an overshoot
@@ -235,7 +235,7 @@ type Snapshot struct {
 	BytesHeld, MaxBytesHeld, ByteBudget int64
 }
 
-// Snapshot returns the Account's counters.
+// Snapshot returns the [Account]'s counters.
 func (a *Account) Snapshot() Snapshot {
 	return Snapshot{
 		Limit:        int(a.limit),

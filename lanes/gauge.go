@@ -2,7 +2,7 @@ package lanes
 
 import "sync/atomic"
 
-// Gauge is what the lanes hold and have done, kept up to date by Run and
+// Gauge is what the lanes hold and have done, kept up to date by [Run] and
 // read from any goroutine.
 type Gauge struct {
 	lanes []laneGauge
@@ -15,10 +15,10 @@ type laneGauge struct {
 	_        [48]byte // a cache line each: lanes update their own
 }
 
-// NewGauge returns a Gauge for n lanes.
+// NewGauge returns a [Gauge] for n lanes.
 func NewGauge(n int) *Gauge { return &Gauge{lanes: make([]laneGauge, n)} }
 
-// Reading is a Gauge's values at one moment, lane by lane.
+// Reading is a [Gauge]'s values at one moment, lane by lane.
 type Reading struct {
 	// Load is each lane's items queued or in its handler.
 	Load []int

@@ -1,7 +1,7 @@
 // Package lanes fans a stream of deliveries out to handlers.
 //
 // Two shapes:
-//   - By key (Config.Key set): n lanes, each a goroutine that runs its items
+//   - By key ([Config.Key] set): n lanes, each a goroutine that runs its items
 //     one at a time, in arrival order. An item goes to the lane its key
 //     hashes to (LaneOf: xxhash mod n); items without a key rotate over the
 //     lanes. A dispatcher goroutine reads the stream and appends each item
@@ -27,7 +27,7 @@ import (
 	"github.com/cespare/xxhash/v2"
 )
 
-// Config says how Run spreads items. Exactly one of Handle and HandleBatch
+// Config says how [Run] spreads items. Exactly one of Handle and HandleBatch
 // is required.
 type Config[T any] struct {
 	// Lanes is the number of lanes or workers. Required, ≥ 1.
@@ -53,10 +53,10 @@ type Config[T any] struct {
 	// in a shared pool, in order, and any free lane takes the next ready
 	// key (see pool). A key's items still run in order and one at a time,
 	// but a slow key holds back no other, and keys spread over the lanes by
-	// load, not by hash. Default: the hash placement of LaneOf.
+	// load, not by hash. Default: the hash placement of [LaneOf].
 	Balanced bool
 	// Gauge, when set, is kept up to date with each lane's load and count
-	// of items finished, and the keys held (Balanced). Made by NewGauge
+	// of items finished, and the keys held (Balanced). Made by [NewGauge]
 	// for Lanes lanes.
 	Gauge *Gauge
 
@@ -66,7 +66,7 @@ type Config[T any] struct {
 	Drop func(item T)
 }
 
-// LaneOf returns the lane a key goes to among n lanes, as Run routes it.
+// LaneOf returns the lane a key goes to among n lanes, as [Run] routes it.
 // Empty keys rotate and have no fixed lane: LaneOf returns -1 for them.
 func LaneOf(key string, n int) int {
 	if key == "" {
@@ -76,7 +76,7 @@ func LaneOf(key string, n int) int {
 }
 
 // Run spreads the items of in over the lanes until in is closed and every
-// lane is done. It panics on an invalid Config, which callers validate
+// lane is done. It panics on an invalid [Config], which callers validate
 // first.
 func Run[T any](in <-chan T, cfg Config[T]) {
 	if cfg.Lanes < 1 || (cfg.Handle == nil) == (cfg.HandleBatch == nil) || cfg.Drop == nil ||

@@ -9,11 +9,11 @@ import (
 
 // State is where a held delivery is.
 //
-// An entry moves Free → Buffered when the pump receives a delivery into it;
-// Buffered → Handling when a consumer gives it to a handler (Begin);
-// Buffered or Handling → Settling when its settlement is handed to Settle;
+// An entry moves [Free] → [Buffered] when the pump receives a delivery into it;
+// Buffered → [Handling] when a consumer gives it to a handler (Begin);
+// Buffered or Handling → [Settling] when its settlement is handed to Settle;
 // Settling → Free once the pump has applied it. The pump moves a Buffered
-// entry to Dropped when the delivery can no longer be settled (its link was
+// entry to [Dropped] when the delivery can no longer be settled (its link was
 // lost): it stops counting it as held at once, and the consumer that later
 // finds it hands it to Settle, which only frees the entry.
 type State int32
@@ -42,7 +42,7 @@ func (s State) String() string {
 }
 
 // Delivery is an entry of the pump's book: the place of one delivery held
-// in the process. Entries are reused once settled; consumers hold a Ticket,
+// in the process. Entries are reused once settled; consumers hold a [Ticket],
 // which names the entry and the delivery it held when the ticket was made.
 type Delivery struct {
 	msg atomic.Pointer[amqp.Message]
@@ -122,7 +122,7 @@ type Ticket struct {
 // to Settle: the entry holds another message after that.
 func (t Ticket) Message() *amqp.Message { return t.d.msg.Load() }
 
-// State returns where the delivery is, or Free once it was settled.
+// State returns where the delivery is, or [Free] once it was settled.
 func (t Ticket) State() State {
 	gen, s := unpack(t.d.word.Load())
 	if gen != t.gen {
@@ -132,7 +132,7 @@ func (t Ticket) State() State {
 }
 
 // Sending reports whether the delivery's settlement is being sent now: it
-// is Settling, and a settler has begun to send it (Settlers). A Settling
+// is [Settling], and a settler has begun to send it (Settlers). A Settling
 // delivery that is not Sending waits for its turn (behind the earlier
 // settlements of its group), its broker lock still to be kept.
 func (t Ticket) Sending() bool { return t.State() == Settling && t.d.sending.Load() }
@@ -151,12 +151,14 @@ func (t Ticket) Stale() bool {
 
 // OnSettled asks the pump to call f once it has applied the delivery's
 // settlement: with the outcome's kind, and nil when the broker took it,
-// ErrNotSent when it was not sent, or the broker's or link's error. f runs
+// [ErrNotSent] when it was not sent, or the broker's or link's error. f runs
 // on the pump's goroutine and must return at once. A later call replaces
-// an earlier one's f. It reports false, and f is never called, when the
-// delivery is already settling or settled. f is not called for a delivery
-// that is dropped unsettled (its link lost before a handler took it), nor
-// for one whose settlement comes after Run returned.
+// an earlier one's f.
+//
+// It reports false, and f is never called, when the delivery is already
+// settling or settled. f is not called for a delivery that is dropped
+// unsettled (its link lost before a handler took it), nor for one whose
+// settlement comes after Run returned.
 func (t Ticket) OnSettled(f func(k Kind, err error)) bool {
 	if s := t.State(); s != Buffered && s != Handling {
 		return false
@@ -189,7 +191,7 @@ func later(a, b uint32) bool { return a != b && a-b < 1<<31 }
 
 // Begin marks the delivery as given to a handler and reports true, or
 // reports false when it must not be handled: it is stale, or was dropped.
-// Either way the caller passes the ticket to Settle once (with Drop when
+// Either way the caller passes the ticket to Settle once (with [Drop] when
 // Begin reported false).
 func (t Ticket) Begin() bool {
 	if t.Stale() {
@@ -271,13 +273,16 @@ func (p *Pump) dropStale() {
 }
 
 // LoseLock tells the pump that the broker's lock of t's delivery is lost
-// (Service Bus): a delivery no handler has taken yet is dropped (it stops
-// counting as held at once, and the consumer that finds it passes it to
-// Settle, which only frees it); a delivery in a handler is marked, so that
-// its settlement is not sent and counted as skipped. It may be called from
-// any goroutine; a delivery already settling or settled is left alone. It
-// reports whether it acted: false when the ticket's delivery was settling
-// or settled, or its entry already holds another.
+// (Service Bus). It may be called from any goroutine.
+//
+// A delivery no handler has taken yet is dropped (it stops counting as
+// held at once, and the consumer that finds it passes it to Settle, which
+// only frees it); a delivery in a handler is marked, so that its
+// settlement is not sent and counted as skipped. A delivery already
+// settling or settled is left alone.
+//
+// It reports whether it acted: false when the ticket's delivery was
+// settling or settled, or its entry already holds another.
 func (p *Pump) LoseLock(t Ticket) bool {
 	for {
 		w := t.d.word.Load()

@@ -9,11 +9,11 @@
 //
 // Every delivery the process holds, from the moment the pump receives it to
 // the moment its settlement is applied, has an entry in the pump's book:
-// Each walks it, Stats counts it. The book is the one place that knows what
+// Each walks it, [Stats] counts it. The book is the one place that knows what
 // the process holds, whether it waits in Out, in a lane, or runs in a
 // handler.
 //
-// Run takes an AttachFunc, not a receiver, so that after a lost link it can
+// Run takes an [AttachFunc], not a receiver, so that after a lost link it can
 // attach a new one and go on with the same Out channel and book; deliveries of
 // the lost link are then stale and dropped unhandled, since the broker
 // redelivers them.

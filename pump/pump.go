@@ -34,18 +34,18 @@ type Source interface {
 // = -1). Cancelling ctx means the pump is stopping.
 type AttachFunc func(ctx context.Context, lost error) (Source, error)
 
-// Config configures a Pump.
+// Config configures a [Pump].
 type Config struct {
 	// Credit is the most deliveries the process holds at once. Required, ≥ 1.
 	Credit int
 	// Mode is the credit mode at start (see package credit). A broker seen
-	// sending past its credit switches the pump to credit.Windowed.
+	// sending past its credit switches the pump to [credit.Windowed].
 	Mode credit.Mode
 	// Logger receives the pump's logs. nil means no logs. Two lines are
 	// above debug, once per link at most: "link lost" and the overshoot
 	// (warn); what happens once per delivery is logged at debug.
 	Logger *zap.Logger
-	// OnEvent, when set, is called on the pump's goroutine for each Event.
+	// OnEvent, when set, is called on the pump's goroutine for each [Event].
 	// It must return at once (hand the event on, never block): the pump
 	// applies no settlement while it runs.
 	OnEvent func(Event)
@@ -54,6 +54,7 @@ type Config struct {
 	// Bus has it): go-amqp then waits a round trip per settlement, which on
 	// the pump's goroutine would cap the rate at one per round trip. A
 	// delivery stays held until its answer came or SettleTimeout passed.
+	//
 	// Each settler sends its settlements one after another, in the order
 	// it was given them: those of one key (SettleInOrder) all go to the
 	// same one, the others in turn to each. 0 settles on the pump's
@@ -61,15 +62,17 @@ type Config struct {
 	// RabbitMQ).
 	Settlers int
 	// KeepAcrossLinks says that the broker's hold on a delivery outlives
-	// the link it came on, and that its Source can still settle it once
+	// the link it came on, and that its [Source] can still settle it once
 	// that link is gone: Service Bus keeps a message's lock until it
 	// expires, and takes its settlement by lock token on the entity's
-	// $management node (the source falls back to that). A lost link then
-	// leaves its deliveries held: those buffered still go to handlers,
-	// their leases stay in the book, and every settlement is sent through
-	// the source the delivery came from. Requires Settlers > 0. false (the
-	// default) drops what a lost link held, and skips the settlements of
-	// its deliveries (Stats.Stale): the broker redelivers them.
+	// $management node (the source falls back to that). Requires
+	// Settlers > 0.
+	//
+	// A lost link then leaves its deliveries held: those buffered still go
+	// to handlers, their leases stay in the book, and every settlement is
+	// sent through the source the delivery came from. false (the default)
+	// drops what a lost link held, and skips the settlements of its
+	// deliveries ([Stats.Stale]): the broker redelivers them.
 	KeepAcrossLinks bool
 	// SettleTimeout bounds each settlement sent by a settler; 0 means 30 s.
 	SettleTimeout time.Duration
@@ -77,7 +80,7 @@ type Config struct {
 	// book (Service Bus renews the lock of each). nil costs nothing.
 	Leases Leases
 	// MaxHeldBytes, when > 0, bounds the bytes of the deliveries held
-	// (their Size) besides their number: see credit's byte budget.
+	// (their [Size]) besides their number: see credit's byte budget.
 	MaxHeldBytes int64
 	// Meter, when set, hears of every delivery received and every
 	// settlement applied. nil costs a nil check per call.
@@ -91,7 +94,7 @@ type Meter interface {
 	// Received is called for each delivery received.
 	Received()
 	// Settled is called for each settlement applied: err is nil when the
-	// broker took it, ErrNotSent when it was not sent (the delivery's link
+	// broker took it, [ErrNotSent] when it was not sent (the delivery's link
 	// or lock was lost), else what the broker or link answered.
 	Settled(k Kind, err error)
 	// Dropped is called for deliveries freed without a settlement, before
@@ -108,7 +111,7 @@ type Leases interface {
 	Remove(d *Delivery)
 }
 
-// Pump is the receiving end of one subscription. Create it with New, start it
+// Pump is the receiving end of one subscription. Create it with [New], start it
 // with Run.
 type Pump struct {
 	cfg    Config
@@ -147,8 +150,8 @@ type Pump struct {
 	stats counters
 }
 
-// New returns a Pump. It panics on an invalid Config, which callers validate
-// first.
+// New returns a [Pump]. It panics on an invalid [Config], which callers
+// validate first.
 func New(cfg Config) *Pump {
 	log := cfg.Logger
 	if log == nil {
@@ -206,11 +209,13 @@ func (p *Pump) Released() <-chan struct{} { return p.released }
 // still held are in handlers: every other one was released (by the pump,
 // or by the consumers that had taken it from Out and passed it to Settle)
 // and the release applied, or with Settlers handed to a settler or queued
-// for one. It is closed when a stop finds the pump without a link (while
-// it reattaches: nothing can be released then, what is held is stale) and
-// when Run returns, too. A consumer
-// that cuts its handlers short at a stop waits for it first, so that what
-// no handler had goes back before any handler is cancelled.
+// for one.
+//
+// It is closed when a stop finds the pump without a link (while it
+// reattaches: nothing can be released then, what is held is stale) and
+// when Run returns, too. A consumer that cuts its handlers short at a stop
+// waits for it first, so that what no handler had goes back before any
+// handler is cancelled.
 func (p *Pump) Quiet() <-chan struct{} { return p.quiet }
 
 func (p *Pump) markQuiet() { p.quietOnce.Do(func() { close(p.quiet) }) }
@@ -264,7 +269,7 @@ func (p *Pump) markReleased() { p.releasedOnce.Do(func() { close(p.released) }) 
 // FlushBy sets how long, once Run's ctx has ended, the settlers go on
 // sending the settlements they were given (Settlers > 0): until t. Run
 // waits for them until then, and reports each one not sent by then as not
-// sent (Stats.Unsent, ErrNotSent). Without it, or with t past, what the
+// sent ([Stats.Unsent], [ErrNotSent]). Without it, or with t past, what the
 // settlers still hold when ctx ends is not sent. Call it before cancelling
 // ctx; it may be called from any goroutine.
 func (p *Pump) FlushBy(t time.Time) { p.flushBy.Store(t.UnixNano()) }
@@ -280,7 +285,7 @@ var ErrStopped = errors.New("pump: stopped")
 var ErrSourceDone = errors.New("pump: source done")
 
 // Run receives from the sources attach gives until Stop has taken effect,
-// ctx ends, or attach fails. It returns ErrStopped after a graceful stop,
+// ctx ends, or attach fails. It returns [ErrStopped] after a graceful stop,
 // ctx.Err() when ctx ended first (deliveries still held then stay unsettled
 // on the link, and the broker redelivers them once the link closes), or the
 // error of attach. Out is closed when Run returns. Run may be called once.

@@ -19,7 +19,7 @@ const (
 	Accept Kind = iota
 	// Release returns the delivery to the queue, not counted as a failure.
 	Release
-	// Modify returns the delivery to the queue as modified (see Outcome).
+	// Modify returns the delivery to the queue as modified (see [Outcome]).
 	Modify
 	// Reject settles the delivery as rejected: dead-lettered by most brokers.
 	Reject
@@ -46,9 +46,9 @@ func (k Kind) String() string {
 // Outcome is a settlement.
 type Outcome struct {
 	Kind Kind
-	// Error is sent with Reject; nil sends none.
+	// Error is sent with [Reject]; nil sends none.
 	Error *amqp.Error
-	// DeliveryFailed and UndeliverableHere go with Modify.
+	// DeliveryFailed and UndeliverableHere go with [Modify].
 	DeliveryFailed    bool
 	UndeliverableHere bool
 }
@@ -71,24 +71,28 @@ type settlement struct {
 
 // Settle hands the pump a delivery's settlement and reports true; it
 // reports false, and does nothing, when the delivery was already settled: a
-// delivery settles once. It never blocks and does not wait for the broker:
-// the pump applies queued settlements in a burst whenever it wakes, also
-// while a delivery waits for room in Out. A dropped delivery (see State) is
-// only freed, whatever the outcome. Settlements that arrive after Run has
-// returned are not applied; the broker redelivers those deliveries once the
-// link is closed.
+// delivery settles once.
+//
+// It never blocks and does not wait for the broker: the pump applies
+// queued settlements in a burst whenever it wakes, also while a delivery
+// waits for room in Out. A dropped delivery (see [State]) is only freed,
+// whatever the outcome. Settlements that arrive after Run has returned are
+// not applied; the broker redelivers those deliveries once the link is
+// closed.
 func (p *Pump) Settle(t Ticket, o Outcome) bool {
 	return p.settleAs(t, settlement{d: t.d, o: o})
 }
 
 // SettleInOrder is Settle for a settlement that must reach the broker
 // after every earlier one of the same key, which the caller gives in the
-// order it decided them: with Settlers, the settlements of one key go out
-// one after another, each once the broker answered the one before, while
-// those of other keys go out beside them. A key is a group's (its
-// group-id's hash, say), so that a group's later settlement never reaches
-// the broker before an earlier one. Without Settlers every settlement is
-// sent in order on the pump's goroutine, and SettleInOrder is Settle.
+// order it decided them. A key is a group's (its group-id's hash, say), so
+// that a group's later settlement never reaches the broker before an
+// earlier one.
+//
+// With Settlers, the settlements of one key go out one after another, each
+// once the broker answered the one before, while those of other keys go
+// out beside them. Without Settlers every settlement is sent in order on
+// the pump's goroutine, and SettleInOrder is Settle.
 func (p *Pump) SettleInOrder(t Ticket, o Outcome, key uint64) bool {
 	return p.settleAs(t, settlement{d: t.d, o: o, key: key, ordered: true})
 }
@@ -256,10 +260,10 @@ func (p *Pump) unsent(d *Delivery, kind Kind) {
 	p.notSent(d, kind)
 }
 
-// ErrNotSent is what Meter.Settled and a Ticket's OnSettled function hear
+// ErrNotSent is what [Meter.Settled] and a [Ticket]'s OnSettled function hear
 // of a settlement that was not sent: the delivery's link was lost, or its
 // lock (Service Bus), while a handler had it, or Run ended before it could
-// be sent (Stats.Unsent). The broker delivers it again.
+// be sent ([Stats.Unsent]). The broker delivers it again.
 var ErrNotSent = errors.New("pump: settlement not sent: the delivery's link or lock was lost; the broker delivers it again")
 
 // notSent reports a settlement that was skipped.

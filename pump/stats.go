@@ -28,7 +28,7 @@ type counters struct {
 	windowed        atomic.Bool
 }
 
-// Stats are a pump's counters. Counts are totals since New.
+// Stats are a pump's counters. Counts are totals since [New].
 type Stats struct {
 	Received uint64 // deliveries received
 	Granted  uint64 // credit granted to the broker
@@ -58,7 +58,7 @@ type Stats struct {
 	MaxHeld                                                           int    // the most deliveries held at once
 	Overshoot                                                         int64  // deliveries the broker sent past the credit
 	Windowed                                                          bool   // credit is granted in windows (after an overshoot)
-	// BytesHeld is the Size of the deliveries held now, MaxBytesHeld the
+	// BytesHeld is the [Size] of the deliveries held now, MaxBytesHeld the
 	// most at once.
 	BytesHeld, MaxBytesHeld int64
 	// A census of the book, taken entry by entry while the pump goes on:
@@ -109,7 +109,7 @@ func (p *Pump) Stats() Stats {
 	return s
 }
 
-// EventKind says what an Event reports.
+// EventKind says what an [Event] reports.
 type EventKind uint8
 
 const (
@@ -124,7 +124,7 @@ const (
 )
 
 // Event is something that happened on the pump's goroutine that the user
-// may want to hear of (Config.OnEvent).
+// may want to hear of ([Config.OnEvent]).
 type Event struct {
 	Kind    EventKind
 	Err     error

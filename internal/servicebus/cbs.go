@@ -21,7 +21,7 @@ type Token struct {
 }
 
 // TokenFunc gives the token for an audience (amqpsub.TokenProvider's
-// Token). It is called concurrently, and may ignore ctx: see tokenWithin.
+// [Token]). It is called concurrently, and may ignore ctx: see tokenWithin.
 type TokenFunc func(ctx context.Context, audience string) (Token, error)
 
 // How tokens are refreshed (see amqpsub.TokenProvider).
@@ -92,7 +92,7 @@ type Refresher struct {
 }
 
 // NewRefresher puts a token for each audience on conn's $cbs node, within
-// ctx, and starts the Refresher; abort drops the connection. On an error
+// ctx, and starts the [Refresher]; abort drops the connection. On an error
 // the caller aborts conn.
 func NewRefresher(ctx context.Context, conn *amqp.Conn, tp TokenFunc, audiences []string, abort func(), log *zap.Logger) (*Refresher, error) {
 	sess, err := conn.NewSession(ctx, nil)
@@ -194,7 +194,7 @@ func minTime(a, b time.Time) time.Time {
 	return a
 }
 
-// stop ends the Refresher and waits for it. That is quick: a refresh in
+// Stop ends the Refresher and waits for it. That is quick: a refresh in
 // progress is cancelled, and a TokenProvider that does not return is left
 // behind (tokenWithin). The $cbs session ends with the connection, which
 // the caller closes next.

@@ -14,7 +14,7 @@
 // consumer that holds a credit's worth of deliveries — waiting in the
 // pump's channel, in a lane, or in a handler — loses the locks of those
 // that wait longest, and the service delivers them again to someone else.
-// The Book knows every delivery the pump holds (the pump feeds it through
+// The [Book] knows every delivery the pump holds (the pump feeds it through
 // pump.Leases) with its lock token and expiry, and Run renews the locks:
 // for as long as a delivery waits for its handler, and up to MaxRenewal
 // after its handler began (Bind).
@@ -53,15 +53,15 @@
 // (azservicebus, Azure.Messaging.ServiceBus), so no source says how the
 // service answers a batch that holds one lost lock among live ones. The
 // book is safe whichever way it does: a batch refused whole (410, 400:
-// ErrLockLost, ErrBadRequest) or answered with fewer expirations than
-// tokens (ErrIncomplete) is asked again without the locks settled
+// [ErrLockLost], [ErrBadRequest]) or answered with fewer expirations than
+// tokens ([ErrIncomplete]) is asked again without the locks settled
 // meanwhile, then token by token, and only a token refused on its own
 // (410) is a lost lock. With one lost lock in a batch of 256 that costs
-// 257 requests and 512 tokens for the round (BookStats.Split counts such
+// 257 requests and 512 tokens for the round ([BookStats.Split] counts such
 // batches).
 //
 // A server-busy answer (ErrServerBusy: the service is throttling) holds
-// every renewal back for ServerBusyWait, 10 s, as Microsoft's .NET client
+// every renewal back for [ServerBusyWait], 10 s, as Microsoft's .NET client
 // waits; other failures (no answer, a timeout, status 500) are tried
 // again within a second, until the lock expires. azservicebus retries a
 // renewal 3 times (its RetryOptions default); the book goes on trying for

@@ -35,12 +35,12 @@ func IsCond(err error, cond amqp.ErrCond) bool {
 
 // Busy reports whether err says that the service is throttling: the
 // condition com.microsoft:server-busy, or a $management answer that wraps
-// ErrServerBusy.
+// [ErrServerBusy].
 func Busy(err error) bool { return IsCond(err, CondServerBusy) || errors.Is(err, ErrServerBusy) }
 
 // RetryWait is the wait before attempt k (from 0) after err: the jittered
-// backoff between floor and ceiling, and at least ServerBusyWait when the
-// service said it is throttling (Busy).
+// backoff between floor and ceiling, and at least [ServerBusyWait] when the
+// service said it is throttling ([Busy]).
 func RetryWait(err error, k int, floor, ceiling time.Duration) time.Duration {
 	wait := backoff.Jittered(k, floor, ceiling)
 	if Busy(err) {

@@ -17,36 +17,36 @@ import (
 
 // Renewer renews message locks (com.microsoft:renew-lock on the entity's
 // $management node). expiries[i] is the new expiry of tokens[i]. An error
-// that wraps ErrLockLost says that (at least one of) the locks is lost; one
-// that wraps ErrBadRequest that the service refused the request (status
-// 400); one that wraps ErrIncomplete that it answered with fewer (or more)
-// expirations than tokens; one that wraps ErrServerBusy that it is
+// that wraps [ErrLockLost] says that (at least one of) the locks is lost; one
+// that wraps [ErrBadRequest] that the service refused the request (status
+// 400); one that wraps [ErrIncomplete] that it answered with fewer (or more)
+// expirations than tokens; one that wraps [ErrServerBusy] that it is
 // throttling. A request whose ctx ends returns ctx's error.
 type Renewer interface {
 	RenewLocks(ctx context.Context, tokens []amqp.UUID) (expiries []time.Time, err error)
 }
 
-// ErrLockLost is wrapped by the errors of a Renewer when the service says a
+// ErrLockLost is wrapped by the errors of a [Renewer] when the service says a
 // lock is lost (status 410), and is the cause of a handler's context
 // cancelled for that reason.
 var ErrLockLost = errors.New("amqpsub: the message lock was lost")
 
-// ErrBadRequest is wrapped by the errors of a Renewer when the service
+// ErrBadRequest is wrapped by the errors of a [Renewer] when the service
 // refuses a request as a whole (status 400). For a request of several
 // tokens the book then asks for each on its own; for one token it is a
 // failed renewal, tried again until the lock expires.
 var ErrBadRequest = errors.New("amqpsub: the service refused the request")
 
-// ErrIncomplete is wrapped by the errors of a Renewer when the service
+// ErrIncomplete is wrapped by the errors of a [Renewer] when the service
 // answered a request with a number of expirations other than its tokens',
 // so which locks it renewed is unknown. For a request of several tokens
 // the book then asks for each on its own; for one token it is a failed
 // renewal, tried again until the lock expires.
 var ErrIncomplete = errors.New("amqpsub: the answer's expirations do not match the request's tokens")
 
-// ErrServerBusy is wrapped by the errors of a Renewer when the service is
+// ErrServerBusy is wrapped by the errors of a [Renewer] when the service is
 // throttling (com.microsoft:server-busy, status 503): the book then sends
-// no renewal for ServerBusyWait.
+// no renewal for [ServerBusyWait].
 var ErrServerBusy = errors.New("amqpsub: the service is busy (throttling)")
 
 // ServerBusyWait is how long the book sends no renewal after a
@@ -55,7 +55,7 @@ var ErrServerBusy = errors.New("amqpsub: the service is busy (throttling)")
 // expires meanwhile is lost.
 const ServerBusyWait = 10 * time.Second
 
-// BookConfig configures a Book.
+// BookConfig configures a [Book].
 type BookConfig struct {
 	// Renewer renews locks. nil renews none: the book then only binds
 	// handlers' contexts to their deliveries (LoseAll), as for the messages
@@ -78,7 +78,7 @@ type BookConfig struct {
 	// for its answer, locks falling due go out in others. 0 means 4.
 	MaxInFlight int
 	// OnLost is told, once, of each delivery whose lock was lost, and why
-	// (an error wrapping ErrLockLost), before a handler's context bound to
+	// (an error wrapping [ErrLockLost]), before a handler's context bound to
 	// it is cancelled. It runs on Run's goroutine (or LoseAll's caller's)
 	// and must not block. Required.
 	// m is the delivery's message, as it was when the delivery entered the
@@ -92,7 +92,7 @@ type BookConfig struct {
 	OnRenewed func(n int)
 }
 
-// BookStats are a Book's counters.
+// BookStats are a [Book]'s counters.
 type BookStats struct {
 	Held          int    // deliveries in the book now, renewable or not
 	Requests      uint64 // renewal requests sent
@@ -106,7 +106,7 @@ type BookStats struct {
 	ServerBusy    uint64 // requests answered server-busy
 }
 
-// Book is the lease book. Create it with NewBook; run Run.
+// Book is the lease book. Create it with [NewBook]; run Run.
 type Book struct {
 	cfg     BookConfig
 	log     *zap.Logger
@@ -131,8 +131,8 @@ type entry struct {
 	renewing bool // in a request now
 }
 
-// NewBook returns a Book. It panics on a BookConfig without OnLost, which callers
-// validate first.
+// NewBook returns a [Book]. It panics on a [BookConfig] without OnLost, which
+// callers validate first.
 func NewBook(cfg BookConfig) *Book {
 	if cfg.OnLost == nil {
 		panic("servicebus: BookConfig needs OnLost")
@@ -201,9 +201,9 @@ func (b *Book) requestTimeout(now, until time.Time) time.Duration {
 	return max(time.Millisecond, min(b.cfg.Timeout, until.Sub(now)/3))
 }
 
-// Add enters the delivery t in the book (pump.Leases). A delivery without
+// Add enters the delivery t in the book ([pump.Leases]). A delivery without
 // a usable lock token or expiry is kept (so Bind and Remove work) but never
-// renewed, counted (BookStats.Unrenewable) and logged, limited.
+// renewed, counted ([BookStats.Unrenewable]) and logged, limited.
 func (b *Book) Add(t pump.Ticket) {
 	now := time.Now()
 	m := t.Message()
@@ -226,7 +226,7 @@ func (b *Book) Add(t pump.Ticket) {
 	b.signal()
 }
 
-// Remove takes the delivery out of the book (pump.Leases): settled,
+// Remove takes the delivery out of the book ([pump.Leases]): settled,
 // dropped or released.
 func (b *Book) Remove(d *pump.Delivery) {
 	b.mu.Lock()
@@ -234,7 +234,7 @@ func (b *Book) Remove(d *pump.Delivery) {
 	b.mu.Unlock()
 }
 
-// Bind ties a handler's context to t: it is cancelled, with ErrLockLost as
+// Bind ties a handler's context to t: it is cancelled, with [ErrLockLost] as
 // its cause, if t's lock is lost. MaxRenewal counts from the first Bind of
 // t. It reports false if t is not in the book (any more).
 func (b *Book) Bind(t pump.Ticket, cancel context.CancelCauseFunc) bool {
@@ -269,7 +269,7 @@ func (b *Book) Stats() BookStats {
 
 // Run renews locks until ctx ends. It sends each request on a goroutine of
 // its own, at most MaxInFlight at once, and returns once every request has
-// returned: ctx's end cancels them (a Renewer must honour its ctx). A
+// returned: ctx's end cancels them (a [Renewer] must honour its ctx). A
 // renewal cut short by ctx is not a failure; a lock the service refused
 // meanwhile is still reported to OnLost, before Run returns.
 func (b *Book) Run(ctx context.Context) {
@@ -323,6 +323,7 @@ func (b *Book) Run(ctx context.Context) {
 // round picks the locks to renew now (every one due within a window of
 // the earliest, so that they share a request; at most room, those that
 // expire first), the ones past their expiry, and when to look next.
+//
 // Deliveries whose settlement is being sent (pump.Ticket.Sending) are left
 // alone: renewing one would only be refused as lost, and whether it is lost
 // is for the settlement's answer to say. One whose settlement waits for its
@@ -542,7 +543,7 @@ func (b *Book) done(e *entry) {
 
 // LoseAll reports every delivery in the book lost, and empties it: for the
 // deliveries of a Service Bus session whose session lock was lost. OnLost
-// is told why: an error wrapping ErrLockLost that says why.
+// is told why: an error wrapping [ErrLockLost] that says why.
 func (b *Book) LoseAll(why string) {
 	err := fmt.Errorf("%w: %s", ErrLockLost, why)
 	b.mu.Lock()

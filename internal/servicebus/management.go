@@ -13,8 +13,9 @@ import (
 )
 
 // Management is an entity's $management node on a link's session. Its rpc
-// attaches a new link pair when one dies; when that fails, abandonLink
-// gives up the receive link too (see renewer and sessionSource).
+// attaches a new link pair when one dies; when that fails, the receive
+// link is given up too: by AbandonLink, which amqpsub's lock renewer calls
+// (sblink.go), or, for a session, by Session.renew.
 type Management struct {
 	*rpc
 	linkName string // the receive link, named in each request
@@ -26,9 +27,9 @@ type Management struct {
 // is lost (or unknown).
 const lockLostStatus = 410
 
-// RenewLocks renews message locks (Renewer). Its errors are
-// request's; a 200 whose expirations are not one per token wraps
-// ErrIncomplete. The lease book decides what each means for the
+// RenewLocks renews message locks ([Renewer]). Its errors are
+// Request's; a 200 whose expirations are not one per token wraps
+// [ErrIncomplete]. The lease book decides what each means for the
 // locks.
 func (m *Management) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
 	const op = "com.microsoft:renew-lock"
@@ -57,13 +58,16 @@ func errorCondition(m *amqp.Message) amqp.ErrCond {
 }
 
 // Request sends operation with body and returns the answer, or an error:
-// a *statusError for an answer that is not a success (wrapping
-// ErrLockLost for status 410, ErrBadRequest for 400, and
-// ErrServerBusy for 503 or an errorCondition of
-// com.microsoft:server-busy, which the .NET client maps both to
-// ServiceBusy), one wrapping errNodeGone when the $management link pair is
-// gone for good, or the link's error. ctx bounds it; when ctx ends first,
-// the operation is in doubt.
+//
+//   - a *statusError for an answer that is not a success, wrapping
+//     [ErrLockLost] for status 410, [ErrBadRequest] for 400, and
+//     [ErrServerBusy] for 503 or an errorCondition of
+//     com.microsoft:server-busy (the .NET client maps both to ServiceBusy);
+//   - one wrapping [ErrNodeGone] when the $management link pair is gone for
+//     good;
+//   - or the link's error.
+//
+// ctx bounds it; when ctx ends first, the operation is in doubt.
 func (m *Management) Request(ctx context.Context, operation string, body map[string]any) (*amqp.Message, error) {
 	props := map[string]any{"operation": operation, "associated-link-name": m.linkName}
 	if dl, ok := ctx.Deadline(); ok {

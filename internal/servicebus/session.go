@@ -46,7 +46,7 @@ func IsNoSession(err error) bool {
 }
 
 // Session is the source of a session link: its receiver, which it ends
-// with pump.ErrSourceDone when the session has been idle (no message,
+// with [pump.ErrSourceDone] when the session has been idle (no message,
 // nothing held) for the idle timeout, and the renewal of the session's
 // lock, which a goroutine keeps up while the link lives.
 type Session struct {
@@ -121,11 +121,11 @@ func ticksTime(v any) (time.Time, bool) {
 }
 
 // Receive returns the session's next message, or an error wrapping
-// pump.ErrSourceDone once the session has been idle for SessionIdleTimeout
+// [pump.ErrSourceDone] once the session has been idle for SessionIdleTimeout
 // with nothing of it held. When the link is lost, the session's lock went
 // with it (a session is locked to its link): every delivery of the session
 // is given up at once, before Receive returns the link's error, and the
-// context of each handler still running is cancelled with ErrLockLost.
+// context of each handler still running is cancelled with [ErrLockLost].
 func (src *Session) Receive(ctx context.Context, opts *amqp.ReceiveOptions) (*amqp.Message, error) {
 	for {
 		rctx, cancel := context.WithTimeout(ctx, src.idle)
@@ -208,12 +208,14 @@ const (
 
 // keepSessionLock renews a session lock that expires at until, with renew
 // (which returns the new expiry), until ctx ends (it returns nil) or the
-// lock is lost (it returns why). A renewal goes out at the rule of message
-// locks: once remaining − min(remaining/2, 10 s) of the remaining time has
-// passed. A failed request is reported to retrying and tried again after
-// half the time left (between 250 ms and 2 s), for as long as the lock
-// lasts: the lock is lost when it expired, or at once when the service says
-// it is (status 410) or the $management link is gone for good.
+// lock is lost (it returns why).
+//
+// A renewal goes out at the rule of message locks: once remaining −
+// min(remaining/2, 10 s) of the remaining time has passed. A failed request
+// is reported to retrying and tried again after half the time left
+// (between 250 ms and 2 s), for as long as the lock lasts: the lock is lost
+// when it expired, or at once when the service says it is (status 410) or
+// the $management link is gone for good.
 func keepSessionLock(ctx context.Context, until time.Time, renew func(context.Context) (time.Time, error),
 	retrying func(err error, until time.Time)) error {
 	timer := time.NewTimer(time.Hour)

@@ -34,30 +34,38 @@ import (
 // Receiver is the receive link of a Service Bus queue or subscription
 // without sessions, as the pump sees it: a settlement goes out on the link
 // while it is up and, once the link is gone, as update-disposition through
-// Dispositions.
+// [Dispositions].
 type Receiver struct {
 	*amqp.Receiver
 	fb *Dispositions
 }
 
-// NewReceiver returns rcv as a pump.Source that settles through fb once
+// NewReceiver returns rcv as a [pump.Source] that settles through fb once
 // the link is gone.
 func NewReceiver(rcv *amqp.Receiver, fb *Dispositions) Receiver {
 	return Receiver{Receiver: rcv, fb: fb}
 }
 
+// AcceptMessage settles msg on the link, or by lock token once the link is gone
+// (see settle).
 func (r Receiver) AcceptMessage(ctx context.Context, msg *amqp.Message) error {
 	return r.settle(ctx, msg, pump.Outcome{Kind: pump.Accept}, func() error { return r.Receiver.AcceptMessage(ctx, msg) })
 }
 
+// ReleaseMessage settles msg on the link, or by lock token once the link is gone
+// (see settle).
 func (r Receiver) ReleaseMessage(ctx context.Context, msg *amqp.Message) error {
 	return r.settle(ctx, msg, pump.Outcome{Kind: pump.Release}, func() error { return r.Receiver.ReleaseMessage(ctx, msg) })
 }
 
+// RejectMessage settles msg on the link, or by lock token once the link is gone
+// (see settle).
 func (r Receiver) RejectMessage(ctx context.Context, msg *amqp.Message, e *amqp.Error) error {
 	return r.settle(ctx, msg, pump.Outcome{Kind: pump.Reject, Error: e}, func() error { return r.Receiver.RejectMessage(ctx, msg, e) })
 }
 
+// ModifyMessage settles msg on the link, or by lock token once the link is gone
+// (see settle).
 func (r Receiver) ModifyMessage(ctx context.Context, msg *amqp.Message, o *amqp.ModifyMessageOptions) error {
 	out := pump.Outcome{Kind: pump.Modify}
 	if o != nil {
@@ -129,7 +137,7 @@ const (
 // link (nodes): all that are queued when it looks go in as few requests
 // as their outcomes allow (one per outcome and reason, at most
 // dispositionBatch tokens each). Run is its goroutine; settle is called by
-// the pump's settlers (through Receiver).
+// the pump's settlers (through [Receiver]).
 type Dispositions struct {
 	nodes func(ctx context.Context) (*Management, error)
 	log   *zap.Logger
@@ -150,7 +158,7 @@ type disposition struct {
 	done  chan error // buffered: the sender never waits for the caller
 }
 
-// NewDispositions returns the Dispositions of one receive path; nodes
+// NewDispositions returns the [Dispositions] of one receive path; nodes
 // gives the $management node of its current link, waiting within ctx for a
 // link while none is attached.
 func NewDispositions(nodes func(ctx context.Context) (*Management, error), log *zap.Logger) *Dispositions {

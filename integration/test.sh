@@ -106,7 +106,7 @@ rabbitmq_url=${AMQPSUB_RABBITMQ_URL:-$(bash "$RABBITMQ_CTL" url)}
 
 section "integration tests"
 # ./amqpsub again, with the brokers and the peer up: its Service Bus tests
-# against the peer (sb_mgmt_test.go, sb_endpoint_test.go) skip without them.
+# against the peer (servicebus_test.go) skip without them.
 integ_rc=0
 AMQPSUB_ARTEMIS_URL=$artemis_url \
 AMQPSUB_RABBITMQ_URL=$rabbitmq_url \

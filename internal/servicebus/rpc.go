@@ -254,13 +254,6 @@ func (r *rpc) lastErr() error {
 	return r.err
 }
 
-// receiver returns the current pair's receiver (nil while there is none).
-func (r *rpc) receiver() *amqp.Receiver {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.rcv
-}
-
 // status reads a Service Bus answer's status code and description; $cbs
 // names them status-code/status-description, $management
 // statusCode/statusDescription.

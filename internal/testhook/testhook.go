@@ -20,7 +20,7 @@ type Attach func(ctx context.Context) (pump.Source, error)
 // Azure Service Bus: a Subscriber on the connector then takes the
 // AzureServiceBus profile, as one on amqpsub.ServiceBus's connector does,
 // and refuses sessions, which no source plays. Under a peek-lock profile, a
-// source that also implements lease.Renewer renews the locks of its
+// source that also implements servicebus.Renewer renews the locks of its
 // deliveries, in place of the $management node beside a broker's link.
 // Set by package amqpsub.
 var Connector func(name string, next Attach, serviceBus bool) any

@@ -8,6 +8,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/Azure/go-amqp"
+	"github.com/amqpsub/amqpsub/internal/amqpint"
 )
 
 // Typed views of the bodies that JMS clients over AMQP 1.0 (Qpid JMS, and
@@ -80,30 +81,8 @@ func jmsMessageType(m *amqp.Message) (JMSType, bool) {
 	if !ok {
 		return 0, false
 	}
-	var n int64
-	switch v := v.(type) {
-	case int8:
-		return JMSType(v), true
-	case uint8:
-		n = int64(v)
-	case int16:
-		n = int64(v)
-	case uint16:
-		n = int64(v)
-	case int32:
-		n = int64(v)
-	case uint32:
-		n = int64(v)
-	case int64:
-		n = v
-	case uint64:
-		if v > 127 {
-			return 0, false
-		}
-		n = int64(v)
-	case int:
-		n = int64(v)
-	default:
+	n, ok := amqpint.Int(v)
+	if !ok {
 		return 0, false
 	}
 	if n < -128 || n > 127 {

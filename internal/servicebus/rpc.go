@@ -6,10 +6,12 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"time"
 
 	"github.com/Azure/go-amqp"
+	"github.com/amqpsub/amqpsub/internal/amqpint"
 )
 
 // rpc is a request/response link pair on a Service Bus node ($cbs or an
@@ -260,15 +262,8 @@ func (r *rpc) lastErr() error {
 func status(m *amqp.Message) (int, string) {
 	code := -1
 	for _, k := range []string{"statusCode", "status-code"} {
-		switch v := m.ApplicationProperties[k].(type) {
-		case int32:
-			code = int(v)
-		case int64:
-			code = int(v)
-		case int:
-			code = v
-		case uint32:
-			code = int(v)
+		if n, ok := amqpint.Int(m.ApplicationProperties[k]); ok && n >= 0 && n <= math.MaxInt32 {
+			code = int(n)
 		}
 		if code >= 0 {
 			break

@@ -4,13 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math"
 	"math/rand/v2"
 	"time"
 
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
 
+	"github.com/amqpsub/amqpsub/internal/amqpint"
 	"github.com/amqpsub/amqpsub/internal/backoff"
 	"github.com/amqpsub/amqpsub/internal/loglimit"
 	"github.com/amqpsub/amqpsub/pump"
@@ -104,16 +104,8 @@ func (src *Session) Slot() int { return src.slot }
 // ticksTime converts .NET ticks (100 ns since 0001-01-01 UTC), as Service
 // Bus sends com.microsoft:locked-until-utc, to a time.
 func ticksTime(v any) (time.Time, bool) {
-	var ticks int64
-	switch v := v.(type) {
-	case int64:
-		ticks = v
-	case uint64:
-		if v > math.MaxInt64 {
-			return time.Time{}, false
-		}
-		ticks = int64(v)
-	default:
+	ticks, ok := amqpint.Int(v)
+	if !ok {
 		return time.Time{}, false
 	}
 	const unixEpochTicks = 621355968000000000

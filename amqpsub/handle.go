@@ -7,7 +7,6 @@ import (
 	"runtime/debug"
 	"time"
 
-	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
@@ -15,10 +14,6 @@ import (
 	"github.com/amqpsub/amqpsub/lanes"
 	"github.com/amqpsub/amqpsub/pump"
 )
-
-// RejectCondition is the AMQP error condition sent with a [Reject] outcome;
-// its description is the reason given to Reject.
-const RejectCondition amqp.ErrCond = "amqpsub:rejected"
 
 // laneConfig wires the lanes to the pump and the handler. ctx is the
 // handlers' context, cancelled when Run gives up on them.

@@ -140,3 +140,7 @@ const (
 	// ResultRetry is Retry(err), any other error, or a panic.
 	ResultRetry
 )
+
+// RejectCondition is the AMQP error condition sent with a [Reject] outcome;
+// its description is the reason given to Reject.
+const RejectCondition amqp.ErrCond = "amqpsub:rejected"

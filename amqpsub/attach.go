@@ -20,7 +20,7 @@ type link struct {
 	dlq  deadLetterSender // DeadLetterCopy's sender on sess
 	src  pump.Source      // what the pump receives from: rcv, or what the kind made of it
 	kind brokerKind       // the pipe's, which releases what it added
-	sb   *sbLink          // what Service Bus added (sblink.go); nil elsewhere
+	sb   *sbLink          // what Service Bus added (sbkind.go); nil elsewhere
 }
 
 // attach connects (or takes the given connection), opens a session and
@@ -28,14 +28,13 @@ type link struct {
 // DialFailover, within the DialTimeout of the address that answered, each
 // address tried having its own.
 //
-// A session consumer's slot attaches on the connection (and session) it
-// kept (attacher.spare) when it has one: after the service said that no
-// session became free in time (com.microsoft:timeout) or that the named
-// session is held elsewhere, the attach is asked again on the same
-// connection, with its claims and their refresher, as azservicebus asks for
-// the next session on the connection it has (amqpLinks.go closes the
-// refused link's AMQP session, never the connection). A new connection is
-// opened only when that one is lost.
+// It attaches on the connection (and session) the attacher kept
+// (attacher.spare) when it has one: the pipe's kind said that the broker
+// refused the last link for want of something to give it (refused), or the
+// last source ended by itself (pump.ErrSourceDone). A new connection is
+// opened only when that one is lost. On Service Bus this is how a session
+// consumer asks for the next session, as azservicebus does (see
+// sbKind.refused).
 func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 	l, by := p.att.spare, time.Now().Add(s.cfg.dialTimeout)
 	p.att.spare = nil

@@ -26,28 +26,36 @@ import (
 //
 // On Artemis, address is the fully qualified name (address::queue) of the
 // queue's dead-letter queue: "DLQ::DLQ.{queue}" with
-// auto-create-dead-letter-resources (as in integration/artemis/broker.xml), "DLQ::DLQ"
-// with the stock broker.xml. Create that queue before the first dead
-// letter (docs/brokers.md has the recipe), or the first rejection, made
-// before auto-creation, loses its reason. The copy carries what Artemis itself adds to a
-// dead letter (_AMQ_ORIG_ADDRESS, _AMQ_ORIG_QUEUE, and the annotations
+// auto-create-dead-letter-resources (as in integration/artemis/broker.xml),
+// "DLQ::DLQ" with the stock broker.xml. Create that queue before the first
+// dead letter (docs/brokers.md has the recipe): every rejection made before
+// it exists loses its reason. With auto-creation the broker makes it at its
+// own first dead letter, so rejections made at once in several lanes may
+// each lose theirs.
+//
+// The copy carries what Artemis itself adds to a dead letter
+// (_AMQ_ORIG_ADDRESS, _AMQ_ORIG_QUEUE, and the annotations
 // x-opt-ORIG-ADDRESS and x-opt-ORIG-QUEUE), which the auto-created queue's
-// filter and the broker's retry-from-DLQ operations need, loses its
-// time-to-live, and carries a duplicate-detection id (_AMQ_DUPL_ID) made of
-// the message-id and a hash of the body (and of an earlier copy's id, for a
+// filter and the broker's retry-from-DLQ operations need, and loses its
+// time-to-live.
+//
+// It carries a duplicate-detection id (_AMQ_DUPL_ID) made of the
+// message-id and a hash of the body (and of an earlier copy's id, for a
 // message retried from the dead-letter queue), so a copy sent twice (the
-// original redelivered after a crash between the two steps) is stored once,
-// while messages that merely share a message-id each keep theirs. But two
-// messages with the same message-id and the same body (a producer that
-// sent one message twice) make the same id: Artemis stores the second
+// original redelivered after a crash between the two steps) is stored
+// once, while messages that merely share a message-id each keep theirs.
+// But two messages with the same message-id and the same body (a producer
+// that sent one message twice) make the same id: Artemis stores the second
 // copy as a duplicate, that is not at all, and the original is accepted,
-// so the second is in neither queue ([Stats.DeadLetterCopies] counts it all
-// the same). Producers that may send a message twice should give each send
-// a message-id of its own. A message without a message-id gets no such id:
-// after such a crash its copy may be stored twice. The two steps are not one transaction: go-amqp has
-// no AMQP transactions. Not for the [RabbitMQ3] profile (RabbitMQ
-// dead-letters through the queue's dead-letter exchange), nor for Service
-// Bus, which keeps the reason itself. Default: off.
+// so the second is in neither queue ([Stats.DeadLetterCopies] counts it
+// all the same). Producers that may send a message twice should give each
+// send a message-id of its own. A message without a message-id gets no
+// such id: after such a crash its copy may be stored twice.
+//
+// The two steps are not one transaction: go-amqp has no AMQP
+// transactions. Not for the [RabbitMQ3] profile (RabbitMQ dead-letters
+// through the queue's dead-letter exchange), nor for Service Bus, which
+// keeps the reason itself. Default: off.
 func DeadLetterCopy(address string) Option {
 	return optionFunc(func(c *config) {
 		if address == "" {

@@ -1,13 +1,10 @@
 package amqpsub
 
 import (
-	"context"
-	"errors"
 	"fmt"
 
 	"github.com/Azure/go-amqp"
 
-	"github.com/amqpsub/amqpsub/internal/servicebus"
 	"github.com/amqpsub/amqpsub/pump"
 )
 
@@ -170,7 +167,7 @@ func (d *Delivery) ContentType() string {
 //     amqpsub's [Retry]); a release does not count.
 //   - RabbitMQ 3.10 always sends 0; see FirstAcquirer.
 //   - On Service Bus it is one less than the DeliveryCount the service and
-//     its clients report (azservicebus, message.go, and .NET's
+//     its clients report (azservicebus's message.go and .NET's
 //     ServiceBusReceivedMessage add 1 to the header's count): 0 here is
 //     DeliveryCount 1 there. An abandon (Retry) and an expired lock count.
 //     See [MaxDeliveryCount] for how the two line up.
@@ -232,53 +229,4 @@ func (d *Delivery) OnSettled(f func(o Outcome, err error)) bool {
 			f(o, err)
 		}
 	})
-}
-
-// SessionID returns the Service Bus session the delivery belongs to, when
-// it came through a session consumer ([Sessions], [SessionIDs]); "" otherwise.
-func (d *Delivery) SessionID() string {
-	if d.l == nil || d.l.sb == nil || d.l.sb.session == nil {
-		return ""
-	}
-	return d.l.sb.session.ID()
-}
-
-// SessionState returns the state stored with the delivery's session (nil
-// when none is set), from the service. It returns an error wrapping
-// [ErrNoSession] when the delivery did not come through a session consumer,
-// or its session is no longer held. ctx bounds the request.
-func (d *Delivery) SessionState(ctx context.Context) ([]byte, error) {
-	src, err := d.heldSession()
-	if err != nil {
-		return nil, err
-	}
-	state, err := src.State(ctx)
-	return state, sessionErr(err)
-}
-
-// SetSessionState stores state with the delivery's session (nil clears
-// it). Errors as SessionState.
-func (d *Delivery) SetSessionState(ctx context.Context, state []byte) error {
-	src, err := d.heldSession()
-	if err != nil {
-		return err
-	}
-	return sessionErr(src.SetState(ctx, state))
-}
-
-func (d *Delivery) heldSession() (*servicebus.Session, error) {
-	if d.l == nil || d.l.sb == nil || d.l.sb.session == nil {
-		return nil, ErrNoSession
-	}
-	if d.t.Stale() {
-		return nil, fmt.Errorf("%w: session %q: its link is gone", ErrNoSession, d.l.sb.session.ID())
-	}
-	return d.l.sb.session, nil
-}
-
-func sessionErr(err error) error {
-	if errors.Is(err, ErrLockLost) {
-		return fmt.Errorf("%w: %w", ErrNoSession, err)
-	}
-	return err
 }

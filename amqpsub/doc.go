@@ -1,7 +1,7 @@
 // Package amqpsub consumes an AMQP 1.0 queue with flow control, bounded
 // memory, per-key ordering under concurrency, batching and a clean shutdown,
-// on Apache ActiveMQ Artemis (the default), RabbitMQ 3.10 and other AMQP 1.0
-// brokers.
+// on Apache ActiveMQ Artemis (the default), Azure Service Bus, RabbitMQ 3.10
+// and other AMQP 1.0 brokers.
 //
 // A [Subscriber] reads one queue through one receiver link:
 //

@@ -33,15 +33,14 @@ import (
 // when its token expired is reconnected (with a new token); a reconnect
 // refused so ends Run.
 //
-// On Service Bus it takes as fatal what azservicebus does
-// (internal/errors.go, its recovery kinds): amqp:unauthorized-access, a
+// On Service Bus it takes as fatal what azservicebus does (the recovery
+// kinds of its internal/errors.go): amqp:unauthorized-access, a
 // missing entity (amqp:not-found, which is how the service refuses an
 // attach to an entity that does not exist; see [WaitForQueue] to wait for
 // one instead), and com.microsoft:entity-disabled (an entity an operator
 // disabled stays so until one enables it). com.microsoft:server-busy is
 // not fatal: the service is throttling, and the next attempt waits at
-// least 10 s (ServerBusyWait in internal/servicebus); com.microsoft:timeout
-// is not fatal either.
+// least 10 s; com.microsoft:timeout is not fatal either.
 func IsFatal(err error) bool {
 	var ae *amqp.Error
 	if errors.As(err, &ae) {
@@ -90,6 +89,10 @@ var (
 	// deliveries. It is also wrapped when an [OnReconnect] function had not
 	// returned by then.
 	ErrAbandoned = errors.New("amqpsub: handlers abandoned")
+)
+
+// The causes of a handler's failure or of its cancelled context.
+var (
 	// ErrLockLost is the cause (context.Cause) of a handler's context
 	// cancelled because the Service Bus lock of its delivery (or session)
 	// was lost; its settlement is then not sent.

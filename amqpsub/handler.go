@@ -10,9 +10,13 @@ import "context"
 //   - Retry(err), or any other error, puts it back as a failed attempt.
 //
 // A handler that panics is recovered: the panic is logged with its stack and
-// the delivery is retried. ctx is cancelled when the subscriber gives up on
-// the handler (Close, or the grace period of a graceful stop running out);
-// the delivery's settlement is then in doubt and the broker may redeliver it.
+// the delivery is retried.
+//
+// ctx is cancelled when the subscriber gives up on the handler (Close, or
+// the grace period of a graceful stop running out: cause [ErrStopping]),
+// and on Service Bus when the delivery's lock is lost (cause
+// [ErrLockLost]); the delivery's settlement is then in doubt, or not sent,
+// and the broker may deliver it again.
 // The [Delivery] stays valid after Handle returns.
 type Handler interface {
 	Handle(ctx context.Context, d *Delivery) error

@@ -11,12 +11,15 @@ import (
 
 // brokerKind is what a kind of broker adds to the links of one pipe, and
 // the only place where kinds differ beyond their Profile's settings. The
-// core (attach.go, reconnect.go, pipe.go, run.go, handle.go) calls these
-// methods and nothing else of a kind.
+// core (attach.go, reconnect.go, pipe.go, run.go, handle.go, settle.go,
+// stats.go) calls these methods and nothing else of a kind; only
+// servicebus.go, the Service Bus API, reads what its kind put on a link
+// (link.sb).
 //
 // plainKind, for Artemis, RabbitMQ and any other AMQP 1.0 broker, adds
-// nothing. Service Bus's kind (sblink.go) adds peek-lock: the lease book
-// (servicebus.Book) that renews locks, settlement by lock token once a link is gone, the
+// nothing. Service Bus's kind (sbkind.go) adds peek-lock: the lease book
+// (servicebus.Book) that renews locks, settlements sent concurrently in
+// each group's order and by lock token once a link is gone, the
 // $management node beside each link, and sessions.
 type brokerKind interface {
 	// configure adds to the pipe's pump configuration, once, as the pipe
@@ -50,6 +53,9 @@ type brokerKind interface {
 	// handlerContext returns the context for a handler of ts, derived from
 	// ctx; done releases it.
 	handlerContext(ctx context.Context, ts ...pump.Ticket) (hctx context.Context, done func())
+	// settle hands t's settlement (o) to the pipe's pump; lane is the
+	// delivery's lane, -1 when it is not known.
+	settle(t pump.Ticket, o pump.Outcome, lane int)
 	// addLocks adds the kind's lock counters to l.
 	addLocks(l *Locks)
 }
@@ -71,7 +77,7 @@ const (
 )
 
 // plainKind is the kind of every broker but Service Bus: it adds nothing.
-type plainKind struct{}
+type plainKind struct{ p *pipe }
 
 func (plainKind) configure(*pump.Config)                                     {}
 func (plainKind) start(context.Context) func()                               { return func() {} }
@@ -85,6 +91,8 @@ func (plainKind) release(_ context.Context, _ *link, _ error, detach func()) { d
 func (plainKind) attached(_ context.Context, l *link) (pump.Source, string, error) {
 	return l.rcv, "", nil
 }
+
+func (k plainKind) settle(t pump.Ticket, o pump.Outcome, _ int) { k.p.pump.Settle(t, o) }
 
 func (plainKind) handlerContext(ctx context.Context, _ ...pump.Ticket) (context.Context, func()) {
 	return ctx, func() {}

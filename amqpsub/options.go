@@ -99,7 +99,7 @@ func (c *config) invalid(format string, args ...any) {
 
 // Credit sets how many deliveries the broker may send ahead, which is also
 // the most the process holds at once (waiting, in lanes and in handlers).
-// Must be ≥ 1. Default: 256.
+// Must be between 1 and 1048576. Default: 256.
 func Credit(n int) Option {
 	return checked("Credit", n, n >= 1 && n <= 1<<20, "must be between 1 and 1048576", func(c *config) {
 		c.credit = n
@@ -130,9 +130,9 @@ func WorkersByKey(n int) Option {
 //
 // Each group still runs in order, one delivery at a time (and its batches
 // keep their order), but a slow or busy group holds back no other group,
-// and groups spread over the lanes by load: with 100 groups on 8 lanes of
-// 1 ms handlers, the lanes stay busy where the hash placement leaves some
-// idle. [LocalRetry] of a delivery holds only its own group. The cost is a
+// and groups spread over the lanes by load, where the hash placement can
+// leave some lanes idle while others queue (docs/performance.md measures
+// both). [LocalRetry] of a delivery holds only its own group. The cost is a
 // lock shared by the lanes, taken a few times per delivery.
 //
 // Only with WorkersByKey. Default: off (a group's lane is the hash of its
@@ -259,11 +259,13 @@ func LinkName(name string) Option {
 	return optionFunc(func(c *config) { c.linkName = name })
 }
 
-// IdleTimeout sets the AMQP idle timeout of the connections [Dial] opens: the
+// IdleTimeout sets the AMQP idle timeout of the connections the subscriber
+// opens ([Dial], [DialFailover], [ServiceBus], [ServiceBusWithToken]): the
 // broker is asked to send a frame at least every half of it, and a
 // connection that stays silent for longer is taken as lost (a half-open TCP
-// connection is found that way) and reconnected. It applies when Dial's
-// amqp.ConnOptions leave IdleTimeout at 0. Must be ≥ 100 ms: below that a
+// connection is found that way) and reconnected. With Dial and
+// DialFailover it applies when their amqp.ConnOptions leave IdleTimeout
+// at 0; a connection given with [Conn] keeps its own. Must be ≥ 100 ms: below that a
 // broker's heartbeats cannot keep a healthy connection alive. Default: 30 s.
 func IdleTimeout(d time.Duration) Option {
 	return checked("IdleTimeout", d, d >= 100*time.Millisecond, "must be ≥ 100ms", func(c *config) {
@@ -336,7 +338,8 @@ type RetryPolicy struct {
 	// limit in time, so that Attempts alone bounds them.
 	Budget time.Duration
 	// Initial and Max bound the wait before retry k: min(Max, Initial·2^k).
-	// Zero values mean 100 ms and 5 s.
+	// A zero Initial means 100 ms; a zero Max means 5 s, or Initial if
+	// that is longer.
 	Initial, Max time.Duration
 }
 

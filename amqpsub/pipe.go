@@ -33,9 +33,6 @@ type pipe struct {
 	// keeps: a lost link's deliveries stay held and settleable
 	// (pump.Config.KeepAcrossLinks), so none of them becomes stale.
 	keeps bool
-	// ordered: the pump sends settlements concurrently (pump.Config.Settlers), so
-	// settle orders those of a group.
-	ordered bool
 }
 
 func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
@@ -60,7 +57,6 @@ func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
 	}
 	p.kind.configure(&pc)
 	p.keeps = pc.KeepAcrossLinks
-	p.ordered = pc.Settlers > 0
 	p.pump = pump.New(pc)
 	return p
 }

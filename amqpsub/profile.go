@@ -143,7 +143,7 @@ func rabbitAddress(q string) string {
 }
 
 // plain is the kind of every broker but Service Bus.
-func plain(*pipe, string) brokerKind { return plainKind{} }
+func plain(p *pipe, _ string) brokerKind { return plainKind{p: p} }
 
 // unhandledReject is the Reject of a delivery dead-lettered before a
 // handler ran: reason is the code a profile with namedReasons gives,

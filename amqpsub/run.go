@@ -135,8 +135,8 @@ func (s *Subscriber) Run(ctx context.Context) error {
 
 	// Nothing more is decided: the results of handlers still running are
 	// ignored from here on, and they are told to stop. What was decided
-	// goes on being sent (FlushBy) for up to half the time left to close,
-	// but after Close: Close sends nothing more.
+	// goes on being sent (FlushBy) until a quarter of CloseTimeout before
+	// closeBy, but not after Close: Close sends nothing more.
 	s.cut.Store(true)
 	closeBy := time.Now().Add(s.cfg.closeTimeout)
 	if grace := s.cfg.grace; !closing && fatal == nil {

@@ -4,7 +4,6 @@ import (
 	"errors"
 
 	"github.com/amqpsub/amqpsub/pump"
-	"github.com/cespare/xxhash/v2"
 )
 
 // settle maps a handler's result to the broker settlement, and counts it.
@@ -78,25 +77,8 @@ func (s *Subscriber) rejection(d *Delivery, oe *OutcomeError, lost bool) pump.Ou
 	return pump.Outcome{Kind: pump.Reject, Error: oe.rejectError(cond)}
 }
 
-// settle hands t's settlement to the pump. lane is the delivery's lane, -1
-// when it is not known (a release at a stop).
-//
-// Where settlements are sent concurrently (pump.Config.Settlers: Service
-// Bus), those of one group go out in the order they were decided, each once
-// the one before was answered, so that a lost link cannot leave a group's
-// earlier message to come back after a later one was settled; keyless
-// deliveries under WorkersByKey are ordered by lane, the others not at all.
-func (p *pipe) settle(t pump.Ticket, o pump.Outcome, lane int) {
-	if !p.ordered {
-		p.pump.Settle(t, o)
-		return
-	}
-	switch g := groupID(t.Message()); {
-	case g != "":
-		p.pump.SettleInOrder(t, o, xxhash.Sum64String(g))
-	case p.s.cfg.byKey && lane >= 0:
-		p.pump.SettleInOrder(t, o, uint64(lane))
-	default:
-		p.pump.Settle(t, o)
-	}
-}
+// settle hands t's settlement to the pump, through the pipe's kind: on
+// Service Bus, which sends settlements concurrently, in the order of its
+// group (see sbKind.settle). lane is the delivery's lane, -1 when it is
+// not known (a release at a stop).
+func (p *pipe) settle(t pump.Ticket, o pump.Outcome, lane int) { p.kind.settle(t, o, lane) }

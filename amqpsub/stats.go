@@ -86,7 +86,7 @@ type Settlements struct {
 	Accepted uint64 // accepted: handled
 	Released uint64 // released: Release(), a stop, Retry under RabbitMQ3
 	Modified uint64 // modified: Retry on Artemis and Generic, abandon (Retry) on Service Bus
-	Rejected uint64 // rejected: Reject(), MaxDeliveryCount
+	Rejected uint64 // rejected: Reject, RejectWith, MaxDeliveryCount, MaxMessageSize (not a DeadLetterCopy: accepted)
 }
 
 // LaneStats are one lane's figures.
@@ -135,7 +135,7 @@ type Results struct {
 	Accept  uint64 // nil
 	Release uint64 // Release()
 	Retry   uint64 // Retry(err), any other error, or a panic
-	Reject  uint64 // Reject(reason)
+	Reject  uint64 // Reject or RejectWith (not MaxDeliveryCount or MaxMessageSize: Poisoned, Oversize)
 	// Panics counts handler calls that panicked (each is also a Retry).
 	Panics uint64
 	// LocalRetries counts handler calls repeated in the lane ([LocalRetry]).

@@ -9,7 +9,7 @@
 //
 // Every delivery the process holds, from the moment the pump receives it to
 // the moment its settlement is applied, has an entry in the pump's book:
-// Each walks it, [Stats] counts it. The book is the one place that knows what
+// [Pump.Each] walks it, [Pump.Stats] counts it. The book is the one place that knows what
 // the process holds, whether it waits in Out, in a lane, or runs in a
 // handler.
 //

@@ -15,7 +15,7 @@ import (
 // Management is an entity's $management node on a link's session. Its rpc
 // attaches a new link pair when one dies; when that fails, the receive
 // link is given up too: by AbandonLink, which amqpsub's lock renewer calls
-// (sblink.go), or, for a session, by Session.renew.
+// (amqpsub's sbkind.go), or, for a session, by Session.renew.
 type Management struct {
 	*rpc
 	linkName string // the receive link, named in each request

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
+	"github.com/cespare/xxhash/v2"
 	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/internal/servicebus"
@@ -163,9 +164,14 @@ func (k *sbKind) release(ctx context.Context, l *link, why error, detach func())
 }
 
 // refused reads the attach errors of a session consumer that mean
-// "wait": no session became free before the service's timeout (ask again
-// at once), or the session asked for is held by another receiver (ask
-// again after servicebus.SessionLockedWait).
+// "wait": no session became free before the service's timeout
+// (com.microsoft:timeout: ask again at once), or the session asked for is
+// held by another receiver (com.microsoft:session-cannot-be-locked: ask
+// again after servicebus.SessionLockedWait). Either way the next attach
+// goes on the same connection, with its claims and their refresher, as
+// azservicebus asks for the next session on the connection it has (its
+// amqpLinks.go closes the refused link's AMQP session, never the
+// connection).
 func (k *sbKind) refused(err error, attempt int) (refusal, time.Duration) {
 	switch {
 	case !k.sessions:
@@ -332,4 +338,21 @@ func (k *sbKind) awaitSession(ctx context.Context, src *servicebus.Session) erro
 		}
 	}
 	return nil
+}
+
+// settle hands t's settlement to the pump. The pump sends settlements
+// concurrently (pump.Config.Settlers), so those of one group go out in the
+// order they were decided, each once the one before was answered: a lost
+// link cannot leave a group's earlier message to come back after a later
+// one was settled. Keyless deliveries under WorkersByKey are ordered by
+// lane; the others not at all.
+func (k *sbKind) settle(t pump.Ticket, o pump.Outcome, lane int) {
+	switch g := groupID(t.Message()); {
+	case g != "":
+		k.p.pump.SettleInOrder(t, o, xxhash.Sum64String(g))
+	case k.s.cfg.byKey && lane >= 0:
+		k.p.pump.SettleInOrder(t, o, uint64(lane)) //nolint:gosec // G115: lane ≥ 0, checked just before
+	default:
+		k.p.pump.Settle(t, o)
+	}
 }

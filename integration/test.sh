@@ -91,7 +91,6 @@ fi
 if bash "$SBPEER_CTL" start; then
   export AMQPSUB_SBPEER_CONN=${AMQPSUB_SBPEER_CONN:-$(bash "$SBPEER_CTL" url)}
   export AMQPSUB_SBPEER_CONTROL=${AMQPSUB_SBPEER_CONTROL:-$(bash "$SBPEER_CTL" ctl-url)}
-  export AMQPSUB_SBPEER_CTL=$SBPEER_CTL
   (cd "$ROOT/integration/sbconformance" &&
     "$GO" test -race -count=1 -timeout 10m "${EXTRA[@]}" ./...) || sbconf_rc=$?
 else

@@ -79,7 +79,7 @@ done
 # ==== Service Bus peer (integration/sbpeer) and its conformance test ====
 # Starts the scripted Service Bus peer if it is not running (and stops it at
 # exit only if this script started it, like the brokers), exports its
-# connection string, control URL and script for the integration tests, and
+# connection string and control URL for the integration tests, and
 # checks the peer against the official azservicebus client (a module of its
 # own, integration/sbconformance). See integration/sbpeer/README.md.
 SBPEER_CTL="$ROOT/integration/sbpeer/sbpeer.sh"

@@ -35,6 +35,10 @@ type brokerKind interface {
 	// pump receives from. On an error, step names what failed, and the
 	// caller closes l.
 	attached(ctx context.Context, l *link) (src pump.Source, step string, err error)
+	// ready runs once attach has returned l, within the attacher's ctx
+	// (not the attach's DialTimeout): it waits until l may be handed to
+	// the pump. On an error the caller closes l.
+	ready(ctx context.Context, l *link) error
 	// attachedSource is told of a test source attached in place of a link
 	// (package amqpsubtest), and of nil when it is lost.
 	attachedSource(src pump.Source)
@@ -48,7 +52,7 @@ type brokerKind interface {
 	refused(err error, attempt int) (r refusal, wait time.Duration)
 	// leastWait is the least wait before the next attempt after err (a
 	// reconnect, or a link lost for err): 0 but where the broker asked
-	// for more.
+	// for more (busyWait, for every kind).
 	leastWait(err error) time.Duration
 	// handlerContext returns the context for a handler of ts, derived from
 	// ctx; done releases it.
@@ -82,9 +86,10 @@ type plainKind struct{ p *pipe }
 func (plainKind) configure(*pump.Config)                                     {}
 func (plainKind) start(context.Context) func()                               { return func() {} }
 func (plainKind) receiverOptions(*amqp.ReceiverOptions)                      {}
+func (plainKind) ready(context.Context, *link) error                         { return nil }
 func (plainKind) attachedSource(pump.Source)                                 {}
 func (plainKind) refused(error, int) (refusal, time.Duration)                { return refusedNot, 0 }
-func (plainKind) leastWait(error) time.Duration                              { return 0 }
+func (plainKind) leastWait(err error) time.Duration                          { return busyWait(err) }
 func (plainKind) addLocks(*Locks)                                            {}
 func (plainKind) release(_ context.Context, _ *link, _ error, detach func()) { detach() }
 

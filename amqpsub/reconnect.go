@@ -192,6 +192,10 @@ func (s *Subscriber) attachOnce(ctx context.Context, p *pipe) (pump.Source, *lin
 	if err != nil {
 		return nil, nil, err
 	}
+	if err := p.kind.ready(ctx, l); err != nil {
+		s.closeLink(ctx, l, nil)
+		return nil, nil, err
+	}
 	return l.src, l, nil
 }
 

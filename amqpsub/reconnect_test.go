@@ -436,7 +436,22 @@ func TestBlockingOnReconnectIsReportedAtTheStop(t *testing.T) {
 // tried again no sooner than 10 s later, whatever Backoff says, as
 // Microsoft's clients wait; another transient error keeps the backoff.
 // A healthy link the service ends as busy is also reattached 10 s later.
+// The wait is the condition's, on every profile, not only Service Bus's.
 func TestServerBusyWaitsTenSecondsBeforeTheNextAttempt(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		connect func(func(context.Context) (pump.Source, error)) amqpsub.Connector
+		opts    []amqpsub.Option
+	}{
+		{"servicebus", amqpsub.ServiceBusSourcesOf, nil},
+		{"artemis", amqpsub.SourcesOf, nil},
+		{"generic", amqpsub.SourcesOf, []amqpsub.Option{amqpsub.WithProfile(amqpsub.Generic)}},
+	} {
+		t.Run(tc.name, func(t *testing.T) { serverBusyWaits(t, tc.connect, tc.opts) })
+	}
+}
+
+func serverBusyWaits(t *testing.T, connect func(func(context.Context) (pump.Source, error)) amqpsub.Connector, opts []amqpsub.Option) {
 	synctest.Test(t, func(t *testing.T) {
 		first := fake.New(true, fake.Messages(1)...)
 		second := fake.New(true, fake.Messages(1)...)
@@ -445,13 +460,16 @@ func TestServerBusyWaitsTenSecondsBeforeTheNextAttempt(t *testing.T) {
 		var mu sync.Mutex
 		var attempts []time.Time
 		src := sources(first, busy, &amqp.ConnError{}, second, third)
-		s, _ := amqpsub.New(amqpsub.ServiceBusSourcesOf(func(ctx context.Context) (pump.Source, error) {
+		s, err := amqpsub.New(connect(func(ctx context.Context) (pump.Source, error) {
 			mu.Lock()
 			attempts = append(attempts, time.Now())
 			mu.Unlock()
 			return src(ctx)
 		}), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
-			amqpsub.Backoff(time.Millisecond, 10*time.Millisecond))
+			append(opts, amqpsub.Backoff(time.Millisecond, 10*time.Millisecond))...)
+		if err != nil {
+			t.Fatal(err)
+		}
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		time.Sleep(time.Minute) // the first link is healthy by now

@@ -111,8 +111,7 @@ func (k *sbKind) receiverOptions(ro *amqp.ReceiverOptions) {
 }
 
 // attached attaches the $management node beside l's receiver and, for a
-// session consumer, accepts the session the service granted, once no
-// handler of that session runs here any more (awaitSession).
+// session consumer, accepts the session the service granted.
 func (k *sbKind) attached(ctx context.Context, l *link) (pump.Source, string, error) {
 	s := k.s
 	mgmt, err := servicebus.NewManagement(ctx, l.sess, s.cfg.profile.address(s.queue), l.rcv.LinkName())
@@ -130,10 +129,17 @@ func (k *sbKind) attached(ctx context.Context, l *link) (pump.Source, string, er
 		return nil, "accept session", err
 	}
 	l.sb.session = src
-	if err := k.awaitSession(ctx, src); err != nil {
-		return nil, "wait for the session's handlers", err
-	}
 	return src, "", nil
+}
+
+// ready waits, within ctx (Run's, not the attach's DialTimeout), until no
+// handler of l's session runs here any more (awaitSession): a handler of
+// the session from its lost link may outlive any attach timeout.
+func (k *sbKind) ready(ctx context.Context, l *link) error {
+	if l.sb == nil || l.sb.session == nil {
+		return nil
+	}
+	return k.awaitSession(ctx, l.sb.session)
 }
 
 func (k *sbKind) attachedSource(src pump.Source) {
@@ -184,13 +190,7 @@ func (k *sbKind) refused(err error, attempt int) (refusal, time.Duration) {
 	return refusedNot, 0
 }
 
-// leastWait is ServerBusyWait after the service said it is throttling.
-func (k *sbKind) leastWait(err error) time.Duration {
-	if servicebus.Busy(err) {
-		return servicebus.ServerBusyWait
-	}
-	return 0
-}
+func (k *sbKind) leastWait(err error) time.Duration { return busyWait(err) }
 
 // handlerContext returns a context that is cancelled (cause ErrLockLost)
 // when the lock of any of ts is lost.

@@ -127,13 +127,26 @@ const msgSessionWaits = "the session's handlers from its lost link still run her
 // The handler's context is cancelled (the session lock went with the
 // link); a handler that ignores it keeps the session's messages waiting
 // until it returns.
+//
+// A handler that outlives DialTimeout does not turn that wait into failed
+// attaches: the slot that took the session again waits under Run's
+// context, not the attach's. Nor does it end Run when that slot had never
+// held a session before (its first attach).
 func TestSessionLinkLostWhileItsHandlerRuns(t *testing.T) {
-	for _, honours := range []bool{true, false} {
-		name := "handler returns at its context's end"
-		if !honours {
-			name = "handler ignores its context"
-		}
-		t.Run(name, func(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		honours bool
+		dial    time.Duration // DialTimeout; 0: the default
+		before  time.Duration // how long the handler runs before the detach
+		hold    time.Duration // how long it runs on once the slot waits for it
+	}{
+		{name: "handler returns at its context's end", honours: true},
+		{name: "handler ignores its context"},
+		{name: "handler outlives DialTimeout", dial: time.Second, before: 2 * time.Second, hold: 4 * time.Second},
+		{name: "handler outlives DialTimeout on a slot's first attach", dial: 4 * time.Second, hold: 8 * time.Second},
+	} {
+		honours := tc.honours
+		t.Run(tc.name, func(t *testing.T) {
 			p := sbTestPeerOrSkip(t)
 			q := p.entity(t, map[string]any{"requires_session": true, "lock_duration_ms": 10000})
 			p.enqueue(t, q, 5, map[string]any{"sessions": []string{"s"}})
@@ -187,7 +200,11 @@ func TestSessionLinkLostWhileItsHandlerRuns(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			s, err := New(c, q, h, Sessions(2), Logger(log))
+			opts := []Option{Sessions(2), Logger(log)}
+			if tc.dial > 0 {
+				opts = append(opts, DialTimeout(tc.dial))
+			}
+			s, err := New(c, q, h, opts...)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -200,6 +217,7 @@ func TestSessionLinkLostWhileItsHandlerRuns(t *testing.T) {
 			case <-time.After(30 * time.Second):
 				t.Fatal("no message of session s was handled within 30 s")
 			}
+			time.Sleep(tc.before) // the scenario: the other slot has been told that no session is free
 			if n, _ := p.call(t, "POST", "/faults/detach", map[string]any{"entity": q, "session_id": "s"})["detached"].(float64); n != 1 {
 				t.Fatalf("the peer detached %v links, want the one holding session s; connections %v", n, p.call(t, "GET", "/connections", nil))
 			}
@@ -211,6 +229,7 @@ func TestSessionLinkLostWhileItsHandlerRuns(t *testing.T) {
 				waitUntil(t, 30*time.Second, "the session taken again, or its redelivery", func() bool {
 					return waiting() || wait.Closed(redelivered)
 				})
+				time.Sleep(tc.hold) // the scenario: the handler runs on past DialTimeout
 				free()
 			}
 			select {
@@ -231,6 +250,9 @@ func TestSessionLinkLostWhileItsHandlerRuns(t *testing.T) {
 			}
 			if !honours && !waiting() {
 				t.Errorf("no %q logged", msgSessionWaits)
+			}
+			if n := logs.FilterMessage("reconnect failed; trying again").Len(); n > 0 {
+				t.Errorf("%d attaches failed while a slot waited for the session's handler", n)
 			}
 		})
 	}

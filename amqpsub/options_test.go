@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -293,6 +294,41 @@ func TestMaxHeldBytesTooLargeToScaleIsUnbounded(t *testing.T) {
 			t.Logf("MaxHeldBytes(%d): held %d of 100 (bytes %d)", n, st.Held, st.BytesHeld)
 			if st.Held != 100 {
 				t.Errorf("MaxHeldBytes(%d): held %d, want all 100 (1000 bytes, far under the budget)", n, st.Held)
+			}
+		})
+	}
+}
+
+// A Service Bus connector checks what New is given with it: the queue
+// against the connection string's EntityPath, and the profile (only
+// AzureServiceBus); sources that play Service Bus refuse sessions.
+func TestServiceBusConnectorChecksItsOptions(t *testing.T) {
+	h := amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil })
+	entity, err := amqpsub.ServiceBus("Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=k;SharedAccessKey=v;EntityPath=orders")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		c    amqpsub.Connector
+		q    string
+		opts []amqpsub.Option
+		want string // in the error; "" for none
+	}{
+		{"the EntityPath's queue", entity, "orders", nil, ""},
+		{"another queue than EntityPath", entity, "invoices", nil, `queue "invoices": the connection string's EntityPath is "orders"`},
+		{"another profile", entity, "orders", []amqpsub.Option{amqpsub.WithProfile(amqpsub.Artemis)}, "WithProfile(artemis) with a Service Bus connector: use AzureServiceBus"},
+		{"its own profile", entity, "orders", []amqpsub.Option{amqpsub.WithProfile(amqpsub.AzureServiceBus)}, ""},
+		{"sessions on sources", amqpsub.ServiceBusSourceOf(fake.New(true)), "q", []amqpsub.Option{amqpsub.Sessions(2)}, "does not play Service Bus sessions"},
+		{"sessions without Service Bus", amqpsub.Dial("amqp://127.0.0.1:1", nil), "q", []amqpsub.Option{amqpsub.Sessions(2)}, "Sessions and SessionIDs need the AzureServiceBus profile"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := amqpsub.New(tc.c, tc.q, h, tc.opts...)
+			switch {
+			case tc.want == "" && err != nil:
+				t.Fatalf("New: %v", err)
+			case tc.want != "" && (!errors.Is(err, amqpsub.ErrInvalidOption) || !strings.Contains(err.Error(), tc.want)):
+				t.Fatalf("New: %v, want an ErrInvalidOption saying %q", err, tc.want)
 			}
 		})
 	}

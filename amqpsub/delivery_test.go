@@ -145,6 +145,7 @@ func TestInvalidOutcomeErrorsMeanRetry(t *testing.T) {
 	}
 }
 
+// Annotation finds a key whether the map holds it as a string (as go-amqp
 // decodes symbols) or as an amqp.Symbol (as a message built in Go may).
 func TestAnnotationSymbolKeys(t *testing.T) {
 	str := &amqp.Message{Annotations: amqp.Annotations{"x-opt-a": int8(1)}}
@@ -181,9 +182,7 @@ func firstKey(a amqp.Annotations) any {
 	return nil
 }
 
-// callViews calls every accessor of d and reports a panic as an error. The
-// subscriber would recover a panic too, as a retry, which the fake source
-
+// A Delivery stays valid after its handler returned: a goroutine it was
 // handed to reads the same message, not a later one.
 func TestRetainedDeliveryKeepsItsMessage(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
@@ -208,5 +207,3 @@ func TestRetainedDeliveryKeepsItsMessage(t *testing.T) {
 		}
 	})
 }
-
-// BalanceKeys on the whole pipeline: every group in order, one delivery at

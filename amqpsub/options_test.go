@@ -211,7 +211,7 @@ func TestLargestValidOptionsRun(t *testing.T) {
 	}
 }
 
-// A Delivery stays valid after its handler returned: a goroutine it was
+// BalanceKeys on the whole pipeline: every group in order, one delivery at
 // a time, and nothing held at the end.
 func TestBalanceKeysKeepsGroupOrder(t *testing.T) {
 	for _, batch := range []bool{false, true} {

@@ -554,3 +554,226 @@ func TestCloseDuringTheGracePeriodSendsNothingMore(t *testing.T) {
 		}
 	})
 }
+
+// Service Bus (settlers), GracePeriod(0): the accepts of handlers that
+// returned before the stop, and the releases of what no handler had, are
+// all sent before Run returns, though each waits 5 ms for its answer.
+func TestGraceZeroSendsEverySettlementDecidedBeforeTheStop(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const total, done = 256, 175
+		src := fake.New(true, fake.Messages(total)...)
+		src.SettleDelay = 5 * time.Millisecond
+		blocked := make(chan struct{})
+		var calls atomic.Int32
+		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+			calls.Add(1)
+			if index(d) < done {
+				return nil
+			}
+			close(blocked) // the handler of message `done`: the stop comes now
+			<-ctx.Done()
+			return ctx.Err()
+		}), amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(2*time.Second),
+			amqpsub.MaxLockRenewal(0))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cancel, errc := run(t, s)
+		<-blocked
+		start := time.Now()
+		cancel()
+		err = <-errc
+		took := time.Since(start)
+		st := s.Stats()
+		t.Logf("Run = %v after %v; accepted %d, released %d; stats %v", err, took, src.Count(fake.Accepted), src.Count(fake.Released), st)
+		if took > 2*time.Second {
+			t.Fatalf("Run took %v, past GracePeriod(0)+CloseTimeout(2s)", took)
+		}
+		if got := src.Count(fake.Accepted); got != done {
+			t.Errorf("%d accepts reached the broker, want the %d of the handlers that returned before the stop", got, done)
+		}
+		if got := src.Count(fake.Released); got != total-done-1 {
+			t.Errorf("%d releases reached the broker, want the %d deliveries no handler had", got, total-done-1)
+		}
+		if st.Held != 1 || st.Unsent != 0 {
+			t.Errorf("held %d, unsent %d after Run: want 1 (the handler cut short), 0", st.Held, st.Unsent)
+		}
+	})
+}
+
+// Whatever the settlers could not send before the stop's bound is counted
+// as not sent, not lost from the counts: here the service never answers.
+func TestStopCountsSettlementsItCouldNotSend(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(10)...)
+		src.SettleErr = func(ctx context.Context, _ *amqp.Message) error { <-ctx.Done(); return ctx.Err() }
+		var handled atomic.Int32
+		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+			handled.Add(1)
+			return nil
+		}), amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(time.Second),
+			amqpsub.SettleTimeout(time.Minute), amqpsub.MaxLockRenewal(0))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		start := time.Now()
+		cancel()
+		err = <-errc
+		took := time.Since(start)
+		st := s.Stats()
+		t.Logf("Run = %v after %v; stats %v", err, took, st)
+		if took > time.Second {
+			t.Fatalf("Run took %v, past CloseTimeout(1s)", took)
+		}
+		if handled.Load() != 10 || st.Results.Accept != 10 {
+			t.Fatalf("handled %d, accepted results %d; want 10", handled.Load(), st.Results.Accept)
+		}
+		if st.Unsent != 10 || st.Held != 0 {
+			t.Errorf("unsent %d, held %d after Run; want 10, 0", st.Unsent, st.Held)
+		}
+	})
+}
+
+// GracePeriod(0) on a broker settled on the pump's goroutine (Artemis):
+// an accept stuck in the link (a peer that stopped reading: go-amqp waits
+// for the write, whatever the ctx) must not hold Run past GracePeriod +
+// CloseTimeout.
+func TestGraceZeroStopWithASettlementStuckInTheLink(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(4)...)
+		stuck, unstick := make(chan struct{}), make(chan struct{})
+		var once sync.Once
+		src.SettleErr = func(context.Context, *amqp.Message) error {
+			once.Do(func() { close(stuck) })
+			<-unstick // ignores ctx, as a blocked write does
+			return nil
+		}
+		defer close(unstick)
+		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.WithProfile(amqpsub.Artemis), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(time.Second))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cancel, errc := run(t, s)
+		<-stuck
+		start := time.Now()
+		cancel()
+		select {
+		case err := <-errc:
+			t.Logf("Run = %v after %v", err, time.Since(start))
+			if d := time.Since(start); d > time.Second {
+				t.Fatalf("Run took %v, past GracePeriod(0)+CloseTimeout(1s)", d)
+			}
+		case <-time.After(time.Hour):
+			t.Fatalf("Run had not returned 1 h after the stop")
+		}
+	})
+}
+
+func TestShutdownReleasesBufferedAndSettlesInProgress(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(50)...)
+		var started atomic.Int64
+		finish := make(chan struct{})
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+			started.Add(1)
+			<-finish
+			return ctx.Err() // nil unless the grace period ran out
+		}), amqpsub.Credit(20), amqpsub.Workers(2))
+		_, errc := run(t, s)
+		synctest.Wait()
+		shut := make(chan error, 1)
+		go func() { shut <- s.Shutdown(context.Background()) }()
+		synctest.Wait()
+		if n := src.Count(fake.Released); n != 18 {
+			t.Fatalf("released %d at shutdown, want the 18 buffered", n)
+		}
+		close(finish)
+		if err := <-shut; err != nil {
+			t.Fatal(err)
+		}
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		if started.Load() != 2 || src.Count(fake.Accepted) != 2 {
+			t.Fatalf("handlers started %d, accepted %d", started.Load(), src.Count(fake.Accepted))
+		}
+		if err := s.Shutdown(context.Background()); err != nil {
+			t.Fatalf("second Shutdown: %v", err)
+		}
+		if err := s.Close(); err != nil {
+			t.Fatalf("Close after Shutdown: %v", err)
+		}
+		if err := s.Run(context.Background()); !errors.Is(err, amqpsub.ErrClosed) {
+			t.Fatalf("second Run = %v", err)
+		}
+	})
+}
+
+func TestGracePeriodCancelsHandlers(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(5)...)
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+			<-ctx.Done()
+			return ctx.Err()
+		}), amqpsub.Credit(5), amqpsub.GracePeriod(2*time.Second))
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		start := time.Now()
+		cancel()
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		if d := time.Since(start); d != 2*time.Second {
+			t.Fatalf("stopped after %v, want the 2 s grace", d)
+		}
+		// The handler's delivery was left for the broker to redeliver.
+		if n := src.Count(fake.Accepted) + src.Count(fake.Modified); n != 0 {
+			t.Fatalf("%d settled after the grace period", n)
+		}
+	})
+}
+
+func TestCloseStopsAtOnce(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(5)...)
+		var cancelled atomic.Bool
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+			<-ctx.Done()
+			cancelled.Store(true)
+			return ctx.Err()
+		}))
+		_, errc := run(t, s)
+		synctest.Wait()
+		start := time.Now()
+		s.Close()
+		s.Close()
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		if time.Since(start) != 0 || !cancelled.Load() {
+			t.Fatal("Close did not cancel the handler at once")
+		}
+	})
+}
+
+func TestShutdownBeforeRun(t *testing.T) {
+	s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }))
+	if err := s.Shutdown(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Run(context.Background()); !errors.Is(err, amqpsub.ErrClosed) {
+		t.Fatalf("Run = %v", err)
+	}
+	// Run has returned: Done says so (amqpsubtest's Drain waits on it).
+	select {
+	case <-s.Done():
+	default:
+		t.Fatal("Run returned ErrClosed, but Done is not closed")
+	}
+	if err := s.Run(context.Background()); !errors.Is(err, amqpsub.ErrClosed) {
+		t.Fatalf("second Run = %v", err)
+	}
+}

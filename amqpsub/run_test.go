@@ -141,29 +141,6 @@ func TestUnparsableAddressHidesThePassword(t *testing.T) {
 	}
 }
 
-func TestLocalRetryGivesUpToTheBroker(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		src := fake.New(true, fake.Messages(1)...)
-		var calls atomic.Int64
-		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
-			if calls.Add(1) <= 5 {
-				return errors.New("down")
-			}
-			return nil
-		}), amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: 2, Initial: time.Millisecond, Max: time.Millisecond}))
-		cancel, errc := run(t, s)
-		synctest.Wait()
-		time.Sleep(time.Second)
-		cancel()
-		<-errc
-		// 1 call + 2 local retries, then modified; on the redelivery 2
-		// more fail and the third is accepted.
-		if calls.Load() != 6 || src.Count(fake.Modified) != 1 || src.Count(fake.Accepted) != 1 {
-			t.Fatalf("calls %d modified %d accepted %d", calls.Load(), src.Count(fake.Modified), src.Count(fake.Accepted))
-		}
-	})
-}
-
 // Workers ignores group-ids: deliveries of one group run side by side.
 func TestWorkersIgnoreGroups(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {

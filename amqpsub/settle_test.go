@@ -7,7 +7,6 @@ package amqpsub_test
 import (
 	"context"
 	"encoding/binary"
-	"errors"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -61,49 +60,6 @@ func TestSettlementsOfAGroupKeepTheirOrder(t *testing.T) {
 				t.Fatalf("group %s: message %d settled after message %d", g, i, last[g])
 			}
 			last[g] = i
-		}
-	})
-}
-
-// LocalRetry ends at once for a delivery whose link was lost: no result of
-// it could be settled, and the broker's redelivery must not wait behind
-// it, nor run beside it.
-func TestLocalRetryEndsWhenTheLinkIsLost(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		first := fake.New(true, fake.Messages(1, "g")...)
-		second := fake.New(true)
-		var calls, afterLoss atomic.Int32
-		var lost atomic.Bool
-		failing := make(chan struct{}, 1)
-		s, err := amqpsub.New(amqpsub.SourcesOf(sources(first, second)), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
-			calls.Add(1)
-			if lost.Load() {
-				afterLoss.Add(1)
-			}
-			select {
-			case failing <- struct{}{}:
-			default:
-			}
-			return errors.New("store down")
-		}), amqpsub.WithProfile(amqpsub.Artemis), amqpsub.WorkersByKey(1),
-			amqpsub.LocalRetry(amqpsub.RetryPolicy{Initial: 100 * time.Millisecond, Max: 100 * time.Millisecond, Budget: time.Minute}),
-			amqpsub.Backoff(time.Millisecond, time.Millisecond))
-		if err != nil {
-			t.Fatal(err)
-		}
-		cancel, errc := run(t, s)
-		<-failing
-		time.Sleep(250 * time.Millisecond) // a few retries in the lane
-		lost.Store(true)
-		first.Fail(fake.ErrLinkLost)
-		time.Sleep(10 * time.Second)
-		cancel()
-		if err := <-errc; err != nil {
-			t.Fatal(err)
-		}
-		t.Logf("handler calls %d, of which %d after the loss", calls.Load(), afterLoss.Load())
-		if afterLoss.Load() > 0 {
-			t.Fatalf("the handler ran %d times after its delivery's link was lost", afterLoss.Load())
 		}
 	})
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"testing/synctest"
@@ -204,6 +205,50 @@ func TestRetainedDeliveryKeepsItsMessage(t *testing.T) {
 			if index(d) != seen[i] || d.GroupID() != "k" || d.Lane() != 0 {
 				t.Fatalf("delivery %d now reads message %d", seen[i], index(d))
 			}
+		}
+	})
+}
+
+func TestGroupIDsAbsentEmptyAndLongAreHandled(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		long := strings.Repeat("g", 1<<16)
+		empty := ""
+		msgs := fake.Messages(30)
+		for i, m := range msgs {
+			switch i % 3 {
+			case 0:
+				m.Properties.GroupID = nil
+			case 1:
+				m.Properties.GroupID = &empty
+			case 2:
+				m.Properties.GroupID = &long
+			}
+		}
+		msgs[0].Properties = nil
+		src := fake.New(false, msgs...)
+		lanes := make([]atomic.Int64, 4)
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+			if d.GroupID() != "" && d.GroupID() != long {
+				return errors.New("group-id changed")
+			}
+			lanes[d.Lane()].Add(1)
+			return nil
+		}), amqpsub.WorkersByKey(4))
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		cancel()
+		<-errc
+		if n := src.Count(fake.Accepted); n != 30 {
+			t.Fatalf("accepted %d of 30", n)
+		}
+		busy := 0
+		for i := range lanes {
+			if lanes[i].Load() > 0 {
+				busy++
+			}
+		}
+		if busy != 4 {
+			t.Fatalf("keyless deliveries reached %d of 4 lanes", busy)
 		}
 	})
 }

@@ -1,12 +1,14 @@
 package amqpsub_test
 
-// Settlements: their order within a group, and one the broker does not
-// answer holding up no other. What a stop sends of them is Run's, in
-// run_test.go.
+// Settlements: what each handler result settles as under each profile,
+// their order within a group, and one the broker does not answer holding up
+// no other. What a stop sends of them is Run's, in run_test.go.
 
 import (
 	"context"
 	"encoding/binary"
+	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -148,4 +150,75 @@ func tokenOf(i int) amqp.UUID {
 	binary.BigEndian.PutUint64(tag[8:], uint64(i+1))
 	u, _ := servicebus.LockToken(tag)
 	return u
+}
+
+func TestHandlerResultsSettleAsDocumented(t *testing.T) {
+	for _, tc := range []struct {
+		profile amqpsub.Profile
+		retry   fake.Outcome
+	}{{amqpsub.Artemis, fake.Modified}, {amqpsub.RabbitMQ3, fake.Released}, {amqpsub.Generic, fake.Modified}} {
+		t.Run(tc.profile.String(), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				results := []func() error{
+					func() error { return nil },
+					func() error { return amqpsub.Release() },
+					func() error { return amqpsub.Retry(errors.New("try later")) },
+					func() error { return fmt.Errorf("wrapped: %w", amqpsub.Reject("bad order")) },
+					func() error { return errors.New("plain error") },
+					func() error { panic("boom") },
+				}
+				msgs := fake.Messages(len(results))
+				src := fake.New(true, msgs...)
+				var mu sync.Mutex
+				seen := map[int]int{}
+				s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+					i := index(d)
+					mu.Lock()
+					seen[i]++
+					again := seen[i] > 1
+					mu.Unlock()
+					if again {
+						return nil // a redelivery: accept it
+					}
+					return results[i]()
+				}), amqpsub.WithProfile(tc.profile))
+				if err != nil {
+					t.Fatal(err)
+				}
+				cancel, errc := run(t, s)
+				synctest.Wait()
+				cancel()
+				if err := <-errc; err != nil {
+					t.Fatalf("Run = %v", err)
+				}
+				first := map[*amqp.Message]fake.Settlement{}
+				for _, st := range src.Settlements() {
+					if _, ok := first[st.Msg]; !ok {
+						first[st.Msg] = st
+					}
+				}
+				want := []fake.Outcome{fake.Accepted, fake.Released, tc.retry, fake.Rejected, tc.retry, tc.retry}
+				for i, m := range msgs {
+					st := first[m]
+					if st.Outcome != want[i] {
+						t.Errorf("result %d settled %s, want %s", i, st.Outcome, want[i])
+					}
+					if st.Outcome == fake.Modified && !st.DeliveryFailed {
+						t.Errorf("result %d: modified without delivery-failed", i)
+					}
+				}
+				if st := first[msgs[3]]; st.Error == nil || st.Error.Description != "bad order" || st.Error.Condition != amqpsub.RejectCondition {
+					t.Errorf("reject carried %+v", st.Error)
+				}
+				stats := s.Stats()
+				if stats.Results.Panics != 1 || stats.Results.Retry != 3 || stats.Results.Reject != 1 || stats.Results.Release != 1 {
+					t.Errorf("stats %+v", stats)
+				}
+				// 0 at once; 1, 2, 4 and 5 when redelivered; 3 was rejected.
+				if stats.Settled.Accepted != 5 {
+					t.Errorf("accepted %d, want 5", stats.Settled.Accepted)
+				}
+			})
+		})
+	}
 }

@@ -3,15 +3,10 @@ package amqpsub_test
 import (
 	"context"
 	"errors"
-	"fmt"
-	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
 
-	"github.com/Azure/go-amqp"
 	"go.uber.org/goleak"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
@@ -36,77 +31,6 @@ func index(d *amqpsub.Delivery) int {
 		panic(err)
 	}
 	return v.(int)
-}
-
-func TestHandlerResultsSettleAsDocumented(t *testing.T) {
-	for _, tc := range []struct {
-		profile amqpsub.Profile
-		retry   fake.Outcome
-	}{{amqpsub.Artemis, fake.Modified}, {amqpsub.RabbitMQ3, fake.Released}, {amqpsub.Generic, fake.Modified}} {
-		t.Run(tc.profile.String(), func(t *testing.T) {
-			synctest.Test(t, func(t *testing.T) {
-				results := []func() error{
-					func() error { return nil },
-					func() error { return amqpsub.Release() },
-					func() error { return amqpsub.Retry(errors.New("try later")) },
-					func() error { return fmt.Errorf("wrapped: %w", amqpsub.Reject("bad order")) },
-					func() error { return errors.New("plain error") },
-					func() error { panic("boom") },
-				}
-				msgs := fake.Messages(len(results))
-				src := fake.New(true, msgs...)
-				var mu sync.Mutex
-				seen := map[int]int{}
-				s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
-					i := index(d)
-					mu.Lock()
-					seen[i]++
-					again := seen[i] > 1
-					mu.Unlock()
-					if again {
-						return nil // a redelivery: accept it
-					}
-					return results[i]()
-				}), amqpsub.WithProfile(tc.profile))
-				if err != nil {
-					t.Fatal(err)
-				}
-				cancel, errc := run(t, s)
-				synctest.Wait()
-				cancel()
-				if err := <-errc; err != nil {
-					t.Fatalf("Run = %v", err)
-				}
-				first := map[*amqp.Message]fake.Settlement{}
-				for _, st := range src.Settlements() {
-					if _, ok := first[st.Msg]; !ok {
-						first[st.Msg] = st
-					}
-				}
-				want := []fake.Outcome{fake.Accepted, fake.Released, tc.retry, fake.Rejected, tc.retry, tc.retry}
-				for i, m := range msgs {
-					st := first[m]
-					if st.Outcome != want[i] {
-						t.Errorf("result %d settled %s, want %s", i, st.Outcome, want[i])
-					}
-					if st.Outcome == fake.Modified && !st.DeliveryFailed {
-						t.Errorf("result %d: modified without delivery-failed", i)
-					}
-				}
-				if st := first[msgs[3]]; st.Error == nil || st.Error.Description != "bad order" || st.Error.Condition != amqpsub.RejectCondition {
-					t.Errorf("reject carried %+v", st.Error)
-				}
-				stats := s.Stats()
-				if stats.Results.Panics != 1 || stats.Results.Retry != 3 || stats.Results.Reject != 1 || stats.Results.Release != 1 {
-					t.Errorf("stats %+v", stats)
-				}
-				// 0 at once; 1, 2, 4 and 5 when redelivered; 3 was rejected.
-				if stats.Settled.Accepted != 5 {
-					t.Errorf("accepted %d, want 5", stats.Settled.Accepted)
-				}
-			})
-		})
-	}
 }
 
 func TestInvalidOptionsFailAtConstruction(t *testing.T) {
@@ -185,50 +109,6 @@ func TestHeldNeverExceedsCredit(t *testing.T) {
 		}
 		if st := s.Stats(); st.MaxHeld != 8 || st.Held != 0 {
 			t.Fatalf("max held %d, held %d", st.MaxHeld, st.Held)
-		}
-	})
-}
-
-func TestGroupIDsAbsentEmptyAndLongAreHandled(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		long := strings.Repeat("g", 1<<16)
-		empty := ""
-		msgs := fake.Messages(30)
-		for i, m := range msgs {
-			switch i % 3 {
-			case 0:
-				m.Properties.GroupID = nil
-			case 1:
-				m.Properties.GroupID = &empty
-			case 2:
-				m.Properties.GroupID = &long
-			}
-		}
-		msgs[0].Properties = nil
-		src := fake.New(false, msgs...)
-		lanes := make([]atomic.Int64, 4)
-		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
-			if d.GroupID() != "" && d.GroupID() != long {
-				return errors.New("group-id changed")
-			}
-			lanes[d.Lane()].Add(1)
-			return nil
-		}), amqpsub.WorkersByKey(4))
-		cancel, errc := run(t, s)
-		synctest.Wait()
-		cancel()
-		<-errc
-		if n := src.Count(fake.Accepted); n != 30 {
-			t.Fatalf("accepted %d of 30", n)
-		}
-		busy := 0
-		for i := range lanes {
-			if lanes[i].Load() > 0 {
-				busy++
-			}
-		}
-		if busy != 4 {
-			t.Fatalf("keyless deliveries reached %d of 4 lanes", busy)
 		}
 	})
 }

@@ -409,3 +409,33 @@ func TestEscapedAtInAPathIsAccepted(t *testing.T) {
 		t.Fatal("DialFailover took a password with an unescaped '/'")
 	}
 }
+
+// An address that does not parse is quoted whole in the error: the password
+// in it is scrubbed all the same.
+func TestUnparsableAddressHidesThePassword(t *testing.T) {
+	s, _ := amqpsub.New(amqpsub.Dial("amqp://alice:s3cr3t%zz@127.0.0.1:1", nil), "q",
+		amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }))
+	err := s.Run(context.Background())
+	// Not a fragment of it either: url.Parse's error quotes the password
+	// partly decoded ("%zz"), where scrubbing cannot find it.
+	if err == nil || strings.Contains(err.Error(), "s3cr3t") || strings.Contains(err.Error(), "%zz") {
+		t.Fatalf("Run = %v: want an error without the password", err)
+	}
+}
+
+func TestUnreachableBrokerNamesTheAddressButNotTheSecret(t *testing.T) {
+	s, _ := amqpsub.New(amqpsub.Dial("amqp://alice:s3cr3t-pw@127.0.0.1:1", nil), "q",
+		amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+		amqpsub.DialTimeout(3*time.Second))
+	start := time.Now()
+	err := s.Run(context.Background())
+	if err == nil {
+		t.Fatal("Run connected to nothing")
+	}
+	if time.Since(start) > 3*time.Second+500*time.Millisecond {
+		t.Fatalf("Run took %v, past the dial timeout", time.Since(start))
+	}
+	if !strings.Contains(err.Error(), "127.0.0.1:1") || strings.Contains(err.Error(), "s3cr3t-pw") {
+		t.Fatalf("error %q: want the address, not the password", err)
+	}
+}

@@ -201,7 +201,8 @@ func TestJMSTypeString(t *testing.T) {
 	}
 }
 
-// Annotation finds a key whether the map holds it as a string (as go-amqp
+// callViews calls every accessor of d and reports a panic as an error. The
+// subscriber would recover a panic too, as a retry, which the fake source
 // would redeliver for ever.
 func callViews(d *amqpsub.Delivery) (err error) {
 	defer func() {

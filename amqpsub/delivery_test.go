@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"testing/synctest"
@@ -102,49 +103,7 @@ func TestBodyAccessorsSayWhatTheBodyIs(t *testing.T) {
 	}
 }
 
-func TestRetryOfARetryIsTheSameRetry(t *testing.T) {
-	cause := errors.New("store down")
-	once := amqpsub.Retry(cause)
-	twice := amqpsub.Retry(once)
-	if twice != once || twice.Error() != "amqpsub: retry: store down" || !errors.Is(twice, cause) {
-		t.Fatalf("Retry(Retry(err)) = %q", twice)
-	}
-	if wrapped := amqpsub.Retry(fmt.Errorf("save: %w", once)); !errors.Is(wrapped, cause) {
-		t.Fatalf("wrapped retry lost its cause: %q", wrapped)
-	}
-}
-
-// A typed-nil *OutcomeError returned as an error, or a zero OutcomeError,
-// is a non-nil error: Retry, never a crash or an accept.
-func TestInvalidOutcomeErrorsMeanRetry(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		src := fake.New(true, fake.Messages(2)...)
-		var calls atomic.Int32
-		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
-			switch calls.Add(1) {
-			case 1:
-				var oe *amqpsub.OutcomeError
-				var err error = oe
-				return err
-			case 2:
-				return &amqpsub.OutcomeError{}
-			}
-			return nil // the redeliveries
-		}))
-		cancel, errc := run(t, s)
-		synctest.Wait()
-		cancel()
-		<-errc
-		if src.Count(fake.Accepted) != 2 || src.Count(fake.Modified) != 2 || s.Stats().Results.Retry != 2 {
-			t.Fatalf("accepted %d, modified %d, results %+v", src.Count(fake.Accepted), src.Count(fake.Modified), s.Stats().Results)
-		}
-	})
-	var nilOE *amqpsub.OutcomeError
-	if nilOE.Error() == "" || (&amqpsub.OutcomeError{}).Error() == "" || amqpsub.Retry(nilOE) == nil {
-		t.Fatal("invalid OutcomeErrors must still describe themselves")
-	}
-}
-
+// Annotation finds a key whether the map holds it as a string (as go-amqp
 // decodes symbols) or as an amqp.Symbol (as a message built in Go may).
 func TestAnnotationSymbolKeys(t *testing.T) {
 	str := &amqp.Message{Annotations: amqp.Annotations{"x-opt-a": int8(1)}}
@@ -181,9 +140,7 @@ func firstKey(a amqp.Annotations) any {
 	return nil
 }
 
-// callViews calls every accessor of d and reports a panic as an error. The
-// subscriber would recover a panic too, as a retry, which the fake source
-
+// A Delivery stays valid after its handler returned: a goroutine it was
 // handed to reads the same message, not a later one.
 func TestRetainedDeliveryKeepsItsMessage(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
@@ -209,4 +166,46 @@ func TestRetainedDeliveryKeepsItsMessage(t *testing.T) {
 	})
 }
 
-// BalanceKeys on the whole pipeline: every group in order, one delivery at
+func TestGroupIDsAbsentEmptyAndLongAreHandled(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		long := strings.Repeat("g", 1<<16)
+		empty := ""
+		msgs := fake.Messages(30)
+		for i, m := range msgs {
+			switch i % 3 {
+			case 0:
+				m.Properties.GroupID = nil
+			case 1:
+				m.Properties.GroupID = &empty
+			case 2:
+				m.Properties.GroupID = &long
+			}
+		}
+		msgs[0].Properties = nil
+		src := fake.New(false, msgs...)
+		lanes := make([]atomic.Int64, 4)
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+			if d.GroupID() != "" && d.GroupID() != long {
+				return errors.New("group-id changed")
+			}
+			lanes[d.Lane()].Add(1)
+			return nil
+		}), amqpsub.WorkersByKey(4))
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		cancel()
+		<-errc
+		if n := src.Count(fake.Accepted); n != 30 {
+			t.Fatalf("accepted %d of 30", n)
+		}
+		busy := 0
+		for i := range lanes {
+			if lanes[i].Load() > 0 {
+				busy++
+			}
+		}
+		if busy != 4 {
+			t.Fatalf("keyless deliveries reached %d of 4 lanes", busy)
+		}
+	})
+}

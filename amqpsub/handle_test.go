@@ -3,7 +3,9 @@ package amqpsub_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"testing/synctest"
@@ -11,6 +13,7 @@ import (
 
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/amqpsubtest"
+	"github.com/amqpsub/amqpsub/internal/fake"
 )
 
 // runToEnd runs sub on q until every message has reached its end.
@@ -115,6 +118,136 @@ func TestMaxMessageSizeOnServiceBusDeadLettersWithAReason(t *testing.T) {
 		}
 		if r.Reason() != "MaxMessageSizeExceeded" || !strings.Contains(r.Description(), "100 bytes") {
 			t.Fatalf("dead-lettered with reason %q, description %q", r.Reason(), r.Description())
+		}
+	})
+}
+
+// LocalRetry ends at once for a delivery whose link was lost: no result of
+// it could be settled, and the broker's redelivery must not wait behind
+// it, nor run beside it.
+func TestLocalRetryEndsWhenTheLinkIsLost(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		first := fake.New(true, fake.Messages(1, "g")...)
+		second := fake.New(true)
+		var calls, afterLoss atomic.Int32
+		var lost atomic.Bool
+		failing := make(chan struct{}, 1)
+		s, err := amqpsub.New(amqpsub.SourcesOf(sources(first, second)), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+			calls.Add(1)
+			if lost.Load() {
+				afterLoss.Add(1)
+			}
+			select {
+			case failing <- struct{}{}:
+			default:
+			}
+			return errors.New("store down")
+		}), amqpsub.WithProfile(amqpsub.Artemis), amqpsub.WorkersByKey(1),
+			amqpsub.LocalRetry(amqpsub.RetryPolicy{Initial: 100 * time.Millisecond, Max: 100 * time.Millisecond, Budget: time.Minute}),
+			amqpsub.Backoff(time.Millisecond, time.Millisecond))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cancel, errc := run(t, s)
+		<-failing
+		time.Sleep(250 * time.Millisecond) // a few retries in the lane
+		lost.Store(true)
+		first.Fail(fake.ErrLinkLost)
+		time.Sleep(10 * time.Second)
+		cancel()
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("handler calls %d, of which %d after the loss", calls.Load(), afterLoss.Load())
+		if afterLoss.Load() > 0 {
+			t.Fatalf("the handler ran %d times after its delivery's link was lost", afterLoss.Load())
+		}
+	})
+}
+
+func TestLocalRetryGivesUpToTheBroker(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(1)...)
+		var calls atomic.Int64
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+			if calls.Add(1) <= 5 {
+				return errors.New("down")
+			}
+			return nil
+		}), amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: 2, Initial: time.Millisecond, Max: time.Millisecond}))
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		time.Sleep(time.Second)
+		cancel()
+		<-errc
+		// 1 call + 2 local retries, then modified; on the redelivery 2
+		// more fail and the third is accepted.
+		if calls.Load() != 6 || src.Count(fake.Modified) != 1 || src.Count(fake.Accepted) != 1 {
+			t.Fatalf("calls %d modified %d accepted %d", calls.Load(), src.Count(fake.Modified), src.Count(fake.Accepted))
+		}
+	})
+}
+
+func TestBatchesAndTheirResults(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		msgs := fake.Messages(10)
+		src := fake.New(true, msgs...)
+		var mu sync.Mutex
+		var sizes []int
+		s, err := amqpsub.NewBatch(amqpsub.SourceOf(src), "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+			mu.Lock()
+			sizes = append(sizes, len(b))
+			mu.Unlock()
+			res := make([]error, len(b))
+			for i, d := range b {
+				if index(d) == 7 && d.DeliveryCount() == 0 {
+					res[i] = amqpsub.Reject("seven")
+				}
+			}
+			return res
+		}), amqpsub.Batch(4, 10*time.Millisecond))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		time.Sleep(10 * time.Millisecond)
+		synctest.Wait()
+		cancel()
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		if fmt.Sprint(sizes) != "[4 4 2]" {
+			t.Fatalf("batch sizes %v, want [4 4 2]", sizes)
+		}
+		if src.Count(fake.Accepted) != 9 || src.Count(fake.Rejected) != 1 {
+			t.Fatalf("accepted %d rejected %d", src.Count(fake.Accepted), src.Count(fake.Rejected))
+		}
+	})
+}
+
+func TestBatchHandlerContractBreachesRetry(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(3)...)
+		var calls atomic.Int64
+		s, _ := amqpsub.NewBatch(amqpsub.SourceOf(src), "q", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+			switch calls.Add(1) {
+			case 1:
+				return make([]error, len(b)+1) // wrong length
+			case 2:
+				panic("batch boom")
+			}
+			return nil
+		}), amqpsub.Batch(3, 10*time.Millisecond))
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		cancel()
+		<-errc
+		if src.Count(fake.Modified) != 6 || src.Count(fake.Accepted) != 3 {
+			t.Fatalf("modified %d accepted %d", src.Count(fake.Modified), src.Count(fake.Accepted))
+		}
+		if s.Stats().Results.Panics != 1 {
+			t.Fatal("panic not counted")
 		}
 	})
 }

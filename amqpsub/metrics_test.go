@@ -262,25 +262,6 @@ func TestWithMetricsNilIsInvalid(t *testing.T) {
 	}
 }
 
-func TestResultOf(t *testing.T) {
-	for _, c := range []struct {
-		err  error
-		want amqpsub.Result
-	}{
-		{nil, amqpsub.ResultAccept},
-		{amqpsub.Release(), amqpsub.ResultRelease},
-		{amqpsub.Reject("x"), amqpsub.ResultReject},
-		{amqpsub.RejectWith("x", "y"), amqpsub.ResultReject},
-		{amqpsub.Retry(errors.New("x")), amqpsub.ResultRetry},
-		{errors.New("x"), amqpsub.ResultRetry},
-		{context.Canceled, amqpsub.ResultRetry},
-	} {
-		if got := amqpsub.ResultOf(c.err); got != c.want {
-			t.Errorf("ResultOf(%v) = %v, want %v", c.err, got, c.want)
-		}
-	}
-}
-
 type infoCatcher struct{ info amqpsub.MetricsInfo }
 
 func (m *infoCatcher) Recorder(i amqpsub.MetricsInfo) amqpsub.Recorder { m.info = i; return nil }

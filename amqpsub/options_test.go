@@ -212,7 +212,7 @@ func TestLargestValidOptionsRun(t *testing.T) {
 	}
 }
 
-// A Delivery stays valid after its handler returned: a goroutine it was
+// BalanceKeys on the whole pipeline: every group in order, one delivery at
 // a time, and nothing held at the end.
 func TestBalanceKeysKeepsGroupOrder(t *testing.T) {
 	for _, batch := range []bool{false, true} {
@@ -332,4 +332,27 @@ func TestServiceBusConnectorChecksItsOptions(t *testing.T) {
 			}
 		})
 	}
+}
+
+// Workers ignores group-ids: deliveries of one group run side by side.
+func TestWorkersIgnoreGroups(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(4, "g")...)
+		gate := make(chan struct{})
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+			<-gate
+			return nil
+		}), amqpsub.Workers(2))
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		if st := s.Stats(); st.Handling != 2 {
+			t.Fatalf("%d handlers run for one group under Workers(2), want 2", st.Handling)
+		}
+		close(gate)
+		synctest.Wait()
+		cancel()
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+	})
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -96,95 +95,6 @@ func TestCloseCutsTheGracePeriodShort(t *testing.T) {
 			cancel()
 		})
 	}
-}
-
-// A broker that accepts the TCP connection but never answers: Run gives up
-// at DialTimeout, with an error that says so.
-func TestDialTimeoutBoundsASilentBroker(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			defer c.Close() // hold it open, say nothing
-		}
-	}()
-	s, _ := amqpsub.New(amqpsub.Dial("amqp://"+ln.Addr().String(), nil), "q",
-		amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
-		amqpsub.DialTimeout(200*time.Millisecond))
-	start := time.Now()
-	err = s.Run(context.Background())
-	if !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("Run = %v, want DeadlineExceeded", err)
-	}
-	if d := time.Since(start); d > 5*time.Second {
-		t.Fatalf("Run took %v with DialTimeout(200ms)", d)
-	}
-}
-
-// An address that does not parse is quoted whole in the error: the password
-// in it is scrubbed all the same.
-func TestUnparsableAddressHidesThePassword(t *testing.T) {
-	s, _ := amqpsub.New(amqpsub.Dial("amqp://alice:s3cr3t%zz@127.0.0.1:1", nil), "q",
-		amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }))
-	err := s.Run(context.Background())
-	// Not a fragment of it either: url.Parse's error quotes the password
-	// partly decoded ("%zz"), where scrubbing cannot find it.
-	if err == nil || strings.Contains(err.Error(), "s3cr3t") || strings.Contains(err.Error(), "%zz") {
-		t.Fatalf("Run = %v: want an error without the password", err)
-	}
-}
-
-func TestLocalRetryGivesUpToTheBroker(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		src := fake.New(true, fake.Messages(1)...)
-		var calls atomic.Int64
-		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
-			if calls.Add(1) <= 5 {
-				return errors.New("down")
-			}
-			return nil
-		}), amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: 2, Initial: time.Millisecond, Max: time.Millisecond}))
-		cancel, errc := run(t, s)
-		synctest.Wait()
-		time.Sleep(time.Second)
-		cancel()
-		<-errc
-		// 1 call + 2 local retries, then modified; on the redelivery 2
-		// more fail and the third is accepted.
-		if calls.Load() != 6 || src.Count(fake.Modified) != 1 || src.Count(fake.Accepted) != 1 {
-			t.Fatalf("calls %d modified %d accepted %d", calls.Load(), src.Count(fake.Modified), src.Count(fake.Accepted))
-		}
-	})
-}
-
-// Workers ignores group-ids: deliveries of one group run side by side.
-func TestWorkersIgnoreGroups(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		src := fake.New(true, fake.Messages(4, "g")...)
-		gate := make(chan struct{})
-		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
-			<-gate
-			return nil
-		}), amqpsub.Workers(2))
-		cancel, errc := run(t, s)
-		synctest.Wait()
-		if st := s.Stats(); st.Handling != 2 {
-			t.Fatalf("%d handlers run for one group under Workers(2), want 2", st.Handling)
-		}
-		close(gate)
-		synctest.Wait()
-		cancel()
-		if err := <-errc; err != nil {
-			t.Fatal(err)
-		}
-	})
 }
 
 // A handler's context cancelled by a stop says so: its cause is
@@ -553,4 +463,227 @@ func TestCloseDuringTheGracePeriodSendsNothingMore(t *testing.T) {
 			t.Fatalf("a settlement was still being sent, and taken, %v after Close", a)
 		}
 	})
+}
+
+// Service Bus (settlers), GracePeriod(0): the accepts of handlers that
+// returned before the stop, and the releases of what no handler had, are
+// all sent before Run returns, though each waits 5 ms for its answer.
+func TestGraceZeroSendsEverySettlementDecidedBeforeTheStop(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const total, done = 256, 175
+		src := fake.New(true, fake.Messages(total)...)
+		src.SettleDelay = 5 * time.Millisecond
+		blocked := make(chan struct{})
+		var calls atomic.Int32
+		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+			calls.Add(1)
+			if index(d) < done {
+				return nil
+			}
+			close(blocked) // the handler of message `done`: the stop comes now
+			<-ctx.Done()
+			return ctx.Err()
+		}), amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(2*time.Second),
+			amqpsub.MaxLockRenewal(0))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cancel, errc := run(t, s)
+		<-blocked
+		start := time.Now()
+		cancel()
+		err = <-errc
+		took := time.Since(start)
+		st := s.Stats()
+		t.Logf("Run = %v after %v; accepted %d, released %d; stats %v", err, took, src.Count(fake.Accepted), src.Count(fake.Released), st)
+		if took > 2*time.Second {
+			t.Fatalf("Run took %v, past GracePeriod(0)+CloseTimeout(2s)", took)
+		}
+		if got := src.Count(fake.Accepted); got != done {
+			t.Errorf("%d accepts reached the broker, want the %d of the handlers that returned before the stop", got, done)
+		}
+		if got := src.Count(fake.Released); got != total-done-1 {
+			t.Errorf("%d releases reached the broker, want the %d deliveries no handler had", got, total-done-1)
+		}
+		if st.Held != 1 || st.Unsent != 0 {
+			t.Errorf("held %d, unsent %d after Run: want 1 (the handler cut short), 0", st.Held, st.Unsent)
+		}
+	})
+}
+
+// Whatever the settlers could not send before the stop's bound is counted
+// as not sent, not lost from the counts: here the service never answers.
+func TestStopCountsSettlementsItCouldNotSend(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(10)...)
+		src.SettleErr = func(ctx context.Context, _ *amqp.Message) error { <-ctx.Done(); return ctx.Err() }
+		var handled atomic.Int32
+		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+			handled.Add(1)
+			return nil
+		}), amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(time.Second),
+			amqpsub.SettleTimeout(time.Minute), amqpsub.MaxLockRenewal(0))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		start := time.Now()
+		cancel()
+		err = <-errc
+		took := time.Since(start)
+		st := s.Stats()
+		t.Logf("Run = %v after %v; stats %v", err, took, st)
+		if took > time.Second {
+			t.Fatalf("Run took %v, past CloseTimeout(1s)", took)
+		}
+		if handled.Load() != 10 || st.Results.Accept != 10 {
+			t.Fatalf("handled %d, accepted results %d; want 10", handled.Load(), st.Results.Accept)
+		}
+		if st.Unsent != 10 || st.Held != 0 {
+			t.Errorf("unsent %d, held %d after Run; want 10, 0", st.Unsent, st.Held)
+		}
+	})
+}
+
+// GracePeriod(0) on a broker settled on the pump's goroutine (Artemis):
+// an accept stuck in the link (a peer that stopped reading: go-amqp waits
+// for the write, whatever the ctx) must not hold Run past GracePeriod +
+// CloseTimeout.
+func TestGraceZeroStopWithASettlementStuckInTheLink(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(4)...)
+		stuck, unstick := make(chan struct{}), make(chan struct{})
+		var once sync.Once
+		src.SettleErr = func(context.Context, *amqp.Message) error {
+			once.Do(func() { close(stuck) })
+			<-unstick // ignores ctx, as a blocked write does
+			return nil
+		}
+		defer close(unstick)
+		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.WithProfile(amqpsub.Artemis), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(time.Second))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cancel, errc := run(t, s)
+		<-stuck
+		start := time.Now()
+		cancel()
+		select {
+		case err := <-errc:
+			t.Logf("Run = %v after %v", err, time.Since(start))
+			if d := time.Since(start); d > time.Second {
+				t.Fatalf("Run took %v, past GracePeriod(0)+CloseTimeout(1s)", d)
+			}
+		case <-time.After(time.Hour):
+			t.Fatalf("Run had not returned 1 h after the stop")
+		}
+	})
+}
+
+func TestShutdownReleasesBufferedAndSettlesInProgress(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(50)...)
+		var started atomic.Int64
+		finish := make(chan struct{})
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+			started.Add(1)
+			<-finish
+			return ctx.Err() // nil unless the grace period ran out
+		}), amqpsub.Credit(20), amqpsub.Workers(2))
+		_, errc := run(t, s)
+		synctest.Wait()
+		shut := make(chan error, 1)
+		go func() { shut <- s.Shutdown(context.Background()) }()
+		synctest.Wait()
+		if n := src.Count(fake.Released); n != 18 {
+			t.Fatalf("released %d at shutdown, want the 18 buffered", n)
+		}
+		close(finish)
+		if err := <-shut; err != nil {
+			t.Fatal(err)
+		}
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		if started.Load() != 2 || src.Count(fake.Accepted) != 2 {
+			t.Fatalf("handlers started %d, accepted %d", started.Load(), src.Count(fake.Accepted))
+		}
+		if err := s.Shutdown(context.Background()); err != nil {
+			t.Fatalf("second Shutdown: %v", err)
+		}
+		if err := s.Close(); err != nil {
+			t.Fatalf("Close after Shutdown: %v", err)
+		}
+		if err := s.Run(context.Background()); !errors.Is(err, amqpsub.ErrClosed) {
+			t.Fatalf("second Run = %v", err)
+		}
+	})
+}
+
+func TestGracePeriodCancelsHandlers(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(5)...)
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+			<-ctx.Done()
+			return ctx.Err()
+		}), amqpsub.Credit(5), amqpsub.GracePeriod(2*time.Second))
+		cancel, errc := run(t, s)
+		synctest.Wait()
+		start := time.Now()
+		cancel()
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		if d := time.Since(start); d != 2*time.Second {
+			t.Fatalf("stopped after %v, want the 2 s grace", d)
+		}
+		// The handler's delivery was left for the broker to redeliver.
+		if n := src.Count(fake.Accepted) + src.Count(fake.Modified); n != 0 {
+			t.Fatalf("%d settled after the grace period", n)
+		}
+	})
+}
+
+func TestCloseStopsAtOnce(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(5)...)
+		var cancelled atomic.Bool
+		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+			<-ctx.Done()
+			cancelled.Store(true)
+			return ctx.Err()
+		}))
+		_, errc := run(t, s)
+		synctest.Wait()
+		start := time.Now()
+		s.Close()
+		s.Close()
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		if time.Since(start) != 0 || !cancelled.Load() {
+			t.Fatal("Close did not cancel the handler at once")
+		}
+	})
+}
+
+func TestShutdownBeforeRun(t *testing.T) {
+	s, _ := amqpsub.New(nowhere, "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }))
+	if err := s.Shutdown(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Run(context.Background()); !errors.Is(err, amqpsub.ErrClosed) {
+		t.Fatalf("Run = %v", err)
+	}
+	// Run has returned: Done says so (amqpsubtest's Drain waits on it).
+	select {
+	case <-s.Done():
+	default:
+		t.Fatal("Run returned ErrClosed, but Done is not closed")
+	}
+	if err := s.Run(context.Background()); !errors.Is(err, amqpsub.ErrClosed) {
+		t.Fatalf("second Run = %v", err)
+	}
 }

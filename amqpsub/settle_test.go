@@ -1,12 +1,14 @@
 package amqpsub_test
 
-// Settlements: their order within a group, what a stop sends of them, and
-// the bound of a stop whose settlement is stuck in the link.
+// Settlements: what each handler result settles as under each profile,
+// their order within a group, and one the broker does not answer holding up
+// no other. What a stop sends of them is Run's, in run_test.go.
 
 import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -18,87 +20,6 @@ import (
 	"github.com/amqpsub/amqpsub/internal/fake"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
 )
-
-// Service Bus (settlers), GracePeriod(0): the accepts of handlers that
-// returned before the stop, and the releases of what no handler had, are
-// all sent before Run returns, though each waits 5 ms for its answer.
-func TestGraceZeroSendsEverySettlementDecidedBeforeTheStop(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		const total, done = 256, 175
-		src := fake.New(true, fake.Messages(total)...)
-		src.SettleDelay = 5 * time.Millisecond
-		blocked := make(chan struct{})
-		var calls atomic.Int32
-		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
-			calls.Add(1)
-			if index(d) < done {
-				return nil
-			}
-			close(blocked) // the handler of message `done`: the stop comes now
-			<-ctx.Done()
-			return ctx.Err()
-		}), amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(2*time.Second),
-			amqpsub.MaxLockRenewal(0))
-		if err != nil {
-			t.Fatal(err)
-		}
-		cancel, errc := run(t, s)
-		<-blocked
-		start := time.Now()
-		cancel()
-		err = <-errc
-		took := time.Since(start)
-		st := s.Stats()
-		t.Logf("Run = %v after %v; accepted %d, released %d; stats %v", err, took, src.Count(fake.Accepted), src.Count(fake.Released), st)
-		if took > 2*time.Second {
-			t.Fatalf("Run took %v, past GracePeriod(0)+CloseTimeout(2s)", took)
-		}
-		if got := src.Count(fake.Accepted); got != done {
-			t.Errorf("%d accepts reached the broker, want the %d of the handlers that returned before the stop", got, done)
-		}
-		if got := src.Count(fake.Released); got != total-done-1 {
-			t.Errorf("%d releases reached the broker, want the %d deliveries no handler had", got, total-done-1)
-		}
-		if st.Held != 1 || st.Unsent != 0 {
-			t.Errorf("held %d, unsent %d after Run: want 1 (the handler cut short), 0", st.Held, st.Unsent)
-		}
-	})
-}
-
-// Whatever the settlers could not send before the stop's bound is counted
-// as not sent, not lost from the counts: here the service never answers.
-func TestStopCountsSettlementsItCouldNotSend(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		src := fake.New(true, fake.Messages(10)...)
-		src.SettleErr = func(ctx context.Context, _ *amqp.Message) error { <-ctx.Done(); return ctx.Err() }
-		var handled atomic.Int32
-		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
-			handled.Add(1)
-			return nil
-		}), amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(time.Second),
-			amqpsub.SettleTimeout(time.Minute), amqpsub.MaxLockRenewal(0))
-		if err != nil {
-			t.Fatal(err)
-		}
-		cancel, errc := run(t, s)
-		synctest.Wait()
-		start := time.Now()
-		cancel()
-		err = <-errc
-		took := time.Since(start)
-		st := s.Stats()
-		t.Logf("Run = %v after %v; stats %v", err, took, st)
-		if took > time.Second {
-			t.Fatalf("Run took %v, past CloseTimeout(1s)", took)
-		}
-		if handled.Load() != 10 || st.Results.Accept != 10 {
-			t.Fatalf("handled %d, accepted results %d; want 10", handled.Load(), st.Results.Accept)
-		}
-		if st.Unsent != 10 || st.Held != 0 {
-			t.Errorf("unsent %d, held %d after Run; want 10, 0", st.Unsent, st.Held)
-		}
-	})
-}
 
 // The settlements of a group reach the broker in the order its messages
 // were handled, though each waits for an answer and a later one is
@@ -141,85 +62,6 @@ func TestSettlementsOfAGroupKeepTheirOrder(t *testing.T) {
 				t.Fatalf("group %s: message %d settled after message %d", g, i, last[g])
 			}
 			last[g] = i
-		}
-	})
-}
-
-// GracePeriod(0) on a broker settled on the pump's goroutine (Artemis):
-// an accept stuck in the link (a peer that stopped reading: go-amqp waits
-// for the write, whatever the ctx) must not hold Run past GracePeriod +
-// CloseTimeout.
-func TestGraceZeroStopWithASettlementStuckInTheLink(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		src := fake.New(true, fake.Messages(4)...)
-		stuck, unstick := make(chan struct{}), make(chan struct{})
-		var once sync.Once
-		src.SettleErr = func(context.Context, *amqp.Message) error {
-			once.Do(func() { close(stuck) })
-			<-unstick // ignores ctx, as a blocked write does
-			return nil
-		}
-		defer close(unstick)
-		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
-			amqpsub.WithProfile(amqpsub.Artemis), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(time.Second))
-		if err != nil {
-			t.Fatal(err)
-		}
-		cancel, errc := run(t, s)
-		<-stuck
-		start := time.Now()
-		cancel()
-		select {
-		case err := <-errc:
-			t.Logf("Run = %v after %v", err, time.Since(start))
-			if d := time.Since(start); d > time.Second {
-				t.Fatalf("Run took %v, past GracePeriod(0)+CloseTimeout(1s)", d)
-			}
-		case <-time.After(time.Hour):
-			t.Fatalf("Run had not returned 1 h after the stop")
-		}
-	})
-}
-
-// LocalRetry ends at once for a delivery whose link was lost: no result of
-// it could be settled, and the broker's redelivery must not wait behind
-// it, nor run beside it.
-func TestLocalRetryEndsWhenTheLinkIsLost(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		first := fake.New(true, fake.Messages(1, "g")...)
-		second := fake.New(true)
-		var calls, afterLoss atomic.Int32
-		var lost atomic.Bool
-		failing := make(chan struct{}, 1)
-		s, err := amqpsub.New(amqpsub.SourcesOf(sources(first, second)), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
-			calls.Add(1)
-			if lost.Load() {
-				afterLoss.Add(1)
-			}
-			select {
-			case failing <- struct{}{}:
-			default:
-			}
-			return errors.New("store down")
-		}), amqpsub.WithProfile(amqpsub.Artemis), amqpsub.WorkersByKey(1),
-			amqpsub.LocalRetry(amqpsub.RetryPolicy{Initial: 100 * time.Millisecond, Max: 100 * time.Millisecond, Budget: time.Minute}),
-			amqpsub.Backoff(time.Millisecond, time.Millisecond))
-		if err != nil {
-			t.Fatal(err)
-		}
-		cancel, errc := run(t, s)
-		<-failing
-		time.Sleep(250 * time.Millisecond) // a few retries in the lane
-		lost.Store(true)
-		first.Fail(fake.ErrLinkLost)
-		time.Sleep(10 * time.Second)
-		cancel()
-		if err := <-errc; err != nil {
-			t.Fatal(err)
-		}
-		t.Logf("handler calls %d, of which %d after the loss", calls.Load(), afterLoss.Load())
-		if afterLoss.Load() > 0 {
-			t.Fatalf("the handler ran %d times after its delivery's link was lost", afterLoss.Load())
 		}
 	})
 }
@@ -308,4 +150,75 @@ func tokenOf(i int) amqp.UUID {
 	binary.BigEndian.PutUint64(tag[8:], uint64(i+1))
 	u, _ := servicebus.LockToken(tag)
 	return u
+}
+
+func TestHandlerResultsSettleAsDocumented(t *testing.T) {
+	for _, tc := range []struct {
+		profile amqpsub.Profile
+		retry   fake.Outcome
+	}{{amqpsub.Artemis, fake.Modified}, {amqpsub.RabbitMQ3, fake.Released}, {amqpsub.Generic, fake.Modified}} {
+		t.Run(tc.profile.String(), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				results := []func() error{
+					func() error { return nil },
+					func() error { return amqpsub.Release() },
+					func() error { return amqpsub.Retry(errors.New("try later")) },
+					func() error { return fmt.Errorf("wrapped: %w", amqpsub.Reject("bad order")) },
+					func() error { return errors.New("plain error") },
+					func() error { panic("boom") },
+				}
+				msgs := fake.Messages(len(results))
+				src := fake.New(true, msgs...)
+				var mu sync.Mutex
+				seen := map[int]int{}
+				s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+					i := index(d)
+					mu.Lock()
+					seen[i]++
+					again := seen[i] > 1
+					mu.Unlock()
+					if again {
+						return nil // a redelivery: accept it
+					}
+					return results[i]()
+				}), amqpsub.WithProfile(tc.profile))
+				if err != nil {
+					t.Fatal(err)
+				}
+				cancel, errc := run(t, s)
+				synctest.Wait()
+				cancel()
+				if err := <-errc; err != nil {
+					t.Fatalf("Run = %v", err)
+				}
+				first := map[*amqp.Message]fake.Settlement{}
+				for _, st := range src.Settlements() {
+					if _, ok := first[st.Msg]; !ok {
+						first[st.Msg] = st
+					}
+				}
+				want := []fake.Outcome{fake.Accepted, fake.Released, tc.retry, fake.Rejected, tc.retry, tc.retry}
+				for i, m := range msgs {
+					st := first[m]
+					if st.Outcome != want[i] {
+						t.Errorf("result %d settled %s, want %s", i, st.Outcome, want[i])
+					}
+					if st.Outcome == fake.Modified && !st.DeliveryFailed {
+						t.Errorf("result %d: modified without delivery-failed", i)
+					}
+				}
+				if st := first[msgs[3]]; st.Error == nil || st.Error.Description != "bad order" || st.Error.Condition != amqpsub.RejectCondition {
+					t.Errorf("reject carried %+v", st.Error)
+				}
+				stats := s.Stats()
+				if stats.Results.Panics != 1 || stats.Results.Retry != 3 || stats.Results.Reject != 1 || stats.Results.Release != 1 {
+					t.Errorf("stats %+v", stats)
+				}
+				// 0 at once; 1, 2, 4 and 5 when redelivered; 3 was rejected.
+				if stats.Settled.Accepted != 5 {
+					t.Errorf("accepted %d, want 5", stats.Settled.Accepted)
+				}
+			})
+		})
+	}
 }

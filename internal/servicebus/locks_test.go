@@ -643,3 +643,201 @@ func sortedInts(xs []int) []int {
 	}
 	return out
 }
+
+// The book reports lost locks after it let go of its mutex, so a ticket
+// it reports may name an entry that holds the next delivery by then (two
+// locks expire in one round; while the book reports the first, the second's
+// handler settles and its entry is reused). OnLost gets the message as it
+// entered the book, and LoseLock reports that the ticket is stale, so that
+// amqpsub never names a delivery whose lock is fine.
+func TestOnLostNamesTheMessageThatLostItsLock(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		svc := newService(2 * time.Second)
+		src := fake.New(true, svc.message(0), svc.message(1))
+		var p *pump.Pump
+		var mu sync.Mutex
+		tickets := map[int]pump.Ticket{}
+		var reported []string
+		first := true
+		cfg := servicebus.BookConfig{Renewer: svc, MaxRenewal: time.Nanosecond}
+		cfg.OnLost = func(tk pump.Ticket, m *amqp.Message, _ error) {
+			mu.Lock()
+			defer mu.Unlock()
+			if first {
+				first = false
+				// While the book reports this one, the other's handler
+				// returns and the pump reuses its entry for message 100.
+				for i, other := range tickets {
+					if other != tk {
+						p.Settle(other, pump.Outcome{Kind: pump.Accept})
+						src.Push(svc.message(100))
+						next := <-p.Out()
+						tickets[100] = next
+						_ = i
+					}
+				}
+			}
+			// What amqpsub's pipe.lockLost reports.
+			if p.LoseLock(tk) {
+				reported = append(reported, fmt.Sprint(m.Value))
+			}
+		}
+		book := servicebus.NewBook(cfg)
+		p = pump.New(pump.Config{Credit: 256, Leases: book})
+		ctx, cancel := context.WithCancel(context.Background())
+		var wg sync.WaitGroup
+		wg.Go(func() { _ = p.Run(ctx, func(context.Context, error) (pump.Source, error) { return src, nil }) })
+		wg.Go(func() { book.Run(ctx) })
+		for range 2 {
+			tk := <-p.Out()
+			tk.Begin()
+			book.Bind(tk, func(error) {})
+			mu.Lock()
+			tickets[tk.Message().Value.(int)] = tk
+			mu.Unlock()
+		}
+		time.Sleep(3 * time.Second) // both locks expire unrenewed (MaxRenewal)
+		synctest.Wait()
+		cancel()
+		wg.Wait()
+		mu.Lock()
+		defer mu.Unlock()
+		t.Logf("lock lost reported for messages %v; book stats %+v", reported, book.Stats())
+		// Two locks lost; the second's entry was reused before the book
+		// reported it, so only the first is reported.
+		if len(reported) != 1 {
+			t.Fatalf("lock losses reported for %v; want only the first of the two", reported)
+		}
+		for _, r := range reported {
+			if r != "0" && r != "1" {
+				t.Fatalf("a lock loss reported for message %s, delivered after the loss and holding a live lock: reported %v", r, reported)
+			}
+		}
+	})
+}
+
+// However the service answers a batch that holds one lost lock — refused
+// whole with 410 or 400, or renewed in part with fewer expirations than
+// tokens — the book asks token by token before it declares any lock lost:
+// only the lost one is reported, and the other 255 stay renewed.
+func TestAMixedBatchLosesOnlyItsLostLock(t *testing.T) {
+	for _, mode := range []string{"410", "400", "partial"} {
+		t.Run(mode, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				svc := newService(4 * time.Second)
+				svc.mixed = mode
+				r := newRig(t, svc, 256, servicebus.BookConfig{})
+				synctest.Wait()
+				svc.mu.Lock()
+				svc.lost[token(100)] = true
+				svc.mu.Unlock()
+				time.Sleep(20 * time.Second) // ten lock durations
+				st := r.book.Stats()
+				r.stop()
+				if r.lostOnes() != "[100]" || st.Lost != 1 || svc.expired != 0 {
+					t.Fatalf("lost %s (%d renewals too late), stats %+v", r.lostOnes(), svc.expired, st)
+				}
+				if st.Split != 1 || st.Held != 255 {
+					t.Fatalf("stats %+v: want 1 split batch, 255 held", st)
+				}
+				t.Logf("%s: %d requests, %d tokens sent, %d renewed", mode, st.Requests, st.RequestTokens, st.Renewed)
+			})
+		})
+	}
+}
+
+// A single token answered 400, or with no expiration, is a failed renewal,
+// not a lost lock: it is tried again, and renewed once the service answers.
+func TestASingleTokenRefusedWith400IsTriedAgain(t *testing.T) {
+	for _, answer := range []error{
+		fmt.Errorf("status 400: %w", servicebus.ErrBadRequest),
+		nil, // 200 with no expirations
+	} {
+		synctest.Test(t, func(t *testing.T) {
+			svc := newService(4 * time.Second)
+			var mu sync.Mutex
+			bad := 2 // the first two requests
+			rn := renewerFunc(func(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
+				mu.Lock()
+				defer mu.Unlock()
+				if bad > 0 {
+					bad--
+					return nil, answer
+				}
+				return svc.RenewLocks(ctx, tokens)
+			})
+			r := newRig(t, svc, 1, servicebus.BookConfig{Renewer: rn})
+			time.Sleep(20 * time.Second)
+			st := r.book.Stats()
+			r.stop()
+			if r.lostOnes() != "[]" || st.Failures != 2 || st.Renewed == 0 {
+				t.Fatalf("answer %v: lost %s, stats %+v", answer, r.lostOnes(), st)
+			}
+		})
+	}
+}
+
+type renewerFunc func(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error)
+
+func (f renewerFunc) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
+	return f(ctx, tokens)
+}
+
+// A server-busy answer holds every renewal back for ServerBusyWait (10 s,
+// the .NET clients' ServerBusyBaseSleepTime), then renewal goes on: with
+// 60 s locks, none is lost.
+func TestServerBusyHoldsRenewalsBackTenSeconds(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		svc := newService(60 * time.Second)
+		var mu sync.Mutex
+		var at []time.Time
+		busy := 1
+		rn := renewerFunc(func(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
+			mu.Lock()
+			at = append(at, time.Now())
+			b := busy > 0
+			busy--
+			mu.Unlock()
+			if b {
+				return nil, fmt.Errorf("status 503: %w", servicebus.ErrServerBusy)
+			}
+			return svc.RenewLocks(ctx, tokens)
+		})
+		r := newRig(t, svc, 10, servicebus.BookConfig{Renewer: rn})
+		time.Sleep(2 * time.Minute)
+		st := r.book.Stats()
+		r.stop()
+		mu.Lock()
+		defer mu.Unlock()
+		if len(at) < 2 {
+			t.Fatalf("%d requests", len(at))
+		}
+		if gap := at[1].Sub(at[0]); gap < servicebus.ServerBusyWait {
+			t.Fatalf("the request after server-busy went out %v later, want ≥ %v", gap, servicebus.ServerBusyWait)
+		}
+		if r.lostOnes() != "[]" || st.ServerBusy != 1 || st.Renewed < 10 {
+			t.Fatalf("lost %s, stats %+v", r.lostOnes(), st)
+		}
+	})
+}
+
+// A lock that would expire during the server-busy wait is reported lost
+// when it expires, not later.
+func TestALockExpiringDuringTheServerBusyWaitIsLostOnTime(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		svc := newService(4 * time.Second)
+		svc.fail = fmt.Errorf("status 503: %w", servicebus.ErrServerBusy)
+		start := time.Now()
+		var lostAt time.Time
+		r := newRig(t, svc, 1, servicebus.BookConfig{})
+		for r.lostOnes() == "[]" && time.Since(start) < time.Minute {
+			time.Sleep(100 * time.Millisecond)
+		}
+		lostAt = time.Now()
+		st := r.book.Stats()
+		r.stop()
+		if r.lostOnes() != "[0]" || lostAt.Sub(start) > 4*time.Second+200*time.Millisecond || st.Requests != 1 {
+			t.Fatalf("lost %s after %v, stats %+v", r.lostOnes(), lostAt.Sub(start), st)
+		}
+	})
+}

@@ -98,3 +98,66 @@ func TestASettlementQueuedWhenItsLinkIsLostIsStale(t *testing.T) {
 		}
 	})
 }
+
+// With receiver settle mode second every settlement waits a round trip;
+// settlers keep many in flight, so the pump is not capped at one per round
+// trip.
+func TestSettlersKeepSettlementsInFlight(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const n, rtt = 1000, 5 * time.Millisecond
+		src := fake.New(true, fake.Messages(n)...)
+		src.SettleDelay = rtt
+		p := pump.New(pump.Config{Credit: 64, Settlers: 16})
+		cancel, errc := start(t, p, attachTo(src))
+		begin := time.Now()
+		for range n {
+			p.Settle(<-p.Out(), pump.Outcome{Kind: pump.Accept})
+		}
+		for src.Count(fake.Accepted) < n {
+			time.Sleep(rtt)
+		}
+		took := time.Since(begin)
+		// One at a time: n × rtt = 5 s. Sixteen at a time: about n/16 × rtt.
+		if took > n*rtt/10 {
+			t.Fatalf("%d settlements of %v each took %v", n, rtt, took)
+		}
+		synctest.Wait()
+		if st := p.Stats(); st.Accepted != n || st.Held != 0 || st.MaxHeld > 64 {
+			t.Fatalf("stats %+v", st)
+		}
+		cancel()
+		<-errc
+	})
+}
+
+// A settlement the broker answers late is bounded by SettleTimeout and
+// counted; one answered with lock-lost is counted, not retried.
+func TestSettlementsAnsweredLateOrWithLockLost(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		msgs := fake.Messages(3)
+		src := fake.New(true, msgs...)
+		src.SettleErr = func(ctx context.Context, m *amqp.Message) error {
+			switch m {
+			case msgs[1]:
+				return &amqp.Error{Condition: pump.ErrCondLockLost, Description: "the lock supplied is invalid"}
+			case msgs[2]:
+				<-ctx.Done() // never answered
+				return ctx.Err()
+			}
+			return nil
+		}
+		p := pump.New(pump.Config{Credit: 4, Settlers: 2, SettleTimeout: time.Second})
+		cancel, errc := start(t, p, attachTo(src))
+		for range 3 {
+			p.Settle(<-p.Out(), pump.Outcome{Kind: pump.Accept})
+		}
+		time.Sleep(2 * time.Second)
+		synctest.Wait()
+		st := p.Stats()
+		if st.Accepted != 1 || st.LockLostAnswers != 1 || st.SettleTimeouts != 1 || st.Held != 0 {
+			t.Fatalf("stats %+v", st)
+		}
+		cancel()
+		<-errc
+	})
+}

@@ -351,7 +351,7 @@ func (k *sbKind) settle(t pump.Ticket, o pump.Outcome, lane int) {
 	case g != "":
 		k.p.pump.SettleInOrder(t, o, xxhash.Sum64String(g))
 	case k.s.cfg.byKey && lane >= 0:
-		k.p.pump.SettleInOrder(t, o, uint64(lane)) //nolint:gosec // G115: lane ≥ 0, checked just before
+		k.p.pump.SettleInOrder(t, o, uint64(lane))
 	default:
 		k.p.pump.Settle(t, o)
 	}

@@ -176,20 +176,22 @@ stop_pid() {
   wait_gone "$pid" 10
 }
 
-# cached_or_lock ARTIFACT DIR: a build script's cache check. When ARTIFACT
-# (a file) exists and is not empty, print its path and exit 0; otherwise
-# take an exclusive flock on DIR/.lock (FD 9, held until the script exits:
-# a concurrent build of the same thing is waited for), and check again.
-# Returns when the caller has to build ARTIFACT.
+# cached_or_lock ARTIFACT DIR [TEST]: a build script's cache check. When
+# ARTIFACT passes `test TEST` (default -s: it exists and is not empty; -x
+# for a program), print its path and exit 0; otherwise take an exclusive
+# flock on DIR/.lock (FD 9, held until the script exits: a concurrent build
+# of the same thing is waited for), and check again. Returns when the
+# caller has to build ARTIFACT.
 cached_or_lock() {
-  if [ -s "$1" ]; then
+  local t=${3:--s}
+  if [ "$t" "$1" ]; then
     echo "$1"
     exit 0
   fi
   mkdir -p "$2"
   exec 9>"$2/.lock"
   flock 9
-  if [ -s "$1" ]; then # built by a concurrent call while we waited
+  if [ "$t" "$1" ]; then # built by a concurrent call while we waited
     echo "$1"
     exit 0
   fi

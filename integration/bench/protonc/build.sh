@@ -39,7 +39,7 @@ hash=$(cat "$DIR/build.sh" "$DIR/receive.c.patch" "$SRC" | sha256sum | cut -c1-1
 OUT="$CACHE/bench-protonc/$hash"
 BIN="$OUT/receive"
 
-cached_or_lock "$BIN" "$CACHE/bench-protonc"
+cached_or_lock "$BIN" "$CACHE/bench-protonc" -x
 
 for t in gcc patch pkg-config; do
   command -v "$t" >/dev/null || die "$t not found (bash integration/prereqs.sh bench)"

@@ -263,9 +263,10 @@ func LinkName(name string) Option {
 // opens ([Dial], [DialFailover], [ServiceBus], [ServiceBusWithToken]): the
 // broker is asked to send a frame at least every half of it, and a
 // connection that stays silent for longer is taken as lost (a half-open TCP
-// connection is found that way) and reconnected. With Dial and
-// DialFailover it applies when their amqp.ConnOptions leave IdleTimeout
-// at 0; a connection given with [Conn] keeps its own. Must be ≥ 100 ms: below that a
+// connection is found that way) and reconnected.
+//
+// With Dial and DialFailover it applies when their amqp.ConnOptions leave
+// IdleTimeout at 0; a connection given with [Conn] keeps its own. Must be ≥ 100 ms: below that a
 // broker's heartbeats cannot keep a healthy connection alive. Default: 30 s.
 func IdleTimeout(d time.Duration) Option {
 	return checked("IdleTimeout", d, d >= 100*time.Millisecond, "must be ≥ 100ms", func(c *config) {

@@ -173,8 +173,9 @@ func (k *sbKind) release(ctx context.Context, l *link, why error, detach func())
 // "wait": no session became free before the service's timeout
 // (com.microsoft:timeout: ask again at once), or the session asked for is
 // held by another receiver (com.microsoft:session-cannot-be-locked: ask
-// again after servicebus.SessionLockedWait). Either way the next attach
-// goes on the same connection, with its claims and their refresher, as
+// again after servicebus.SessionLockedWait).
+//
+// Either way the next attach goes on the same connection, with its claims and their refresher, as
 // azservicebus asks for the next session on the connection it has (its
 // amqpLinks.go closes the refused link's AMQP session, never the
 // connection).

@@ -266,8 +266,9 @@ func LinkName(name string) Option {
 // connection is found that way) and reconnected.
 //
 // With Dial and DialFailover it applies when their amqp.ConnOptions leave
-// IdleTimeout at 0; a connection given with [Conn] keeps its own. Must be ≥ 100 ms: below that a
-// broker's heartbeats cannot keep a healthy connection alive. Default: 30 s.
+// IdleTimeout at 0; a connection given with [Conn] keeps its own. Must be
+// ≥ 100 ms: below that a broker's heartbeats cannot keep a healthy
+// connection alive. Default: 30 s.
 func IdleTimeout(d time.Duration) Option {
 	return checked("IdleTimeout", d, d >= 100*time.Millisecond, "must be ≥ 100ms", func(c *config) {
 		c.idleTimeout = d

@@ -2,6 +2,7 @@ package amqpsub
 
 import (
 	"fmt"
+	"math"
 	"time"
 
 	"go.uber.org/zap"
@@ -253,6 +254,10 @@ func Logger(l *zap.Logger) Option {
 	})
 }
 
+// maxIdleTimeout is the longest IdleTimeout: go-amqp advertises half of it
+// in the open frame, as an AMQP uint of milliseconds.
+const maxIdleTimeout = 2 * math.MaxUint32 * time.Millisecond
+
 // LinkName sets the receiver link's name. Default: a random name chosen by
 // go-amqp.
 func LinkName(name string) Option {
@@ -266,13 +271,17 @@ func LinkName(name string) Option {
 // connection is found that way) and reconnected.
 //
 // With Dial and DialFailover it applies when their amqp.ConnOptions leave
-// IdleTimeout at 0; a connection given with [Conn] keeps its own. Must be
-// ≥ 100 ms: below that a broker's heartbeats cannot keep a healthy
-// connection alive. Default: 30 s.
+// IdleTimeout at 0; a connection given with [Conn] keeps its own.
+//
+// Must be between 100 ms and about 99 days (2386h5m34.59s): below that a
+// broker's heartbeats cannot keep a healthy connection alive; above it,
+// half of it, which is what the broker is told, no longer fits AMQP's
+// 32-bit count of milliseconds. Default: 30 s.
 func IdleTimeout(d time.Duration) Option {
-	return checked("IdleTimeout", d, d >= 100*time.Millisecond, "must be ≥ 100ms", func(c *config) {
-		c.idleTimeout = d
-	})
+	return checked("IdleTimeout", d, d >= 100*time.Millisecond && d <= maxIdleTimeout,
+		"must be between 100ms and "+maxIdleTimeout.String(), func(c *config) {
+			c.idleTimeout = d
+		})
 }
 
 // Backoff bounds the waits between reconnect attempts after a lost link or

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"sync"
 	"sync/atomic"
 
@@ -56,10 +57,11 @@ type Subscriber struct {
 
 // New returns a [Subscriber] that consumes queue from the broker c connects
 // to and passes each delivery to h. Options it is given are validated here:
-// an invalid one gives an error wrapping [ErrInvalidOption]. Nothing connects
-// until Run.
+// an invalid one gives an error wrapping [ErrInvalidOption], as does a nil
+// h, HandlerFunc(nil) or a nil pointer (a handler that would panic on every
+// delivery). Nothing connects until Run.
 func New(c Connector, queue string, h Handler, opts ...Option) (*Subscriber, error) {
-	if h == nil {
+	if isNil(h) {
 		return nil, fmt.Errorf("%w: nil Handler", ErrInvalidOption)
 	}
 	s, err := build(c, queue, opts, false)
@@ -74,7 +76,7 @@ func New(c Connector, queue string, h Handler, opts ...Option) (*Subscriber, err
 // sized by the [Batch] option. With [WorkersByKey], batches are assembled per
 // lane, so the order of each group holds across batches.
 func NewBatch(c Connector, queue string, h BatchHandler, opts ...Option) (*Subscriber, error) {
-	if h == nil {
+	if isNil(h) {
 		return nil, fmt.Errorf("%w: nil BatchHandler", ErrInvalidOption)
 	}
 	s, err := build(c, queue, opts, true)
@@ -198,4 +200,19 @@ func (s *Subscriber) Done() <-chan struct{} { return s.done }
 // AzureServiceBus profile, say.
 type validator interface {
 	validate(cfg *config, queue string)
+}
+
+// isNil reports whether h is nil, or an interface holding a nil func,
+// pointer, map, channel or slice (HandlerFunc(nil), a nil *T): a handler
+// that would panic on every call, and retry every message until the broker
+// dead-letters it.
+func isNil(h any) bool {
+	if h == nil {
+		return true
+	}
+	switch v := reflect.ValueOf(h); v.Kind() {
+	case reflect.Func, reflect.Pointer, reflect.Map, reflect.Chan, reflect.Slice, reflect.Interface:
+		return v.IsNil()
+	}
+	return false
 }

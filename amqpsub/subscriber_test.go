@@ -112,3 +112,30 @@ func TestHeldNeverExceedsCredit(t *testing.T) {
 		}
 	})
 }
+
+type nilHandler struct{ n int }
+
+func (h *nilHandler) Handle(context.Context, *amqpsub.Delivery) error { h.n++; return nil }
+
+func (h *nilHandler) HandleBatch(context.Context, []*amqpsub.Delivery) []error { h.n++; return nil }
+
+// A handler that would panic on every call (nil, HandlerFunc(nil), a nil
+// pointer) is refused by New and NewBatch, rather than retrying every
+// message until the broker dead-letters it.
+func TestNilHandlersAreRefused(t *testing.T) {
+	c := amqpsub.Dial("amqp://127.0.0.1:1", nil)
+	var np *nilHandler
+	for name, h := range map[string]amqpsub.Handler{"nil": nil, "HandlerFunc(nil)": amqpsub.HandlerFunc(nil), "nil *T": np} {
+		if _, err := amqpsub.New(c, "q", h); !errors.Is(err, amqpsub.ErrInvalidOption) {
+			t.Errorf("New with a %s handler: %v, want ErrInvalidOption", name, err)
+		}
+	}
+	for name, h := range map[string]amqpsub.BatchHandler{"nil": nil, "BatchHandlerFunc(nil)": amqpsub.BatchHandlerFunc(nil), "nil *T": np} {
+		if _, err := amqpsub.NewBatch(c, "q", h, amqpsub.Batch(10, time.Millisecond)); !errors.Is(err, amqpsub.ErrInvalidOption) {
+			t.Errorf("NewBatch with a %s handler: %v, want ErrInvalidOption", name, err)
+		}
+	}
+	if _, err := amqpsub.New(c, "q", &nilHandler{}); err != nil {
+		t.Errorf("New with a handler: %v", err)
+	}
+}

@@ -15,7 +15,8 @@ import (
 // Settling → Free once the pump has applied it. The pump moves a Buffered
 // entry to [Dropped] when the delivery can no longer be settled (its link was
 // lost): it stops counting it as held at once, and the consumer that later
-// finds it hands it to Settle, which only frees the entry.
+// finds it hands it to Settle, which moves it to [Reclaiming] until the
+// pump frees the entry.
 type State int32
 
 const (
@@ -30,9 +31,13 @@ const (
 	// Dropped means no longer held (its link was lost); the entry waits for the
 	// consumer that still has it to pass it to Settle.
 	Dropped
+	// Reclaiming means a Dropped entry was passed to Settle: still not
+	// held, nor counted as settling; it waits for the pump to free it
+	// (which a pump that has returned never does).
+	Reclaiming
 )
 
-var stateNames = [...]string{"free", "buffered", "handling", "settling", "dropped"}
+var stateNames = [...]string{"free", "buffered", "handling", "settling", "dropped", "reclaiming"}
 
 func (s State) String() string {
 	if int(s) < len(stateNames) {
@@ -265,7 +270,7 @@ func (p *Pump) dropStale() {
 		// handlers or settling too, rather than spend a refused request on
 		// each.
 		for _, d := range p.book {
-			if st := d.State(); st == Dropped || (d.link != cur && st != Free) {
+			if st := d.State(); st == Dropped || st == Reclaiming || (d.link != cur && st != Free) {
 				p.cfg.Leases.Remove(d)
 			}
 		}
@@ -314,7 +319,7 @@ func (p *Pump) Each(fn func(d *Delivery) bool) {
 	p.bookMu.RLock()
 	defer p.bookMu.RUnlock()
 	for _, d := range p.book {
-		if s := d.State(); s != Free && s != Dropped && !fn(d) {
+		if s := d.State(); s != Free && s != Dropped && s != Reclaiming && !fn(d) {
 			return
 		}
 	}

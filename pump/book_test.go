@@ -114,6 +114,39 @@ func TestLostLinkDropsWhatWaitsAtOnce(t *testing.T) {
 	})
 }
 
+// A dropped delivery handed to Settle is not held, and is not counted as
+// settling either: not while the pump frees its entry, nor after the pump
+// has returned, when nothing frees it any more (the census then said
+// "held=0 settling=2").
+func TestDroppedHandedToSettleIsNotSettling(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		first := fake.New(true, fake.Messages(3)...)
+		second := fake.New(true)
+		p := pump.New(pump.Config{Credit: 3})
+		cancel, errc := start(t, p, attachTo(first, second))
+		synctest.Wait() // the 3 of the first link wait in Out
+		first.Fail(fake.ErrLinkLost)
+		synctest.Wait()
+		cancel()
+		if err := <-errc; !errors.Is(err, context.Canceled) {
+			t.Fatalf("Run = %v", err)
+		}
+		for range 3 {
+			d := <-p.Out()
+			if d.Begin() || d.State() != pump.Dropped {
+				t.Fatalf("a delivery of the lost link: Begin took it, or its state is %s", d.State())
+			}
+			p.Settle(d, pump.Outcome{Kind: pump.Drop})
+			if d.State() != pump.Reclaiming {
+				t.Fatalf("a dropped delivery handed to Settle is %s, want reclaiming", d.State())
+			}
+		}
+		if st := p.Stats(); st.Held != 0 || st.Settling != 0 || st.Buffered != 0 || st.Handling != 0 {
+			t.Fatalf("after Run returned: %+v, want nothing held, settling, buffered or handling", st)
+		}
+	})
+}
+
 // LoseLock reports whether it acted, which decides whether amqpsub reports
 // a lost lock (EventLockLost, the warning): true for a buffered or handled
 // delivery of the ticket's generation, false once it settles or its entry

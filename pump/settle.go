@@ -112,7 +112,7 @@ func (p *Pump) settleAs(t Ticket, st settlement) bool {
 				return true
 			}
 		case Dropped:
-			if t.d.word.CompareAndSwap(w, next) {
+			if t.d.word.CompareAndSwap(w, w&^0xff|uint64(Reclaiming)) {
 				p.settle.push(settlement{d: t.d, o: Outcome{Kind: reclaim}})
 				return true
 			}

@@ -32,7 +32,25 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-section() { printf '\n==== %s ====\n' "$*"; }
+# section NAME starts a stage; the summary prints each stage's wall time.
+stage_names=()
+stage_starts=()
+section() {
+  printf '\n==== %s ====\n' "$*"
+  stage_names+=("$*")
+  stage_starts+=("$SECONDS")
+}
+# timings prints how long each stage took, and the whole run.
+timings() {
+  local i end
+  echo "stage times:"
+  for i in "${!stage_names[@]}"; do
+    [ "${stage_names[$i]}" != summary ] || continue
+    end=${stage_starts[$((i + 1))]:-$SECONDS}
+    printf '  %5ss  %s\n' "$((end - stage_starts[i]))" "${stage_names[$i]}"
+  done
+  printf '  %5ss  all\n' "$SECONDS"
+}
 
 section "unit tests"
 pkgs=$("$GO" list ./... | grep -v '/integration' || true)
@@ -140,6 +158,7 @@ for mod in "$ROOT"/contrib/*/go.mod; do
 done
 
 section "summary"
+timings
 [ "$unit_rc" = 0 ] && echo "unit tests: ok" || echo "unit tests: FAIL (exit $unit_rc)"
 [ "$fuzz_rc" = 0 ] && echo "fuzz: ok" || echo "fuzz: FAIL (exit $fuzz_rc)"
 [ "$integ_rc" = 0 ] && echo "integration tests: ok" || echo "integration tests: FAIL (exit $integ_rc)"

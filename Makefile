@@ -16,7 +16,7 @@ INTEGRATION_ENV := AMQPSUB_ARTEMIS_URL=$(AMQPSUB_ARTEMIS_URL) \
 	AMQPSUB_RABBITMQ_CTL=$(RABBITMQ_CTL) \
 	AMQPSUB_CLUSTER_CTL=$(CLUSTER_CTL)
 
-.PHONY: scaling golangci all prereqs prereqs-demo brokers brokers-stop artemis rabbitmq unit integration test artemistest demo bench fuzz fmt vet lint check
+.PHONY: checkout scaling golangci all prereqs prereqs-demo brokers brokers-stop artemis rabbitmq unit integration test artemistest demo bench fuzz fmt vet lint check
 
 # Modules of their own (own go.mod) that `make lint` checks like the root
 # one, with the root's .golangci.yml: the Artemis test helper and the
@@ -59,6 +59,10 @@ integration: brokers
 ## test: unit + integration; stops the brokers it started, even on failure
 test: prereqs
 	GO=$(GO) INTEGRATION_TIMEOUT=$(INTEGRATION_TIMEOUT) bash integration/test.sh
+
+## checkout: build a module outside the repository against this checkout, as README's "Using a checkout" says
+checkout:
+	GO=$(GO) bash integration/checkout.sh
 
 ## artemistest: the tests of the artemistest module (starts its own Artemis processes; test.sh runs them too)
 artemistest: prereqs

@@ -66,6 +66,10 @@ else
   echo "no unit test packages"
 fi
 
+section "an outside module against this checkout (README: Using a checkout)"
+checkout_rc=0
+GO=$GO bash "$ROOT/integration/checkout.sh" || checkout_rc=$?
+
 section "fuzz (short runs; FUZZTIME=5m make fuzz for long ones)"
 fuzz_rc=0
 FUZZTIME=${FUZZTIME:-8s} bash integration/fuzz.sh || fuzz_rc=$?
@@ -161,8 +165,9 @@ section "summary"
 timings
 [ "$unit_rc" = 0 ] && echo "unit tests: ok" || echo "unit tests: FAIL (exit $unit_rc)"
 [ "$fuzz_rc" = 0 ] && echo "fuzz: ok" || echo "fuzz: FAIL (exit $fuzz_rc)"
+[ "$checkout_rc" = 0 ] && echo "outside module on this checkout: ok" || echo "outside module on this checkout: FAIL (exit $checkout_rc)"
 [ "$integ_rc" = 0 ] && echo "integration tests: ok" || echo "integration tests: FAIL (exit $integ_rc)"
 [ "$sbconf_rc" = 0 ] && echo "Service Bus peer conformance: ok" || echo "Service Bus peer conformance: FAIL (exit $sbconf_rc)"
 [ "$artemistest_rc" = 0 ] && echo "artemistest: ok" || echo "artemistest: FAIL (exit $artemistest_rc)"
 [ "$contrib_rc" = 0 ] && echo "contrib modules: ok" || echo "contrib modules: FAIL (${contrib_failed[*]})"
-[ "$unit_rc" = 0 ] && [ "$fuzz_rc" = 0 ] && [ "$integ_rc" = 0 ] && [ "$sbconf_rc" = 0 ] && [ "$artemistest_rc" = 0 ] && [ "$contrib_rc" = 0 ]
+[ "$unit_rc" = 0 ] && [ "$fuzz_rc" = 0 ] && [ "$checkout_rc" = 0 ] && [ "$integ_rc" = 0 ] && [ "$sbconf_rc" = 0 ] && [ "$artemistest_rc" = 0 ] && [ "$contrib_rc" = 0 ]

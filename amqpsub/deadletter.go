@@ -27,11 +27,12 @@ import (
 // On Artemis, address is the fully qualified name (address::queue) of the
 // queue's dead-letter queue: "DLQ::DLQ.{queue}" with
 // auto-create-dead-letter-resources (as in integration/artemis/broker.xml),
-// "DLQ::DLQ" with the stock broker.xml. Create that queue before the first
-// dead letter (docs/brokers.md has the recipe): every rejection made before
-// it exists loses its reason. With auto-creation the broker makes it at its
-// own first dead letter, so rejections made at once in several lanes may
-// each lose theirs.
+// "DLQ::DLQ" with the stock broker.xml. The stock broker has that queue
+// from the start, so no reason is lost there. With auto-creation the
+// broker makes DLQ.{queue} only at its own first dead letter: every
+// rejection made before then (several, when lanes reject at once) loses
+// its reason. To lose none, create the queue ahead (docs/brokers.md has
+// the recipe; in tests, artemistest.WithDeadLetterQueues declares it).
 //
 // The copy carries what Artemis itself adds to a dead letter
 // (_AMQ_ORIG_ADDRESS, _AMQ_ORIG_QUEUE, and the annotations

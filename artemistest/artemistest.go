@@ -191,22 +191,28 @@ func (b *Broker) Stop(ctx context.Context) error {
 	}
 }
 
-// renderBrokerXML returns the configured broker.xml with the queues of
-// WithQueues declared before </core>.
+// renderBrokerXML returns the configured broker.xml with the addresses of
+// WithQueues, WithAddress and WithDeadLetterQueues declared before </core>.
 func renderBrokerXML(c *config) []byte {
 	doc := c.brokerXML
 	if doc == nil {
 		doc = defaultBrokerXML
 	}
-	if len(c.queues) == 0 {
+	if len(c.addresses) == 0 {
 		return bytes.Clone(doc)
 	}
 	var a bytes.Buffer
 	a.WriteString("   <addresses>\n")
-	for _, q := range c.queues {
-		var name bytes.Buffer
-		_ = xml.EscapeText(&name, []byte(q)) // writes to a bytes.Buffer cannot fail
-		fmt.Fprintf(&a, "         <address name=\"%s\"><anycast><queue name=\"%s\"/></anycast></address>\n", name.String(), name.String())
+	for _, ad := range c.addresses {
+		fmt.Fprintf(&a, "         <address name=\"%s\"><%s>", escape(ad.name), ad.routing)
+		for _, q := range ad.queues {
+			if q.Filter == "" {
+				fmt.Fprintf(&a, "<queue name=\"%s\"/>", escape(q.Name))
+				continue
+			}
+			fmt.Fprintf(&a, "<queue name=\"%s\"><filter string=\"%s\"/></queue>", escape(q.Name), escape(q.Filter))
+		}
+		fmt.Fprintf(&a, "</%s></address>\n", ad.routing)
 	}
 	a.WriteString("      </addresses>\n\n   ")
 	i := bytes.LastIndex(doc, []byte("</core>"))
@@ -214,4 +220,11 @@ func renderBrokerXML(c *config) []byte {
 	out = append(out, doc[:i]...)
 	out = append(out, a.Bytes()...)
 	return append(out, doc[i:]...)
+}
+
+// escape is s as XML character data or an attribute value.
+func escape(s string) string {
+	var b bytes.Buffer
+	_ = xml.EscapeText(&b, []byte(s)) // writes to a bytes.Buffer cannot fail
+	return b.String()
 }

@@ -43,6 +43,7 @@
 // (queues and addresses created on first use, anycast; dead letters of
 // queue Q in DLQ::DLQ.Q; max-delivery-attempts 5), security on with one
 // user (amqpsub/amqpsub by default; [WithCredentials]), no anonymous
-// logins. [WithQueues] declares queues ahead; [WithBrokerXML] replaces the
-// whole file.
+// logins. [WithQueues], [WithAddress] and [WithDeadLetterQueues] declare
+// queues ahead; [WithBrokerXML] replaces the whole file. [Broker.Publish]
+// and [Broker.Receive] send messages to a queue and take them from one.
 package artemistest

@@ -12,6 +12,7 @@ import (
 
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/artemistest"
+	"github.com/amqpsub/amqpsub/examples/producer"
 )
 
 // A broker for a subscriber: publish two orders with go-amqp, consume
@@ -150,4 +151,38 @@ func ExampleWithBrokerXML() {
 		t.Log("AMQP at", b.URL())
 	}
 	_ = testDeadLetters
+}
+
+// Publish messages, consume them with amqpsub (rejecting the malformed),
+// and read the dead-letter queue, declared ahead so that every rejection's
+// reason is kept.
+func ExampleWithDeadLetterQueues() {
+	testDeadLetters := func(t *testing.T) {
+		b := artemistest.Start(t, artemistest.WithQueues("orders"), artemistest.WithDeadLetterQueues("orders"))
+		ctx := context.Background()
+		err := b.Publish(ctx, "orders", 100, func(i int) *amqp.Message {
+			return producer.NewMessage(fmt.Sprintf("order-%d", i), "", []byte("{}"))
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		// … run a subscriber with amqpsub.DeadLetterCopy("DLQ::DLQ.{queue}") …
+		dead, err := b.Receive(ctx, "DLQ::DLQ.orders", 3)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Log(dead[0].ApplicationProperties["DeadLetterReason"])
+	}
+	_ = testDeadLetters
+}
+
+// Declare a topic with two subscriptions, one filtered.
+func ExampleWithAddress() {
+	testTopic := func(t *testing.T) {
+		b := artemistest.Start(t, artemistest.WithAddress("events", artemistest.Multicast,
+			artemistest.Queue{Name: "audit"},
+			artemistest.Queue{Name: "eu", Filter: "region = 'eu'"}))
+		t.Log("subscriptions at", b.URL(), "events::audit and events::eu")
+	}
+	_ = testTopic
 }

@@ -171,7 +171,8 @@ func TestFreePorts(t *testing.T) {
 
 func TestRenderBrokerXML(t *testing.T) {
 	c := defaultConfig()
-	c.queues = []string{"orders", `a&b"<c>`}
+	c.declare("orders", Anycast, Queue{Name: "orders"})
+	c.declare(`a&b"<c>`, Anycast, Queue{Name: `a&b"<c>`})
 	out := renderBrokerXML(&c)
 	for _, want := range []string{
 		`<address name="orders"><anycast><queue name="orders"/></anycast></address>`,
@@ -204,7 +205,7 @@ func TestRenderBrokerXML(t *testing.T) {
 	if strings.Join(names, "|") != `orders|a&b"<c>` {
 		t.Errorf("queue names read back as %q", names)
 	}
-	c.queues = nil
+	c.addresses = nil
 	if !bytes.Equal(renderBrokerXML(&c), defaultBrokerXML) {
 		t.Error("without queues, the broker.xml is not the default")
 	}
@@ -393,4 +394,40 @@ func TestLockFile(t *testing.T) {
 		t.Fatalf("lock after unlock: %v", err)
 	}
 	unlock2()
+}
+
+// WithDeadLetterQueues declares each dead-letter queue as the broker's
+// auto-creation would make it, all on one DLQ address; WithAddress
+// declares multicast addresses and filters; a bad routing is refused.
+func TestRenderAddresses(t *testing.T) {
+	c, err := newConfig([]Option{
+		WithQueues("orders"),
+		WithDeadLetterQueues("orders", "o'neil"),
+		WithAddress("events", Multicast, Queue{Name: "audit"}, Queue{Name: "eu", Filter: "region = 'eu'"}),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := string(renderBrokerXML(&c))
+	for _, want := range []string{
+		`<address name="orders"><anycast><queue name="orders"/></anycast></address>`,
+		`<address name="DLQ"><anycast><queue name="DLQ.orders"><filter string="_AMQ_ORIG_ADDRESS = &#39;orders&#39;"/></queue>` +
+			`<queue name="DLQ.o&#39;neil"><filter string="_AMQ_ORIG_ADDRESS = &#39;o&#39;&#39;neil&#39;"/></queue></anycast></address>`,
+		`<address name="events"><multicast><queue name="audit"/><queue name="eu"><filter string="region = &#39;eu&#39;"/></queue></multicast></address>`,
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("no %s in\n%s", want, out)
+		}
+	}
+	if strings.Count(out, `<address name="DLQ">`) != 1 {
+		t.Errorf("the DLQ address is declared more than once:\n%s", out)
+	}
+	if err := xml.Unmarshal([]byte(out), new(struct{})); err != nil {
+		t.Errorf("not well-formed: %v", err)
+	}
+	for _, o := range []Option{WithAddress("x", "broadcast"), WithAddress("", Anycast), WithAddress("x", Anycast, Queue{}), WithDeadLetterQueues("")} {
+		if _, err := newConfig([]Option{o}); !errors.Is(err, ErrInvalidOption) {
+			t.Errorf("option accepted: %v", err)
+		}
+	}
 }

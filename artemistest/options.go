@@ -78,8 +78,8 @@ type config struct {
 	startTimeout time.Duration
 	stopTimeout  time.Duration
 	heap         string
-	queues       []string
-	brokerXML    []byte // nil means DefaultBrokerXML()
+	addresses    []address // declared in broker.xml, in the order given
+	brokerXML    []byte    // nil means DefaultBrokerXML()
 	logf         func(format string, args ...any)
 }
 
@@ -271,21 +271,120 @@ func jvmMemoryArgs(heap string) string {
 
 // WithQueues declares anycast queues, each on an address of the same
 // name, in broker.xml, so that they exist (durable, empty) before the
-// first client attaches. The default broker.xml creates queues on first
-// use anyway; this is for tests that look at a queue before anyone sends
-// to it. Calls add up. It cannot be combined with a [WithBrokerXML] that
-// has its own <addresses> element.
+// first client attaches: WithAddress(name, Anycast, Queue{Name: name}) for
+// each. The default broker.xml creates queues on first use anyway; this is
+// for tests that look at a queue before anyone sends to it. Calls add up.
+// It cannot be combined with a [WithBrokerXML] that has its own
+// <addresses> element.
 // Default: none.
 func WithQueues(names ...string) Option {
 	return optionFunc(func(c *config) error {
 		for _, n := range names {
-			if n == "" || strings.ContainsFunc(n, func(r rune) bool { return unicode.IsSpace(r) || unicode.IsControl(r) }) {
-				return invalid("WithQueues(%q): empty, or has spaces or control characters", n)
+			if err := checkName("WithQueues", n); err != nil {
+				return err
 			}
 		}
-		c.queues = append(c.queues, names...)
+		for _, n := range names {
+			c.declare(n, Anycast, Queue{Name: n})
+		}
 		return nil
 	})
+}
+
+// Routing is how an address routes what is sent to it: to one of its
+// queues (Anycast, a point-to-point queue) or to each (Multicast, a topic
+// with its subscriptions).
+type Routing string
+
+// The routing types of an address.
+const (
+	Anycast   Routing = "anycast"
+	Multicast Routing = "multicast"
+)
+
+// Queue is a durable queue declared on an address with [WithAddress].
+type Queue struct {
+	// Name is the queue's name; a client reads it as address::name (a
+	// fully qualified queue name) or, on an anycast address of the same
+	// name, as name.
+	Name string
+	// Filter, when not "", is the queue's filter: an Artemis filter
+	// expression over message properties (a JMS selector), such as
+	// "_AMQ_ORIG_ADDRESS = 'orders'". Messages it rejects are not routed to
+	// the queue.
+	Filter string
+}
+
+// WithAddress declares address name with routing, and queues on it, in
+// broker.xml, so that they exist before the first client attaches. An
+// address declared more than once with the same routing gets the queues
+// of every call. It cannot be combined with a [WithBrokerXML] that has its
+// own <addresses> element.
+// Default: none.
+func WithAddress(name string, routing Routing, queues ...Queue) Option {
+	return optionFunc(func(c *config) error {
+		if err := checkName("WithAddress", name); err != nil {
+			return err
+		}
+		if routing != Anycast && routing != Multicast {
+			return invalid("WithAddress(%q, %q): routing must be Anycast or Multicast", name, routing)
+		}
+		for _, q := range queues {
+			if err := checkName("WithAddress", q.Name); err != nil {
+				return err
+			}
+		}
+		c.declare(name, routing, queues...)
+		return nil
+	})
+}
+
+// WithDeadLetterQueues declares, for each of queues, the dead-letter queue
+// that the default broker.xml makes only at that queue's first dead letter
+// (auto-create-dead-letter-resources): queue DLQ.<queue>, anycast on
+// address DLQ, with filter _AMQ_ORIG_ADDRESS = '<queue>'. With it,
+// amqpsub's DeadLetterCopy("DLQ::DLQ.{queue}") keeps the reason of every
+// rejection, the first ones included, and a reader of DLQ::DLQ.<queue> can
+// attach before any message was dead-lettered. For a queue on an address
+// of its own name (what WithQueues and the default broker.xml make).
+// Default: none.
+func WithDeadLetterQueues(queues ...string) Option {
+	return optionFunc(func(c *config) error {
+		for _, q := range queues {
+			if err := checkName("WithDeadLetterQueues", q); err != nil {
+				return err
+			}
+		}
+		for _, q := range queues {
+			c.declare("DLQ", Anycast, Queue{Name: "DLQ." + q, Filter: "_AMQ_ORIG_ADDRESS = '" + strings.ReplaceAll(q, "'", "''") + "'"})
+		}
+		return nil
+	})
+}
+
+// address is one <address> of broker.xml.
+type address struct {
+	name    string
+	routing Routing
+	queues  []Queue
+}
+
+// declare adds queues to address name (made with routing if it is new).
+func (c *config) declare(name string, routing Routing, queues ...Queue) {
+	for i := range c.addresses {
+		if a := &c.addresses[i]; a.name == name && a.routing == routing {
+			a.queues = append(a.queues, queues...)
+			return
+		}
+	}
+	c.addresses = append(c.addresses, address{name: name, routing: routing, queues: queues})
+}
+
+func checkName(opt, n string) error {
+	if n == "" || strings.ContainsFunc(n, func(r rune) bool { return unicode.IsSpace(r) || unicode.IsControl(r) }) {
+		return invalid("%s(%q): empty, or has spaces or control characters", opt, n)
+	}
+	return nil
 }
 
 // WithBrokerXML replaces the broker.xml the broker runs with (see
@@ -338,8 +437,8 @@ func newConfig(opts []Option) (config, error) {
 			return c, err
 		}
 	}
-	if len(c.queues) > 0 && c.brokerXML != nil && bytes.Contains(c.brokerXML, []byte("<addresses>")) {
-		return c, invalid("WithQueues with a WithBrokerXML that has its own <addresses>: declare the queues there")
+	if len(c.addresses) > 0 && c.brokerXML != nil && bytes.Contains(c.brokerXML, []byte("<addresses>")) {
+		return c, invalid("WithQueues, WithAddress or WithDeadLetterQueues with a WithBrokerXML that has its own <addresses>: declare the queues there")
 	}
 	if c.image == "" {
 		c.image = "apache/activemq-artemis:" + c.version

@@ -25,7 +25,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
-	publisher "github.com/amqpsub/amqpsub/internal/publish"
+	"github.com/amqpsub/amqpsub/examples/producer"
 )
 
 func main() {
@@ -144,14 +144,12 @@ func publish(ctx context.Context, url, queue string, orders, customers int) erro
 		return fmt.Errorf("dial %s: %w", url, err)
 	}
 	defer conn.Close()
-	return publisher.Send(ctx, conn, publisher.Target{Address: queue, Capabilities: []string{"queue"}}, 1, orders,
+	return producer.Send(ctx, conn, queue, orders,
 		func(i int) *amqp.Message {
 			c, seq := i%customers, int64(i/customers)
 			customer := fmt.Sprintf("customer-%03d", c)
-			msg := amqp.NewMessage(fmt.Appendf(nil, `{"customer":%q,"seq":%d}`, customer, seq))
-			msg.Header = &amqp.MessageHeader{Durable: true}
-			msg.Properties = &amqp.MessageProperties{GroupID: &customer}
+			msg := producer.NewMessage(fmt.Sprintf("order-%d", i), customer, fmt.Appendf(nil, `{"customer":%q,"seq":%d}`, customer, seq))
 			msg.ApplicationProperties = map[string]any{"seq": seq}
 			return msg
-		})
+		}, nil)
 }

@@ -50,7 +50,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
-	publisher "github.com/amqpsub/amqpsub/internal/publish"
+	"github.com/amqpsub/amqpsub/examples/producer"
 )
 
 func main() {
@@ -294,16 +294,14 @@ func publish(ctx context.Context, url, queue string, n, groups int) error {
 	}
 	defer conn.Close()
 	start := time.Now()
-	err = publisher.Send(ctx, conn, publisher.Target{Address: queue, Capabilities: []string{"queue"}}, 1, n,
+	err = producer.Send(ctx, conn, queue, n,
 		func(i int) *amqp.Message {
 			g, seq := i%groups, int64(i/groups)
 			group := fmt.Sprintf("g%03d", g)
-			msg := amqp.NewMessage(fmt.Appendf(nil, "%s/%d", group, seq))
-			msg.Header = &amqp.MessageHeader{Durable: true}
-			msg.Properties = &amqp.MessageProperties{GroupID: &group}
+			msg := producer.NewMessage(fmt.Sprintf("%s-%d", group, seq), group, fmt.Appendf(nil, "%s/%d", group, seq))
 			msg.ApplicationProperties = map[string]any{"seq": seq}
 			return msg
-		})
+		}, nil)
 	if err != nil {
 		return err
 	}

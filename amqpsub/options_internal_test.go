@@ -44,3 +44,14 @@ func FuzzOptionDurations(f *testing.F) {
 		}
 	})
 }
+
+// The stop's bound, GracePeriod + CloseTimeout, does not wrap around for
+// the longest durations the options take.
+func TestStopBoundSaturates(t *testing.T) {
+	if got := addSat(math.MaxInt64-time.Second, 5*time.Second); got != math.MaxInt64 {
+		t.Fatalf("addSat near the limit = %v, want the longest Duration", got)
+	}
+	if got := addSat(30*time.Second, 5*time.Second); got != 35*time.Second {
+		t.Fatalf("addSat(30s, 5s) = %v", got)
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"time"
 
@@ -141,7 +142,7 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	closeBy := time.Now().Add(s.cfg.closeTimeout)
 	if grace := s.cfg.grace; !closing && fatal == nil {
 		// The stop's bound holds, whatever graceful waited.
-		closeBy = minTime(closeBy, stopAt.Add(grace+s.cfg.closeTimeout))
+		closeBy = minTime(closeBy, stopAt.Add(addSat(grace, s.cfg.closeTimeout)))
 	}
 	if !wait.Closed(s.closeReq) { // Close, also one that cut the grace short, sends nothing more
 		for _, r := range runs {
@@ -350,4 +351,12 @@ func minTime(a, b time.Time) time.Time {
 		return b
 	}
 	return a
+}
+
+// addSat is a + b for durations ≥ 0, at most the longest Duration.
+func addSat(a, b time.Duration) time.Duration {
+	if a > math.MaxInt64-b {
+		return math.MaxInt64
+	}
+	return a + b
 }

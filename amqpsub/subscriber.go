@@ -57,11 +57,11 @@ type Subscriber struct {
 
 // New returns a [Subscriber] that consumes queue from the broker c connects
 // to and passes each delivery to h. Options it is given are validated here:
-// an invalid one gives an error wrapping [ErrInvalidOption], as does a nil
-// h, HandlerFunc(nil) or a nil pointer (a handler that would panic on every
-// delivery). Nothing connects until Run.
+// an invalid one gives an error wrapping [ErrInvalidOption], as does a
+// handler that would panic on every delivery: nil, HandlerFunc(nil), or a
+// nil *T whose T has a Handle method. Nothing connects until Run.
 func New(c Connector, queue string, h Handler, opts ...Option) (*Subscriber, error) {
-	if isNil(h) {
+	if isNil(h, handlerType) {
 		return nil, fmt.Errorf("%w: nil Handler", ErrInvalidOption)
 	}
 	s, err := build(c, queue, opts, false)
@@ -76,7 +76,7 @@ func New(c Connector, queue string, h Handler, opts ...Option) (*Subscriber, err
 // sized by the [Batch] option. With [WorkersByKey], batches are assembled per
 // lane, so the order of each group holds across batches.
 func NewBatch(c Connector, queue string, h BatchHandler, opts ...Option) (*Subscriber, error) {
-	if isNil(h) {
+	if isNil(h, batchHandlerType) {
 		return nil, fmt.Errorf("%w: nil BatchHandler", ErrInvalidOption)
 	}
 	s, err := build(c, queue, opts, true)
@@ -202,17 +202,31 @@ type validator interface {
 	validate(cfg *config, queue string)
 }
 
-// isNil reports whether h is nil, or an interface holding a nil func,
-// pointer, map, channel or slice (HandlerFunc(nil), a nil *T): a handler
-// that would panic on every call, and retry every message until the broker
-// dead-letters it.
-func isNil(h any) bool {
+// isNil reports whether h is a handler that would panic on every call,
+// and retry every message until the broker dead-letters it: a nil
+// interface, a nil func (HandlerFunc(nil)), a pointer to a nil func, or a
+// nil *T whose T has the handler's method (a value-receiver method called
+// through a nil pointer always panics). A nil pointer, map or slice of a
+// type whose own methods take it as it is may work, and is accepted.
+func isNil(h any, iface reflect.Type) bool {
 	if h == nil {
 		return true
 	}
-	switch v := reflect.ValueOf(h); v.Kind() {
-	case reflect.Func, reflect.Pointer, reflect.Map, reflect.Chan, reflect.Slice, reflect.Interface:
+	v := reflect.ValueOf(h)
+	switch v.Kind() {
+	case reflect.Func:
 		return v.IsNil()
+	case reflect.Pointer:
+		if v.IsNil() {
+			return v.Type().Elem().Implements(iface)
+		}
+		e := v.Elem()
+		return e.Kind() == reflect.Func && e.IsNil()
 	}
 	return false
 }
+
+var (
+	handlerType      = reflect.TypeFor[Handler]()
+	batchHandlerType = reflect.TypeFor[BatchHandler]()
+)

@@ -113,29 +113,54 @@ func TestHeldNeverExceedsCredit(t *testing.T) {
 	})
 }
 
-type nilHandler struct{ n int }
+// valueHandler's methods take it by value: called through a nil
+// *valueHandler, they panic.
+type valueHandler struct{}
 
-func (h *nilHandler) Handle(context.Context, *amqpsub.Delivery) error { h.n++; return nil }
+func (valueHandler) Handle(context.Context, *amqpsub.Delivery) error { return nil }
 
-func (h *nilHandler) HandleBatch(context.Context, []*amqpsub.Delivery) []error { h.n++; return nil }
+func (valueHandler) HandleBatch(context.Context, []*amqpsub.Delivery) []error { return nil }
 
-// A handler that would panic on every call (nil, HandlerFunc(nil), a nil
-// pointer) is refused by New and NewBatch, rather than retrying every
-// message until the broker dead-letters it.
+// pointerHandler's methods take a pointer and never use it: a nil one works.
+type pointerHandler struct{}
+
+func (*pointerHandler) Handle(context.Context, *amqpsub.Delivery) error { return nil }
+
+// chain is a handler that is a slice: a nil one has nothing to run.
+type chain []amqpsub.Handler
+
+func (c chain) Handle(ctx context.Context, d *amqpsub.Delivery) error {
+	for _, h := range c {
+		if err := h.Handle(ctx, d); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// A handler that would panic on every call (nil, HandlerFunc(nil), a
+// pointer to a nil func, a nil *T whose T has the method) is refused by New
+// and NewBatch, rather than retrying every message until the broker
+// dead-letters it; a nil pointer or slice whose methods work is not.
 func TestNilHandlersAreRefused(t *testing.T) {
 	c := amqpsub.Dial("amqp://127.0.0.1:1", nil)
-	var np *nilHandler
-	for name, h := range map[string]amqpsub.Handler{"nil": nil, "HandlerFunc(nil)": amqpsub.HandlerFunc(nil), "nil *T": np} {
+	var nv *valueHandler
+	for name, h := range map[string]amqpsub.Handler{"nil": nil, "HandlerFunc(nil)": amqpsub.HandlerFunc(nil),
+		"nil *T, value methods": nv, "pointer to a nil HandlerFunc": new(amqpsub.HandlerFunc)} {
 		if _, err := amqpsub.New(c, "q", h); !errors.Is(err, amqpsub.ErrInvalidOption) {
 			t.Errorf("New with a %s handler: %v, want ErrInvalidOption", name, err)
 		}
 	}
-	for name, h := range map[string]amqpsub.BatchHandler{"nil": nil, "BatchHandlerFunc(nil)": amqpsub.BatchHandlerFunc(nil), "nil *T": np} {
+	for name, h := range map[string]amqpsub.BatchHandler{"nil": nil, "BatchHandlerFunc(nil)": amqpsub.BatchHandlerFunc(nil),
+		"nil *T, value methods": nv} {
 		if _, err := amqpsub.NewBatch(c, "q", h, amqpsub.Batch(10, time.Millisecond)); !errors.Is(err, amqpsub.ErrInvalidOption) {
 			t.Errorf("NewBatch with a %s handler: %v, want ErrInvalidOption", name, err)
 		}
 	}
-	if _, err := amqpsub.New(c, "q", &nilHandler{}); err != nil {
-		t.Errorf("New with a handler: %v", err)
+	var np *pointerHandler
+	for name, h := range map[string]amqpsub.Handler{"a value": valueHandler{}, "nil *T, pointer methods": np, "nil slice": chain(nil)} {
+		if _, err := amqpsub.New(c, "q", h); err != nil {
+			t.Errorf("New with a %s handler: %v", name, err)
+		}
 	}
 }

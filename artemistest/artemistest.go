@@ -204,15 +204,19 @@ func renderBrokerXML(c *config) []byte {
 	var a bytes.Buffer
 	a.WriteString("   <addresses>\n")
 	for _, ad := range c.addresses {
-		fmt.Fprintf(&a, "         <address name=\"%s\"><%s>", escape(ad.name), ad.routing)
-		for _, q := range ad.queues {
-			if q.Filter == "" {
-				fmt.Fprintf(&a, "<queue name=\"%s\"/>", escape(q.Name))
-				continue
+		fmt.Fprintf(&a, "         <address name=\"%s\">", escape(ad.name))
+		for _, r := range ad.order {
+			fmt.Fprintf(&a, "<%s>", r)
+			for _, q := range ad.queues[r] {
+				if q.Filter == "" {
+					fmt.Fprintf(&a, "<queue name=\"%s\"/>", escape(q.Name))
+					continue
+				}
+				fmt.Fprintf(&a, "<queue name=\"%s\"><filter string=\"%s\"/></queue>", escape(q.Name), escape(q.Filter))
 			}
-			fmt.Fprintf(&a, "<queue name=\"%s\"><filter string=\"%s\"/></queue>", escape(q.Name), escape(q.Filter))
+			fmt.Fprintf(&a, "</%s>", r)
 		}
-		fmt.Fprintf(&a, "</%s></address>\n", ad.routing)
+		a.WriteString("</address>\n")
 	}
 	a.WriteString("      </addresses>\n\n   ")
 	i := bytes.LastIndex(doc, []byte("</core>"))

@@ -62,6 +62,7 @@ require (
 	golang.org/x/sys v0.49.0 // indirect
 )
 
-// The examples and tests use the core module from this checkout. The
-// package itself does not import it.
+// The core module from this checkout: the package imports its
+// examples/producer (Broker.Publish); its tests and examples import the
+// core too. A release of this module requires a released core.
 replace github.com/amqpsub/amqpsub => ../

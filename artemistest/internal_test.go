@@ -404,6 +404,8 @@ func TestRenderAddresses(t *testing.T) {
 		WithQueues("orders"),
 		WithDeadLetterQueues("orders", "o'neil"),
 		WithAddress("events", Multicast, Queue{Name: "audit"}, Queue{Name: "eu", Filter: "region = 'eu'"}),
+		WithQueues("orders"),
+		WithAddress("events", Anycast, Queue{Name: "work"}),
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -413,14 +415,17 @@ func TestRenderAddresses(t *testing.T) {
 		`<address name="orders"><anycast><queue name="orders"/></anycast></address>`,
 		`<address name="DLQ"><anycast><queue name="DLQ.orders"><filter string="_AMQ_ORIG_ADDRESS = &#39;orders&#39;"/></queue>` +
 			`<queue name="DLQ.o&#39;neil"><filter string="_AMQ_ORIG_ADDRESS = &#39;o&#39;&#39;neil&#39;"/></queue></anycast></address>`,
-		`<address name="events"><multicast><queue name="audit"/><queue name="eu"><filter string="region = &#39;eu&#39;"/></queue></multicast></address>`,
+		`<address name="events"><multicast><queue name="audit"/><queue name="eu"><filter string="region = &#39;eu&#39;"/></queue></multicast>` +
+			`<anycast><queue name="work"/></anycast></address>`,
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("no %s in\n%s", want, out)
 		}
 	}
-	if strings.Count(out, `<address name="DLQ">`) != 1 {
-		t.Errorf("the DLQ address is declared more than once:\n%s", out)
+	for _, a := range []string{`<address name="DLQ">`, `<address name="events">`, `<queue name="orders"/>`} {
+		if strings.Count(out, a) != 1 {
+			t.Errorf("%s is declared %d times, want once:\n%s", a, strings.Count(out, a), out)
+		}
 	}
 	if err := xml.Unmarshal([]byte(out), new(struct{})); err != nil {
 		t.Errorf("not well-formed: %v", err)

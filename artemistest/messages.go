@@ -33,7 +33,10 @@ func (b *Broker) Publish(ctx context.Context, queue string, n int, msg func(i in
 // queue orders with the default broker.xml. It waits within ctx: when ctx
 // ends first it returns what it took, and an error wrapping ctx's. A queue
 // that does not exist is an error (amqp:not-found) for a fully qualified
-// name; a plain name is created on first use, and waited on.
+// name; a plain name is created on first use, and waited on. n of 0 takes
+// nothing. The link's credit is n, at most 1,000: above that the broker
+// may send a few messages past the n-th, which go back to the queue,
+// untouched, when Receive returns.
 func (b *Broker) Receive(ctx context.Context, queue string, n int) ([]*amqp.Message, error) {
 	conn, err := amqp.Dial(ctx, b.URL(), nil)
 	if err != nil {

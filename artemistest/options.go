@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -317,8 +318,8 @@ type Queue struct {
 
 // WithAddress declares address name with routing, and queues on it, in
 // broker.xml, so that they exist before the first client attaches. An
-// address declared more than once with the same routing gets the queues
-// of every call. It cannot be combined with a [WithBrokerXML] that has its
+// address declared more than once gets the routings and queues of every
+// call, each once. It cannot be combined with a [WithBrokerXML] that has its
 // own <addresses> element.
 // Default: none.
 func WithAddress(name string, routing Routing, queues ...Queue) Option {
@@ -362,22 +363,37 @@ func WithDeadLetterQueues(queues ...string) Option {
 	})
 }
 
-// address is one <address> of broker.xml.
+// address is one <address> of broker.xml: its queues by routing (a
+// routing with no queues is kept as an empty list, so that it is
+// declared).
 type address struct {
-	name    string
-	routing Routing
-	queues  []Queue
+	name   string
+	queues map[Routing][]Queue
+	order  []Routing
 }
 
-// declare adds queues to address name (made with routing if it is new).
+// declare adds queues to address name under routing; an address, or a
+// queue of it, declared twice is declared once.
 func (c *config) declare(name string, routing Routing, queues ...Queue) {
+	var a *address
 	for i := range c.addresses {
-		if a := &c.addresses[i]; a.name == name && a.routing == routing {
-			a.queues = append(a.queues, queues...)
-			return
+		if c.addresses[i].name == name {
+			a = &c.addresses[i]
 		}
 	}
-	c.addresses = append(c.addresses, address{name: name, routing: routing, queues: queues})
+	if a == nil {
+		c.addresses = append(c.addresses, address{name: name, queues: map[Routing][]Queue{}})
+		a = &c.addresses[len(c.addresses)-1]
+	}
+	if _, ok := a.queues[routing]; !ok {
+		a.queues[routing] = nil
+		a.order = append(a.order, routing)
+	}
+	for _, q := range queues {
+		if !slices.Contains(a.queues[routing], q) {
+			a.queues[routing] = append(a.queues[routing], q)
+		}
+	}
 }
 
 func checkName(opt, n string) error {

@@ -15,7 +15,7 @@ dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 cd "$dir"
 
-"$GO" mod init example.com/yourservice >/dev/null 2>&1
+"$GO" mod init example.com/yourservice 2>/dev/null
 mkdir -p cmd/consumer
 cat >cmd/consumer/main.go <<'GO'
 package main
@@ -62,16 +62,17 @@ func TestBroker(t *testing.T) {
 }
 GO
 
-# README.md, "Using a checkout": the lines, with CHECKOUT for the path.
-"$GO" mod edit \
-  -require=github.com/amqpsub/amqpsub@v0.0.0 \
-  -replace=github.com/amqpsub/amqpsub="$CHECKOUT"
-for m in contrib/amqpprom contrib/amqpotel artemistest; do
-  "$GO" mod edit \
-    -require=github.com/amqpsub/amqpsub/$m@v0.0.0 \
-    -replace=github.com/amqpsub/amqpsub/$m="$CHECKOUT/$m"
-done
-"$GO" mod tidy
+# README.md, "Using a checkout": its sh block, run as written but for the
+# clone (the checkout is the clone) and the cd (this module is the service),
+# with this checkout's path for /src/amqpsub. A wrong line there fails here.
+recipe=$(awk '/^### Using a checkout/ {s = 1; next} s && /^```sh$/ {b = 1; next} b && /^```$/ {exit} b' "$CHECKOUT/README.md" |
+  grep -v -e '^git clone ' -e '^cd yourservice$')
+[ -n "$recipe" ] || { echo "checkout.sh: no sh block under README.md's \"### Using a checkout\"" >&2; exit 1; }
+grep -q 'go mod tidy' <<<"$recipe" || { echo "checkout.sh: README's recipe does not run go mod tidy" >&2; exit 1; }
+recipe=${recipe//\/src\/amqpsub/$CHECKOUT}
+go() { command "$GO" "$@"; }
+eval "$recipe"
+unset -f go
 "$GO" build ./...
 "$GO" vet ./...
 "$GO" test -count=1 ./... >/dev/null

@@ -68,7 +68,10 @@ var ErrNotAccepted = errors.New("producer: the broker did not accept a message")
 // returns the first error: a send or a receipt that failed (the link or
 // connection is lost), a message the broker did not accept (wrapping
 // ErrNotAccepted), or ctx's error. Messages after a failed one may have
-// been sent; those before it were accepted. ctx bounds the whole call.
+// been sent; those before it were accepted. Once every message was
+// accepted, Send returns nil even if closing the sender then fails: the
+// messages are on the broker, and sending them again would duplicate
+// them. ctx bounds the whole call.
 func Send(ctx context.Context, conn *amqp.Conn, queue string, n int, msg func(i int) *amqp.Message, opts *Options) (err error) {
 	o := Options{Window: 128, CloseTimeout: 5 * time.Second, Capabilities: []string{"queue"}}
 	if opts != nil {
@@ -91,9 +94,7 @@ func Send(ctx context.Context, conn *amqp.Conn, queue string, n int, msg func(i 
 	defer func() {
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), o.CloseTimeout)
 		defer cancel()
-		if cerr := sess.Close(cctx); cerr != nil && err == nil {
-			err = fmt.Errorf("producer: close: %w", cerr)
-		}
+		_ = sess.Close(cctx) // see above: after all were accepted, nothing to report
 	}()
 	snd, err := sess.NewSender(ctx, queue, &amqp.SenderOptions{TargetCapabilities: o.Capabilities})
 	if err != nil {

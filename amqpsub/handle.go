@@ -249,7 +249,7 @@ func (s *Subscriber) call(ctx context.Context, d *Delivery) (err error) {
 		if r != nil {
 			err = s.recovered(r, d)
 		}
-		s.end(began, d.lane, 1, ResultOf(err), r != nil)
+		s.end(began, d.lane, 1, err, nil, r != nil)
 	}()
 	return s.handler.Handle(ctx, d)
 }
@@ -263,7 +263,7 @@ func (s *Subscriber) callBatch(ctx context.Context, batch []*Delivery) (results 
 		if r != nil {
 			results = fill(len(batch), s.recovered(r, nil))
 		}
-		s.end(began, batch[0].lane, len(batch), worst(results), r != nil)
+		s.end(began, batch[0].lane, len(batch), nil, results, r != nil)
 	}()
 	results = s.batch.HandleBatch(ctx, batch)
 	switch {
@@ -287,9 +287,15 @@ func (s *Subscriber) begin() time.Time {
 	return time.Now()
 }
 
-// end counts a handler call begun at began done, and tells the Recorder.
-func (s *Subscriber) end(began time.Time, lane, n int, result Result, panicked bool) {
+// end counts a handler call begun at began done, and tells the Recorder
+// its result: err's for one delivery, the most severe of results for a
+// batch (worked out only when there is a Recorder).
+func (s *Subscriber) end(began time.Time, lane, n int, err error, results []error, panicked bool) {
 	if s.rec != nil {
+		result := ResultOf(err)
+		if results != nil {
+			result = worst(results)
+		}
 		s.rec.Handled(HandlerCall{Lane: lane, Deliveries: n, Took: time.Since(began), Result: result, Panicked: panicked})
 	}
 	s.running.Add(-1)

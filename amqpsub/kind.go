@@ -50,10 +50,6 @@ type brokerKind interface {
 	// refused reads an attach error of the attempt-th attempt in a row
 	// (from 0); for refusedHeld, wait is how long to wait before the next.
 	refused(err error, attempt int) (r refusal, wait time.Duration)
-	// leastWait is the least wait before the next attempt after err (a
-	// reconnect, or a link lost for err): 0 but where the broker asked
-	// for more (busyWait, for every kind).
-	leastWait(err error) time.Duration
 	// handlerContext returns the context for a handler of ts, derived from
 	// ctx; done releases it.
 	handlerContext(ctx context.Context, ts ...pump.Ticket) (hctx context.Context, done func())
@@ -89,7 +85,6 @@ func (plainKind) receiverOptions(*amqp.ReceiverOptions)                      {}
 func (plainKind) ready(context.Context, *link) error                         { return nil }
 func (plainKind) attachedSource(pump.Source)                                 {}
 func (plainKind) refused(error, int) (refusal, time.Duration)                { return refusedNot, 0 }
-func (plainKind) leastWait(err error) time.Duration                          { return busyWait(err) }
 func (plainKind) addLocks(*Locks)                                            {}
 func (plainKind) release(_ context.Context, _ *link, _ error, detach func()) { detach() }
 

@@ -14,11 +14,11 @@ import (
 )
 
 // reconnectWait is the wait before reconnect attempt k after err: the
-// jittered backoff, and at least what the pipe's kind asks after err (10 s
-// after Service Bus said it is throttling: the ServerBusyBaseSleepTime of
-// Microsoft's .NET clients; azservicebus has no such floor).
+// jittered backoff, and at least busyWait after err (10 s after the broker
+// said it is throttling: the ServerBusyBaseSleepTime of Microsoft's .NET
+// clients; azservicebus has no such floor).
 func (a *attacher) reconnectWait(err error, k int) time.Duration {
-	return max(backoff.Jittered(k, a.s.cfg.backoffMin, a.s.cfg.backoffMax), a.p.kind.leastWait(err))
+	return max(backoff.Jittered(k, a.s.cfg.backoffMin, a.s.cfg.backoffMax), busyWait(err))
 }
 
 func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) {
@@ -58,7 +58,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			}
 		} else {
 			a.quick = 0
-			if d := a.p.kind.leastWait(lost); d > 0 {
+			if d := busyWait(lost); d > 0 {
 				// A healthy link the broker ended for throttling:
 				// reattaching at once would only be refused again.
 				if !wait.Sleep(ctx, d) {

@@ -191,8 +191,6 @@ func (k *sbKind) refused(err error, attempt int) (refusal, time.Duration) {
 	return refusedNot, 0
 }
 
-func (k *sbKind) leastWait(err error) time.Duration { return busyWait(err) }
-
 // handlerContext returns a context that is cancelled (cause ErrLockLost)
 // when the lock of any of ts is lost.
 func (k *sbKind) handlerContext(ctx context.Context, ts ...pump.Ticket) (context.Context, func()) {

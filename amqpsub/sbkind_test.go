@@ -5,6 +5,7 @@ import (
 	"errors"
 	"sync"
 	"testing"
+	"testing/synctest"
 
 	"github.com/Azure/go-amqp"
 
@@ -36,31 +37,25 @@ func (r *eventCatcher) Event(e Event) {
 // internal/servicebus/locks_test.go): sbKind.lockLost then reports nothing,
 // rather than an event naming the next delivery, whose lock is fine.
 func TestLockLostOnAReusedEntryIsNotReported(t *testing.T) {
+	synctest.Test(t, lockLostOnAReusedEntry)
+}
+
+func lockLostOnAReusedEntry(t *testing.T) {
 	src := fake.New(false, &amqp.Message{Properties: &amqp.MessageProperties{MessageID: "old"}})
 	rec := &eventCatcher{}
 	s, err := New(ServiceBusSourceOf(src), "q", HandlerFunc(func(context.Context, *Delivery) error { return nil }), WithMetrics(rec))
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := s.pipes[0]
-	k, ok := p.kind.(*sbKind)
-	if !ok {
-		t.Fatal("not Service Bus's kind under the Service Bus profile")
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		_ = p.pump.Run(ctx, func(context.Context, error) (pump.Source, error) { return src, nil })
-	}()
-	defer func() { cancel(); <-done }()
+	p, k := runPipe(t, s, src)
 	old := <-p.pump.Out()
 	old.Begin()
 	p.pump.Settle(old, pump.Outcome{Kind: pump.Accept}) // its handler returned meanwhile
+	synctest.Wait()                                     // applied: its entry is free for the next
 	src.Push(&amqp.Message{Properties: &amqp.MessageProperties{MessageID: "next"}})
 	next := <-p.pump.Out()
 	if next.Entry() != old.Entry() {
-		t.Skip("the entry was not reused")
+		t.Fatal("the next delivery did not take the settled one's entry: the test shows nothing")
 	}
 	k.lockLost(old, &amqp.Message{Properties: &amqp.MessageProperties{MessageID: "old"}}, servicebus.ErrLockLost) // the book reports old's lock, late
 	rec.mu.Lock()
@@ -82,18 +77,7 @@ func TestLeasedContextOfADeliveryOutOfTheBook(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := s.pipes[0]
-	k, ok := p.kind.(*sbKind)
-	if !ok || k.book == nil {
-		t.Fatal("no lease book under the Service Bus profile")
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		_ = p.pump.Run(ctx, func(context.Context, error) (pump.Source, error) { return src, nil })
-	}()
-	defer func() { cancel(); <-done }()
+	p, k := runPipe(t, s, src)
 	tk := <-p.pump.Out()
 	tk.Begin()
 	hctx, release := k.handlerContext(context.Background(), tk)
@@ -108,4 +92,23 @@ func TestLeasedContextOfADeliveryOutOfTheBook(t *testing.T) {
 		t.Fatalf("context of a delivery out of the book: cause %v, want servicebus.ErrLockLost", context.Cause(hctx))
 	}
 	p.pump.Settle(tk, pump.Outcome{Kind: pump.Accept})
+}
+
+// runPipe runs s's first pipe's pump on src (the pipe of a Service Bus
+// subscriber) until the test ends, and returns it with its kind.
+func runPipe(t *testing.T, s *Subscriber, src pump.Source) (*pipe, *sbKind) {
+	t.Helper()
+	p := s.pipes[0]
+	k, ok := p.kind.(*sbKind)
+	if !ok || k.book == nil {
+		t.Fatal("no Service Bus kind, or no lease book, under the Service Bus profile")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = p.pump.Run(ctx, func(context.Context, error) (pump.Source, error) { return src, nil })
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	return p, k
 }

@@ -72,7 +72,7 @@ var ErrNotAccepted = errors.New("producer: the broker did not accept a message")
 // accepted, Send returns nil even if closing the sender then fails: the
 // messages are on the broker, and sending them again would duplicate
 // them. ctx bounds the whole call.
-func Send(ctx context.Context, conn *amqp.Conn, queue string, n int, msg func(i int) *amqp.Message, opts *Options) (err error) {
+func Send(ctx context.Context, conn *amqp.Conn, queue string, n int, msg func(i int) *amqp.Message, opts *Options) error {
 	o := Options{Window: 128, CloseTimeout: 5 * time.Second, Capabilities: []string{"queue"}}
 	if opts != nil {
 		if opts.Capabilities != nil {

@@ -24,6 +24,13 @@ import (
 // [Stats.DeadLetterCopyFailures]. "{queue}" in
 // address stands for the queue's name.
 //
+// A copied rejection settles as accepted on the wire, and a [Recorder] and
+// [Delivery.OnSettled] hear [OutcomeAccepted]: each copy is reported as
+// [EventDeadLetterCopied] and counted in [Stats.DeadLetterCopies], and
+// [Delivery.DeadLetterCopied] tells it apart once settled. The contrib
+// adapters count copies and failures, and name the settle span of a copy
+// "dead_letter_copy".
+//
 // On Artemis, address is the fully qualified name (address::queue) of the
 // queue's dead-letter queue: "DLQ::DLQ.{queue}" with
 // auto-create-dead-letter-resources (as in integration/artemis/broker.xml),
@@ -67,6 +74,36 @@ func DeadLetterCopy(address string) Option {
 	})
 }
 
+// deadLetterAddress is DeadLetterCopy's address for the subscriber's queue.
+func (s *Subscriber) deadLetterAddress() string {
+	return strings.ReplaceAll(s.cfg.deadLetterCopy, "{queue}", s.queue)
+}
+
+// deadLetterNote is what DeadLetterCopy did with one delivery
+// ([Delivery.DeadLetterCopied]).
+type deadLetterNote struct {
+	address string
+	err     error // nil: the broker took the copy
+}
+
+// DeadLetterCopied reports what [DeadLetterCopy] did with a rejected
+// delivery: address is the dead-letter address it sent the copy to, and
+// err is nil when the broker took the copy (the delivery is then settled
+// as accepted) or why it did not (the delivery is then rejected without
+// its reason, as [EventDeadLetterCopyFailed] reports). address is "" when
+// no copy was sent: the option is off, the delivery was not rejected, its
+// lock or link was lost first, or its settlement is not yet decided. It
+// is decided before the settlement is applied, so the function given to
+// [Delivery.OnSettled] can tell an accepted copy from a handled delivery
+// with it, as the contrib adapters do; so can the handler's own code once
+// the handler has returned.
+func (d *Delivery) DeadLetterCopied() (address string, err error) {
+	if n := d.dl.Load(); n != nil {
+		return n.address, n.err
+	}
+	return "", nil
+}
+
 // deadLetterSender is the sender of DeadLetterCopy's copies on one link's
 // session, attached when the first copy is sent.
 type deadLetterSender struct {
@@ -86,7 +123,7 @@ func (s *Subscriber) copyToDeadLetter(d *Delivery, oe *OutcomeError) error {
 	if l == nil || l.sess == nil || d.t.Stale() {
 		return errNoDeadLetterLink
 	}
-	addr := strings.ReplaceAll(s.cfg.deadLetterCopy, "{queue}", s.queue)
+	addr := s.deadLetterAddress()
 	// Bound by DialTimeout, and cut short with the handlers at the end of
 	// a stop.
 	ctx, cancel := context.WithTimeout(s.hctx, s.cfg.dialTimeout)

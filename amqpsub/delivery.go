@@ -2,6 +2,7 @@ package amqpsub
 
 import (
 	"fmt"
+	"sync/atomic"
 
 	"github.com/Azure/go-amqp"
 
@@ -40,9 +41,10 @@ func (k BodyKind) String() string {
 type Delivery struct {
 	msg  *amqp.Message
 	lane int
-	t    pump.Ticket // settles it; the pump refuses a second settlement
-	p    *pipe       // the pipe it came through
-	l    *link       // the link it came on, when known
+	t    pump.Ticket                    // settles it; the pump refuses a second settlement
+	p    *pipe                          // the pipe it came through
+	l    *link                          // the link it came on, when known
+	dl   atomic.Pointer[deadLetterNote] // what DeadLetterCopy did, once it did
 }
 
 func newDelivery(t pump.Ticket, lane int, p *pipe) *Delivery {

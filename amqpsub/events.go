@@ -53,10 +53,17 @@ const (
 	// EventOversize means a delivery's body was larger than [MaxMessageSize]
 	// (Err); it was rejected before any handler saw it.
 	EventOversize
+	// EventDeadLetterCopied means [DeadLetterCopy] sent a rejected
+	// delivery's copy, with its reason, to the dead-letter address, and
+	// the broker took it; the delivery itself is then accepted (it is
+	// [OutcomeAccepted] to [Recorder.Settled] and [Delivery.OnSettled]).
+	// One per copy, as [Stats.DeadLetterCopies] counts them.
+	EventDeadLetterCopied
 )
 
 var eventNames = [...]string{"", "handler-failed", "handler-panicked", "poisoned", "settle-failed",
-	"link-lost", "reconnect-failed", "reconnected", "credit-overshoot", "lock-lost", "abandoned", "dead-letter-copy-failed", "oversize"}
+	"link-lost", "reconnect-failed", "reconnected", "credit-overshoot", "lock-lost", "abandoned", "dead-letter-copy-failed", "oversize",
+	"dead-letter-copied"}
 
 func (k EventKind) String() string {
 	if int(k) < len(eventNames) && k > 0 {

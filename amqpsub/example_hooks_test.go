@@ -156,6 +156,30 @@ func ExampleDeadLetterCopy() {
 	log.Println(sub.Stats().DeadLetterCopies, "rejections kept with their reason")
 }
 
+// Tell, once a delivery is settled, a handled message from a rejection
+// that DeadLetterCopy copied: both settle as accepted on the wire.
+func ExampleDelivery_DeadLetterCopied() {
+	h := amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		d.OnSettled(func(o amqpsub.Outcome, err error) {
+			switch address, copyErr := d.DeadLetterCopied(); {
+			case address != "" && copyErr == nil:
+				log.Printf("%v copied to %s, then %v", d.MessageID(), address, o)
+			case address != "":
+				log.Printf("%v %v without its reason: %v", d.MessageID(), o, copyErr)
+			}
+		})
+		return amqpsub.Reject("unknown product")
+	})
+	sub, err := amqpsub.New(amqpsub.Dial("amqp://127.0.0.1:5672", nil), "orders", h,
+		amqpsub.DeadLetterCopy("DLQ::DLQ.orders"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := sub.Run(context.Background()); err != nil {
+		log.Fatal(err)
+	}
+}
+
 // A session consumer on a session-enabled Service Bus queue: four sessions
 // at once, each in order, with session state kept across deliveries.
 func ExampleSessions() {

@@ -62,9 +62,12 @@ func (s *Subscriber) rejection(d *Delivery, oe *OutcomeError, lost bool) pump.Ou
 		err := s.copyToDeadLetter(d, oe)
 		if err == nil {
 			s.deadLetterCopies.Add(1)
+			d.dl.Store(&deadLetterNote{address: s.deadLetterAddress()})
+			s.events.send(s.event(d, EventDeadLetterCopied, nil))
 			return pump.Outcome{Kind: pump.Accept}
 		}
 		if err != errNoDeadLetterLink && !s.cut.Load() {
+			d.dl.Store(&deadLetterNote{address: s.deadLetterAddress(), err: err})
 			s.deadLetterCopyFailures.Add(1)
 			s.limited.Warn("dead-letter copy not taken; rejecting without keeping the reason", s.fields(d, err)...)
 			s.events.send(s.event(d, EventDeadLetterCopyFailed, err))

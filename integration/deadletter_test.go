@@ -44,16 +44,31 @@ func TestArtemisDeadLetterCopyKeepsTheReason(t *testing.T) {
 	stopReader, waitReader := runSub(t, reader)
 
 	publishFast(t, conn, q, true, uniqueSeqs(1, 0))
-	var handled, copyFailed atomic.Int64
+	var handled, copyFailed, copied atomic.Int64
+	// What DeadLetterCopied says once each delivery is settled.
+	var notes []string
 	s, err := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
 		handled.Add(1)
+		d.OnSettled(func(o amqpsub.Outcome, _ error) {
+			addr, err := d.DeadLetterCopied()
+			mu.Lock()
+			defer mu.Unlock()
+			kind := "rejection"
+			if seqOf(d) < 0 {
+				kind = "barrier"
+			}
+			notes = append(notes, fmt.Sprintf("%s %v %q %v", kind, o, addr, err != nil))
+		})
 		if seqOf(d) < 0 {
 			return nil
 		}
 		return amqpsub.RejectWith("malformed", "no customer in order")
 	}), amqpsub.DeadLetterCopy("DLQ::DLQ.{queue}"), amqpsub.Logger(logger(t)), amqpsub.OnEvent(func(e amqpsub.Event) {
-		if e.Kind == amqpsub.EventDeadLetterCopyFailed {
+		switch e.Kind {
+		case amqpsub.EventDeadLetterCopyFailed:
 			copyFailed.Add(1)
+		case amqpsub.EventDeadLetterCopied:
+			copied.Add(1)
 		}
 	}))
 	if err != nil {
@@ -81,11 +96,25 @@ func TestArtemisDeadLetterCopyKeepsTheReason(t *testing.T) {
 	}
 	st := s.Stats()
 	if st.Results.Reject != 3 || st.DeadLetterCopies != 2 || st.DeadLetterCopyFailures != 1 ||
-		st.Settled.Rejected != 1 || st.Settled.Accepted != 4 || copyFailed.Load() != 1 {
-		t.Fatalf("stats %v, %d copy-failed events", st, copyFailed.Load())
+		st.Settled.Rejected != 1 || st.Settled.Accepted != 4 || copyFailed.Load() != 1 || copied.Load() != 2 {
+		t.Fatalf("stats %v, %d copy-failed and %d copied events", st, copyFailed.Load(), copied.Load())
 	}
 	mu.Lock()
 	defer mu.Unlock()
+	// The barriers were handled: no copy. The first rejection's copy
+	// failed: rejected; the next two were copied, then accepted.
+	wantNotes := map[string]int{
+		`barrier accepted "" false`:                               2,
+		fmt.Sprintf(`rejection rejected %q true`, "DLQ::DLQ."+q):  1,
+		fmt.Sprintf(`rejection accepted %q false`, "DLQ::DLQ."+q): 2,
+	}
+	gotNotes := map[string]int{}
+	for _, n := range notes {
+		gotNotes[n]++
+	}
+	if fmt.Sprint(gotNotes) != fmt.Sprint(wantNotes) {
+		t.Fatalf("DeadLetterCopied in OnSettled: %v, want %v", gotNotes, wantNotes)
+	}
 	if deads[0].reason != nil {
 		t.Fatalf("the first dead letter has a reason: %+v", deads[0])
 	}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
+	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
@@ -196,5 +197,122 @@ func TestArtemisTracesAndMetrics(t *testing.T) {
 	// The subscriber has stopped: its gauges are no longer reported.
 	if got := c.points(amqpotel.CreditName, dest); got != 0 {
 		t.Errorf("credit reported after Run returned: %d points", got)
+	}
+}
+
+// On Artemis, with DeadLetterCopy: a rejection whose copy the broker took
+// is a "dead_letter_copy" settle span, outcome accepted, with the address,
+// and is counted as a copy; one whose copy the broker refused (its
+// address names a queue that does not exist) is a "reject" span carrying
+// the copy's error, and is counted as a failure.
+func TestArtemisDeadLetterCopySpans(t *testing.T) {
+	url := artemisURL(t)
+	for _, c := range []struct {
+		name, address, span string
+		copies, failures    int64
+	}{
+		{"taken", "{queue}.dead", "dead_letter_copy", 1, 0},
+		// The address DLQ exists (broker.xml), the queue does not: Artemis
+		// refuses the sender.
+		{"refused", "DLQ::missing.{queue}", "reject", 0, 1},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			queue := fmt.Sprintf("amqpotel.dlc.%d.%08x", time.Now().UnixNano(), rand.Uint32())
+			address := strings.ReplaceAll(c.address, "{queue}", queue)
+			tp, rec := spans()
+			m, reader := newMetrics(t)
+			publish(t, url, queue, message("ok", "ok", nil), message("bad", "bad", nil))
+			h := amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+				if d.MessageID() == "bad" {
+					return amqpsub.RejectWith("malformed", "no customer")
+				}
+				return nil
+			})
+			sub, err := amqpsub.New(amqpsub.Dial(url, nil), queue, amqpotel.Handler(queue, h, amqpotel.WithTracerProvider(tp)),
+				amqpsub.WithMetrics(m), amqpsub.DeadLetterCopy(c.address))
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(t.Context())
+			done := make(chan error, 1)
+			go func() { done <- sub.Run(ctx) }()
+			for deadline := time.Now().Add(60 * time.Second); ; {
+				st := sub.Stats()
+				if st.Settled.Accepted+st.Settled.Rejected == 2 {
+					break
+				}
+				if time.Now().After(deadline) {
+					cancel()
+					<-done
+					t.Fatalf("settled %+v after 60 s", st.Settled)
+				}
+				select {
+				case err := <-done:
+					t.Fatalf("Run returned %v", err)
+				case <-time.After(20 * time.Millisecond):
+				}
+			}
+			cancel()
+			if err := <-done; err != nil {
+				t.Fatalf("Run: %v", err)
+			}
+
+			process, settle := byName(rec)
+			names := map[string]string{}
+			for _, p := range process {
+				id := attrString(p, "messaging.message.id")
+				s := settleOf(settle, p)
+				if len(s) != 1 {
+					t.Fatalf("%s: %d settle spans", id, len(s))
+				}
+				names[id] = strings.TrimSuffix(s[0].Name(), " "+queue)
+				if id != "bad" {
+					continue
+				}
+				if got := attrString(p, amqpotel.ResultKey); got != "reject" {
+					t.Errorf("process span's result %q, want reject", got)
+				}
+				want := "accepted"
+				if c.failures > 0 {
+					want = "rejected"
+				}
+				if got := attrString(s[0], amqpotel.OutcomeKey); got != want {
+					t.Errorf("settle span's outcome %q, want %q", got, want)
+				}
+				if got := attrString(s[0], "messaging.operation.name"); got != c.span {
+					t.Errorf("settle span's operation %q, want %q", got, c.span)
+				}
+				if got := attrString(s[0], amqpotel.DeadLetterAddressKey); got != address {
+					t.Errorf("settle span's dead-letter address %q, want %q", got, address)
+				}
+				var exceptions int
+				for _, e := range s[0].Events() {
+					if e.Name == "exception" {
+						exceptions++
+					}
+				}
+				if exceptions != int(c.failures) {
+					t.Errorf("settle span has %d exception events, want %d: %v", exceptions, c.failures, s[0].Events())
+				}
+				if s[0].Status().Code == codes.Error {
+					t.Errorf("settle span's status is Error: %v", s[0].Status())
+				}
+			}
+			if names["ok"] != "accept" || names["bad"] != c.span {
+				t.Errorf("settle spans %v, want ok: accept, bad: %s", names, c.span)
+			}
+
+			col := collect(t, reader)
+			dest := destKey.String(queue)
+			if got := col.sum(amqpotel.DeadLetterCopiesName, dest); got != c.copies {
+				t.Errorf("%s = %d, want %d", amqpotel.DeadLetterCopiesName, got, c.copies)
+			}
+			if got := col.sum(amqpotel.DeadLetterCopyFailuresName, dest); got != c.failures {
+				t.Errorf("%s = %d, want %d", amqpotel.DeadLetterCopyFailuresName, got, c.failures)
+			}
+			if got := col.sum(amqpotel.SettlementsName, dest, amqpotel.OutcomeKey.String("accepted"), noError); got != 1+c.copies {
+				t.Errorf("accepted settlements %d, want %d", got, 1+c.copies)
+			}
+		})
 	}
 }

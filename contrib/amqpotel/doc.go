@@ -29,6 +29,12 @@
 //   - amqpsub.events, counter, {event}: amqpsub.Events by amqpsub.event,
 //     the kind's name (link-lost, reconnected, credit-overshoot, lock-lost,
 //     handler-failed...).
+//   - amqpsub.dead_letter.copies, counter, {message}: rejections that
+//     amqpsub.DeadLetterCopy copied to the dead-letter address; they
+//     settle as accepted, and amqpsub.settlements counts them so.
+//   - amqpsub.dead_letter.copy_failures, counter, {message}: copies the
+//     broker did not take; those deliveries were rejected without their
+//     reason.
 //   - amqpsub.locks.renewed, counter, {lock}: Service Bus message locks
 //     renewed.
 //   - amqpsub.deliveries.dropped, counter, {message}: deliveries given up
@@ -57,5 +63,7 @@
 // producer's context carried in the message's application properties
 // (W3C traceparent, or Diagnostic-Id as the Azure Service Bus SDKs write
 // it), and record a "<operation> <queue>" settle span, of kind CLIENT, for
-// each delivery's settlement. See Handler for the attributes.
+// each delivery's settlement ("dead_letter_copy <queue>" for a rejection
+// amqpsub.DeadLetterCopy copied and then accepted). See Handler for the
+// attributes.
 package amqpotel

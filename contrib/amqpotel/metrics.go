@@ -33,6 +33,14 @@ const (
 	BatchSizeName = "amqpsub.batch.size"
 	// EventsName counts amqpsub.Events by kind.
 	EventsName = "amqpsub.events"
+	// DeadLetterCopiesName counts rejected deliveries that
+	// amqpsub.DeadLetterCopy copied, with their reason, to the dead-letter
+	// address; they are settled, and counted in SettlementsName, as
+	// accepted.
+	DeadLetterCopiesName = "amqpsub.dead_letter.copies"
+	// DeadLetterCopyFailuresName counts the copies the broker did not
+	// take; those deliveries were rejected without their reason.
+	DeadLetterCopyFailuresName = "amqpsub.dead_letter.copy_failures"
 	// LocksRenewedName counts Service Bus message locks renewed.
 	LocksRenewedName = "amqpsub.locks.renewed"
 	// DroppedName counts deliveries freed unsettled before a handler saw
@@ -73,6 +81,8 @@ type Metrics struct {
 	events       metric.Int64Counter
 	locksRenewed metric.Int64Counter
 	dropped      metric.Int64Counter
+	dlCopies     metric.Int64Counter
+	dlFailures   metric.Int64Counter
 
 	held, credit, laneLoad, groupsHeld, bytesHeld, locksHeld metric.Int64ObservableUpDownCounter
 	reg                                                      metric.Registration
@@ -120,6 +130,12 @@ func NewMetrics(opts ...Option) (*Metrics, error) {
 	add(err)
 	m.dropped, err = meter.Int64Counter(DroppedName, metric.WithUnit("{message}"),
 		metric.WithDescription("Deliveries freed unsettled before a handler saw them (their link or lock was lost); the broker delivers them again."))
+	add(err)
+	m.dlCopies, err = meter.Int64Counter(DeadLetterCopiesName, metric.WithUnit("{message}"),
+		metric.WithDescription("Rejected deliveries copied with their reason to the dead-letter address (amqpsub.DeadLetterCopy); they are settled as accepted."))
+	add(err)
+	m.dlFailures, err = meter.Int64Counter(DeadLetterCopyFailuresName, metric.WithUnit("{message}"),
+		metric.WithDescription("Dead-letter copies the broker did not take; those deliveries were rejected without their reason."))
 	add(err)
 	gauge := func(name, unit, desc string) metric.Int64ObservableUpDownCounter {
 		g, err := meter.Int64ObservableUpDownCounter(name, metric.WithUnit(unit), metric.WithDescription(desc))
@@ -316,6 +332,12 @@ func (r *recorder) failedOpts(o amqpsub.Outcome, errType string) []metric.AddOpt
 }
 
 func (r *recorder) Event(e amqpsub.Event) {
+	switch e.Kind {
+	case amqpsub.EventDeadLetterCopied:
+		r.m.dlCopies.Add(bg, 1, r.plain...)
+	case amqpsub.EventDeadLetterCopyFailed:
+		r.m.dlFailures.Add(bg, 1, r.plain...)
+	}
 	if int(e.Kind) < len(r.events) && e.Kind > 0 {
 		r.m.events.Add(bg, 1, r.events[e.Kind]...)
 		return

@@ -25,7 +25,16 @@ const (
 	// DeliveryCountKey is the AMQP header's delivery-count: the broker's
 	// count of earlier failed deliveries of the message.
 	DeliveryCountKey = attribute.Key("amqpsub.delivery_count")
+	// DeadLetterAddressKey is the address amqpsub.DeadLetterCopy sent a
+	// rejected delivery's copy to, on its settle span.
+	DeadLetterAddressKey = attribute.Key("amqpsub.dead_letter.address")
 )
+
+// OperationDeadLetterCopy is the messaging.operation.name, and the first
+// word of the settle span's name, of a rejection that
+// amqpsub.DeadLetterCopy copied to its dead-letter address and then settled
+// as accepted.
+const OperationDeadLetterCopy = "dead_letter_copy"
 
 // The error.type values this package sets, besides an AMQP error's
 // condition (such as "amqp:link:detach-forced") for a settlement the broker

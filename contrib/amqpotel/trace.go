@@ -32,6 +32,7 @@ type tracing struct {
 	processName string
 	process     []attribute.KeyValue // messaging.system, destination, operation name and type
 	settle      [4]settleSpan        // by amqpsub.Outcome
+	copied      settleSpan           // a rejection DeadLetterCopy copied, accepted
 }
 
 type settleSpan struct {
@@ -70,6 +71,10 @@ func newTracing(queue string, opts []Option) *tracing {
 		}
 		t.settle[o] = settleSpan{name: op + " " + queue, attrs: attrs}
 	}
+	t.copied = settleSpan{name: OperationDeadLetterCopy + " " + queue, attrs: append(base[:len(base):len(base)],
+		semconv.MessagingOperationNameKey.String(OperationDeadLetterCopy),
+		semconv.MessagingOperationTypeSettle,
+		OutcomeKey.String(amqpsub.OutcomeAccepted.String()))}
 	return t
 }
 
@@ -105,7 +110,15 @@ func newTracing(queue string, opts []Option) *tracing {
 // rejected). It starts when h returns and ends when the subscriber has
 // applied the settlement, with status Error and error.type when the broker
 // did not take it ("not_settled" when it was not sent, the link or lock
-// being lost). It is recorded through Delivery.OnSettled, on the
+// being lost). With amqpsub.DeadLetterCopy, a rejection whose copy the
+// broker took settles as accepted: its settle span is named
+// "dead_letter_copy <queue>" (OperationDeadLetterCopy), with
+// messaging.operation.name "dead_letter_copy", amqpsub.outcome "accepted"
+// and amqpsub.dead_letter.address the address the copy went to
+// (DeadLetterAddressKey); a rejection whose copy the broker refused is a
+// "reject <queue>" span with amqpsub.dead_letter.address and the copy's
+// error recorded as an exception event (its status is not Error: the
+// rejection was taken). It is recorded through Delivery.OnSettled, on the
 // subscriber's receiving goroutine, when the settlement is applied:
 // a delivery whose settlement never is (the subscriber stopped before, or
 // abandoned the handler) has no settle span, nor has one whose process
@@ -370,6 +383,7 @@ func idString(id any) string {
 // given to OnSettled, starting when the handler returned.
 type watch struct {
 	t        *tracing
+	d        *amqpsub.Delivery
 	parent   context.Context // holds the process span only
 	id       attribute.KeyValue
 	returned atomic.Int64 // UnixNano when the handler returned; 0 before
@@ -384,7 +398,7 @@ func (t *tracing) watch(process trace.Span, d *amqpsub.Delivery) *watch {
 	if !process.IsRecording() {
 		return nil
 	}
-	w := &watch{t: t, parent: trace.ContextWithSpan(context.Background(), process)}
+	w := &watch{t: t, d: d, parent: trace.ContextWithSpan(context.Background(), process)}
 	if id := d.MessageID(); id != nil {
 		w.id = semconv.MessagingMessageIDKey.String(idString(id))
 	}
@@ -408,6 +422,10 @@ func (w *watch) settled(o amqpsub.Outcome, err error) {
 		return
 	}
 	s := &w.t.settle[o]
+	dlAddr, dlErr := w.d.DeadLetterCopied()
+	if dlAddr != "" && dlErr == nil && o == amqpsub.OutcomeAccepted {
+		s = &w.t.copied
+	}
 	start := time.Now()
 	if n := w.returned.Load(); n != 0 {
 		start = time.Unix(0, n)
@@ -420,7 +438,13 @@ func (w *watch) settled(o amqpsub.Outcome, err error) {
 	if w.id.Valid() {
 		opts = append(opts, trace.WithAttributes(w.id))
 	}
+	if dlAddr != "" {
+		opts = append(opts, trace.WithAttributes(DeadLetterAddressKey.String(dlAddr)))
+	}
 	_, span := w.t.tracer.Start(w.parent, s.name, opts...)
+	if dlErr != nil {
+		span.RecordError(dlErr, trace.WithAttributes(EventKey.String(amqpsub.EventDeadLetterCopyFailed.String())))
+	}
 	if err != nil {
 		span.SetAttributes(semconv.ErrorTypeKey.String(settleErrorType(err)))
 		span.RecordError(err)

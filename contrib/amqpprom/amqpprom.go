@@ -21,6 +21,8 @@ type Metrics struct {
 	events   *prometheus.CounterVec
 	renewed  *prometheus.CounterVec
 	dropped  *prometheus.CounterVec
+	dlCopies *prometheus.CounterVec
+	dlFailed *prometheus.CounterVec
 	gauges   *gauges
 }
 
@@ -101,9 +103,17 @@ func New(reg prometheus.Registerer, opts ...Option) *Metrics {
 			Name: "amqpsub_dropped_total", ConstLabels: cfg.constLabels,
 			Help: "Deliveries freed unsettled before a handler saw them (their link or lock was lost); the broker delivers them again.",
 		}, base),
+		dlCopies: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "amqpsub_dead_letter_copies_total", ConstLabels: cfg.constLabels,
+			Help: "Rejected deliveries copied with their reason to the dead-letter address (amqpsub.DeadLetterCopy); they are settled as accepted.",
+		}, base),
+		dlFailed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "amqpsub_dead_letter_copy_failures_total", ConstLabels: cfg.constLabels,
+			Help: "Dead-letter copies the broker did not take (amqpsub.DeadLetterCopy); those deliveries were rejected, and their reason lost.",
+		}, base),
 		gauges: newGauges(cfg.constLabels),
 	}
-	reg.MustRegister(m.consumed, m.process, m.settled, m.batch, m.events, m.renewed, m.dropped, m.gauges)
+	reg.MustRegister(m.consumed, m.process, m.settled, m.batch, m.events, m.renewed, m.dropped, m.dlCopies, m.dlFailed, m.gauges)
 	return m
 }
 
@@ -126,6 +136,8 @@ func (m *Metrics) Recorder(info amqpsub.MetricsInfo) amqpsub.Recorder {
 		panicked: m.process.WithLabelValues(sys, q, "process", amqpsub.ResultRetry.String(), "panic"),
 		renewed:  m.renewed.WithLabelValues(sys, q),
 		dropped:  m.dropped.WithLabelValues(sys, q),
+		dlCopies: m.dlCopies.WithLabelValues(sys, q),
+		dlFailed: m.dlFailed.WithLabelValues(sys, q),
 		other:    m.events.WithLabelValues(sys, q, "other"),
 	}
 	for _, res := range results {
@@ -171,6 +183,8 @@ type recorder struct {
 	other    prometheus.Counter
 	renewed  prometheus.Counter
 	dropped  prometheus.Counter
+	dlCopies prometheus.Counter
+	dlFailed prometheus.Counter
 	sub      subscriber // what the gauges read
 }
 
@@ -204,6 +218,12 @@ func (r *recorder) Settled(o amqpsub.Outcome, err error) {
 }
 
 func (r *recorder) Event(e amqpsub.Event) {
+	switch e.Kind {
+	case amqpsub.EventDeadLetterCopied:
+		r.dlCopies.Inc()
+	case amqpsub.EventDeadLetterCopyFailed:
+		r.dlFailed.Inc()
+	}
 	if int(e.Kind) < len(r.events) && r.events[e.Kind] != nil {
 		r.events[e.Kind].Inc()
 		return

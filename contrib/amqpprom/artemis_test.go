@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -26,15 +27,29 @@ import (
 
 // After a run on a real Artemis, a scrape of the metrics handler counts
 // exactly what was published: every delivery received, accepted or
-// rejected as the handler said.
+// rejected as the handler said; with DeadLetterCopy, the rejections are
+// accepted copies, counted as such, and each copy is on the dead-letter
+// queue.
 func TestScrapeAfterArtemisRun(t *testing.T) {
 	url := os.Getenv("AMQPSUB_ARTEMIS_URL")
 	if url == "" {
 		t.Skip("AMQPSUB_ARTEMIS_URL is not set (make test sets it)")
 	}
+	t.Run("reject", func(t *testing.T) { scrapeAfterRun(t, url, false) })
+	t.Run("DeadLetterCopy", func(t *testing.T) { scrapeAfterRun(t, url, true) })
+}
+
+func scrapeAfterRun(t *testing.T, url string, copyRejected bool) {
 	const n, rejectEvery = 2000, 10
 	queue := "amqpprom-" + randomSuffix(t)
 	publish(t, url, queue, n)
+	opts := []amqpsub.Option{amqpsub.WorkersByKey(8)}
+	dlq := queue + ".dead"
+	if copyRejected {
+		// An address of its own, which Artemis creates as a queue at the
+		// first copy, so that no reason is lost.
+		opts = append(opts, amqpsub.DeadLetterCopy(dlq))
+	}
 
 	reg := prometheus.NewRegistry()
 	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
@@ -52,7 +67,7 @@ func TestScrapeAfterArtemisRun(t *testing.T) {
 		}
 		return nil
 	})
-	sub, err := amqpsub.New(amqpsub.Dial(url, nil), queue, h, amqpsub.WorkersByKey(8), amqpsub.WithMetrics(amqpprom.New(reg)))
+	sub, err := amqpsub.New(amqpsub.Dial(url, nil), queue, h, append(opts, amqpsub.WithMetrics(amqpprom.New(reg)))...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -79,14 +94,21 @@ func TestScrapeAfterArtemisRun(t *testing.T) {
 		t.Fatalf("Run: %v", err)
 	}
 
+	rejected, copies := float64(n/rejectEvery), 0.0
+	if copyRejected {
+		rejected, copies = 0, n/rejectEvery
+	}
 	labels := fmt.Sprintf(`messaging_destination_name=%q,messaging_system="activemq"`, queue)
 	for _, c := range []struct {
 		series string
 		want   float64
 	}{
 		{`messaging_client_consumed_messages_total{` + labels + `,messaging_operation_name="receive"}`, n},
-		{`amqpsub_settlements_total{` + labels + `,outcome="accepted",error_type=""}`, n - n/rejectEvery},
-		{`amqpsub_settlements_total{` + labels + `,outcome="rejected",error_type=""}`, n / rejectEvery},
+		{`amqpsub_settlements_total{` + labels + `,outcome="accepted",error_type=""}`, n - rejected},
+		{`amqpsub_settlements_total{` + labels + `,outcome="rejected",error_type=""}`, rejected},
+		{`amqpsub_dead_letter_copies_total{` + labels + `}`, copies},
+		{`amqpsub_dead_letter_copy_failures_total{` + labels + `}`, 0},
+		{`amqpsub_events_total{` + labels + `,kind="dead-letter-copied"}`, copies},
 		{`amqpsub_settlements_total{` + labels + `,outcome="released",error_type=""}`, 0},
 		{`amqpsub_settlements_total{` + labels + `,outcome="accepted",error_type="failed"}`, 0},
 		{`messaging_process_duration_seconds_count{` + labels + `,messaging_operation_name="process",result="accept",error_type=""}`, n - n/rejectEvery},
@@ -103,22 +125,68 @@ func TestScrapeAfterArtemisRun(t *testing.T) {
 			t.Errorf("%s = %v, want %v", c.series, got, c.want)
 		}
 	}
+	if copyRejected {
+		if got := countQueue(t, url, dlq, n/rejectEvery); got != n/rejectEvery {
+			t.Errorf("%d copies on %s, want %d", got, dlq, n/rejectEvery)
+		}
+	}
 	t.Logf("scraped %d series after %d messages", len(fams), n)
 }
 
-func publish(t *testing.T, url, queue string, n int) {
+// session returns a session on a connection to url, both closed when
+// the test ends, and a context bounded by a minute for what is done on it.
+func session(t *testing.T, url string) (context.Context, *amqp.Session) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
+	t.Cleanup(cancel)
 	conn, err := amqp.Dial(ctx, url, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer conn.Close()
+	t.Cleanup(func() { conn.Close() })
 	sess, err := conn.NewSession(ctx, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
+	return ctx, sess
+}
+
+// countQueue takes the messages on queue, want of them or until none has
+// come for a second, and returns how many it took. The broker has them
+// all once the subscriber has settled (a copy is taken before its
+// original is accepted), so the wait is for none past want.
+func countQueue(t *testing.T, url, queue string, want int) int {
+	t.Helper()
+	ctx, sess := session(t, url)
+	rcv, err := sess.NewReceiver(ctx, queue, &amqp.ReceiverOptions{SourceCapabilities: []string{"queue"}, Credit: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for {
+		wait := 10 * time.Second
+		if n >= want {
+			wait = time.Second
+		}
+		rctx, rcancel := context.WithTimeout(ctx, wait)
+		m, err := rcv.Receive(rctx, nil)
+		rcancel()
+		if err != nil {
+			if ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) {
+				return n
+			}
+			t.Fatal(err)
+		}
+		if err := rcv.AcceptMessage(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+		n++
+	}
+}
+
+func publish(t *testing.T, url, queue string, n int) {
+	t.Helper()
+	ctx, sess := session(t, url)
 	snd, err := sess.NewSender(ctx, queue, &amqp.SenderOptions{TargetCapabilities: []string{"queue"}})
 	if err != nil {
 		t.Fatal(err)

@@ -27,12 +27,24 @@
 //	    "modified", "rejected"); error_type is "" when the broker took
 //	    it, "not_settled" when the delivery's link or lock was lost first
 //	    (amqpsub.ErrNotSettled; contrib/amqpotel says the same),
-//	    else "failed".
+//	    else "failed". With amqpsub.DeadLetterCopy, a rejection whose copy
+//	    the broker took settles as "accepted": it is counted here as
+//	    accepted, and in amqpsub_dead_letter_copies_total.
 //	amqpsub_batch_size
 //	    histogram: deliveries per BatchHandler call (BatchHandler only).
 //	amqpsub_events_total{kind}
 //	    counter: amqpsub.Events by kind ("link-lost", "reconnected",
 //	    "credit-overshoot", "lock-lost", ...).
+//	amqpsub_dead_letter_copies_total
+//	    counter: rejected deliveries that amqpsub.DeadLetterCopy copied,
+//	    with their reason, to the dead-letter address, the originals being
+//	    accepted (amqpsub.Stats.DeadLetterCopies; event
+//	    "dead-letter-copied"). Handled deliveries accepted are
+//	    amqpsub_settlements_total{outcome="accepted"} less this.
+//	amqpsub_dead_letter_copy_failures_total
+//	    counter: copies the broker did not take; those deliveries were
+//	    rejected without their reason (amqpsub.Stats.DeadLetterCopyFailures;
+//	    event "dead-letter-copy-failed").
 //	amqpsub_locks_renewed_total
 //	    counter: Service Bus message locks renewed.
 //	amqpsub_dropped_total

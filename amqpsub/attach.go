@@ -86,6 +86,14 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 		}
 		return fail("attach receiver", err)
 	}
+	if s.cfg.deadLetterCopy != "" {
+		// Before any delivery: a dead-letter address the broker refuses
+		// fails the attach as a missing queue does, rather than the
+		// reasons of the first rejections.
+		if l.dlq.snd, err = s.deadLetterSender(ctx, l.sess); err != nil {
+			return fail("attach dead-letter sender", err)
+		}
+	}
 	src, step, err := p.kind.attached(ctx, l)
 	if err != nil {
 		return fail(step, err)

@@ -17,12 +17,20 @@ import (
 // delivery as rejected, the subscriber sends a copy of the message to
 // address, with application properties DeadLetterReason and
 // DeadLetterErrorDescription, waits until the broker has taken the copy,
-// and then accepts the original. If the copy cannot be sent (the address
-// does not exist yet, say), the delivery is rejected as without this
-// option, and the broker dead-letters it without the reason; that is
-// logged, reported as [EventDeadLetterCopyFailed] and counted in
-// [Stats.DeadLetterCopyFailures]. "{queue}" in
-// address stands for the queue's name.
+// and then accepts the original. If the copy cannot be sent, the delivery
+// is rejected as without this option, and the broker dead-letters it
+// without the reason; that is logged, reported as
+// [EventDeadLetterCopyFailed] and counted in
+// [Stats.DeadLetterCopyFailures]. "{queue}" in address stands for the
+// queue's name.
+//
+// The subscriber attaches its sender to address as it attaches to the
+// queue, before any delivery: an address the broker refuses (a
+// dead-letter queue that does not exist) fails that attach as a missing
+// queue does, so Run returns the broker's amqp:not-found at once (or, with
+// [WaitForQueue], waits until the address exists) instead of losing the
+// reasons of the first rejections. A copy can then fail only when the
+// sender is lost meanwhile.
 //
 // A copied rejection settles as accepted on the wire, and a [Recorder] and
 // [Delivery.OnSettled] hear [OutcomeAccepted]: each copy is reported as
@@ -35,11 +43,10 @@ import (
 // queue's dead-letter queue: "DLQ::DLQ.{queue}" with
 // auto-create-dead-letter-resources (as in integration/artemis/broker.xml),
 // "DLQ::DLQ" with the stock broker.xml. The stock broker has that queue
-// from the start, so no reason is lost there. With auto-creation the
-// broker makes DLQ.{queue} only at its own first dead letter: every
-// rejection made before then (several, when lanes reject at once) loses
-// its reason. To lose none, create the queue ahead (docs/brokers.md has
-// the recipe; in tests, artemistest.WithDeadLetterQueues declares it).
+// from the start. With auto-creation the broker makes DLQ.{queue} only at
+// its own first dead letter, so the subscriber's attach would fail until
+// then: create the queue ahead (docs/brokers.md has the recipe; in tests,
+// artemistest.WithDeadLetterQueues declares it).
 //
 // The copy carries what Artemis itself adds to a dead letter
 // (_AMQ_ORIG_ADDRESS, _AMQ_ORIG_QUEUE, and the annotations
@@ -77,6 +84,16 @@ func DeadLetterCopy(address string) Option {
 // deadLetterAddress is DeadLetterCopy's address for the subscriber's queue.
 func (s *Subscriber) deadLetterAddress() string {
 	return strings.ReplaceAll(s.cfg.deadLetterCopy, "{queue}", s.queue)
+}
+
+// deadLetterSender attaches a sender to DeadLetterCopy's address on sess.
+func (s *Subscriber) deadLetterSender(ctx context.Context, sess *amqp.Session) (*amqp.Sender, error) {
+	addr := s.deadLetterAddress()
+	snd, err := sess.NewSender(ctx, addr, &amqp.SenderOptions{TargetCapabilities: s.cfg.profile.sourceCaps})
+	if err != nil {
+		return nil, fmt.Errorf("attach to dead-letter address %q: %w", addr, err)
+	}
+	return snd, nil
 }
 
 // deadLetterNote is what DeadLetterCopy did with one delivery
@@ -131,11 +148,11 @@ func (s *Subscriber) copyToDeadLetter(d *Delivery, oe *OutcomeError) error {
 	l.dlq.mu.Lock()
 	snd := l.dlq.snd
 	if snd == nil {
+		// The one attached with the link was lost: attach another.
 		var err error
-		snd, err = l.sess.NewSender(ctx, addr, &amqp.SenderOptions{TargetCapabilities: s.cfg.profile.sourceCaps})
-		if err != nil {
+		if snd, err = s.deadLetterSender(ctx, l.sess); err != nil {
 			l.dlq.mu.Unlock()
-			return fmt.Errorf("attach to dead-letter address %q: %w", addr, err)
+			return err
 		}
 		l.dlq.snd = snd
 	}

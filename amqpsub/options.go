@@ -365,6 +365,16 @@ type RetryPolicy struct {
 // own redelivery count (Artemis max-delivery-attempts, with
 // redelivery-delay) handle what outlasts it.
 //
+// When the retries run out, the Retry goes to the broker as a failed
+// attempt, and the lane goes on at once with the group's next deliveries,
+// those already held: for that group, order is then lost. A handler whose
+// work depends on order must tell that case from an outage: when it finds
+// a delivery out of order (a gap in a sequence it keeps), it should return
+// [Release], which LocalRetry does not retry and the broker does not count,
+// so that the broker hands the group over again; a Retry there would be
+// retried in the lane, where the missing delivery can never arrive, until
+// the budget runs out.
+//
 // Retrying ends early:
 //
 //   - A stop or Close ends the waiting and releases the delivery: it goes

@@ -146,8 +146,7 @@
 //     another profile, and Sessions or SessionIDs.
 //   - Each delivery is locked for [LockDuration] (60 s by default) from when
 //     it is sent. It carries the lock token as its 16-byte delivery tag
-//     (.NET's Guid layout, which amqpsub reads: servicebus.LockToken in
-//     internal/servicebus), and message
+//     (in .NET's Guid byte order, as the service sends it), and message
 //     annotations x-opt-locked-until (when the lock expires),
 //     x-opt-sequence-number (from 1, in publish order) and
 //     x-opt-enqueued-time (when it was published). Its header's
@@ -163,7 +162,7 @@
 //     say) expires at its locked-until: the delivery is recorded as
 //     [LockExpired], and the message goes back, counted. A settlement that
 //     comes later is refused with an *amqp.Error of condition
-//     com.microsoft:message-lock-lost (pump.ErrCondLockLost) and not
+//     com.microsoft:message-lock-lost and not
 //     applied; [Delivery.Late] records it (amqpsub sends none once its lease
 //     book knows the lock is lost, and counts the refusals it gets in
 //     Stats().Locks.LostAtSettle).

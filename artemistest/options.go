@@ -344,9 +344,10 @@ func WithAddress(name string, routing Routing, queues ...Queue) Option {
 // that the default broker.xml makes only at that queue's first dead letter
 // (auto-create-dead-letter-resources): queue DLQ.<queue>, anycast on
 // address DLQ, with filter _AMQ_ORIG_ADDRESS = '<queue>'. With it,
-// amqpsub's DeadLetterCopy("DLQ::DLQ.{queue}") keeps the reason of every
-// rejection, the first ones included, and a reader of DLQ::DLQ.<queue> can
-// attach before any message was dead-lettered. For a queue on an address
+// amqpsub's DeadLetterCopy("DLQ::DLQ.{queue}") can attach (without it, Run
+// fails with amqp:not-found until the first dead letter) and keeps the
+// reason of every rejection, and a reader of DLQ::DLQ.<queue> can attach
+// before any message was dead-lettered. For a queue on an address
 // of its own name (what WithQueues and the default broker.xml make).
 // Default: none.
 func WithDeadLetterQueues(queues ...string) Option {

@@ -2,111 +2,117 @@ package integration
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/Azure/go-amqp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+
 	"github.com/amqpsub/amqpsub/amqpsub"
 )
 
-// A dead-letter reader starts before the first dead letter (WaitForQueue:
-// its queue does not exist yet), and DeadLetterCopy keeps the reason that
-// Artemis drops from a rejection. A rejection made before the queue's
-// dead-letter queue exists cannot be copied (under our broker.xml Artemis
-// creates it with the first dead letter): it is rejected as without the
-// option, and creates the queue; later ones keep their reason.
+// DeadLetterCopy attaches to the dead-letter address with the queue, so no
+// rejection can lose its reason for want of the dead-letter queue: without
+// it Run fails at once with the broker's amqp:not-found and no delivery is
+// taken; with WaitForQueue the subscriber waits, and once the queue is
+// created every rejection keeps its reason. A copy the broker refuses
+// later (the dead-letter queue deleted under the running subscriber) is
+// rejected as without the option, and says so: the event, the counter, and
+// Delivery.DeadLetterCopied in OnSettled.
 func TestArtemisDeadLetterCopyKeepsTheReason(t *testing.T) {
 	url := artemisURL(t)
 	q := queueName(t)
 	conn := dial(t, url)
-
-	type dead struct {
-		seq                 int
-		reason, description any
-		origQueue           any
-	}
-	var mu sync.Mutex
-	var deads []dead
-	reader, err := amqpsub.New(amqpsub.Dial(url, nil), dlq(q), amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
-		ap := d.ApplicationProperties()
-		mu.Lock()
-		defer mu.Unlock()
-		deads = append(deads, dead{seqOf(d), ap["DeadLetterReason"], ap["DeadLetterErrorDescription"], ap["_AMQ_ORIG_QUEUE"]})
-		return nil
-	}), amqpsub.WaitForQueue(), amqpsub.Backoff(50*time.Millisecond, 200*time.Millisecond), amqpsub.Logger(logger(t)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	stopReader, waitReader := runSub(t, reader)
-
-	publishFast(t, conn, q, true, uniqueSeqs(1, 0))
+	publishFast(t, conn, q, true, uniqueSeqs(3, 0))
 	var handled, copyFailed, copied atomic.Int64
-	// What DeadLetterCopied says once each delivery is settled.
-	var notes []string
-	s, err := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+	var mu sync.Mutex
+	var notes []string // what DeadLetterCopied says once each delivery is settled
+	h := amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
 		handled.Add(1)
 		d.OnSettled(func(o amqpsub.Outcome, _ error) {
 			addr, err := d.DeadLetterCopied()
-			mu.Lock()
-			defer mu.Unlock()
 			kind := "rejection"
 			if seqOf(d) < 0 {
 				kind = "barrier"
 			}
+			mu.Lock()
+			defer mu.Unlock()
 			notes = append(notes, fmt.Sprintf("%s %v %q %v", kind, o, addr, err != nil))
 		})
 		if seqOf(d) < 0 {
 			return nil
 		}
 		return amqpsub.RejectWith("malformed", "no customer in order")
-	}), amqpsub.DeadLetterCopy("DLQ::DLQ.{queue}"), amqpsub.Logger(logger(t)), amqpsub.OnEvent(func(e amqpsub.Event) {
-		switch e.Kind {
-		case amqpsub.EventDeadLetterCopyFailed:
-			copyFailed.Add(1)
-		case amqpsub.EventDeadLetterCopied:
-			copied.Add(1)
-		}
-	}))
+	})
+	opts := []amqpsub.Option{amqpsub.DeadLetterCopy("DLQ::DLQ.{queue}"), amqpsub.Logger(logger(t)),
+		amqpsub.OnEvent(func(e amqpsub.Event) {
+			switch e.Kind {
+			case amqpsub.EventDeadLetterCopyFailed:
+				copyFailed.Add(1)
+			case amqpsub.EventDeadLetterCopied:
+				copied.Add(1)
+			}
+		})}
+
+	// No dead-letter queue: Run fails before taking anything.
+	s, err := amqpsub.New(amqpsub.Dial(url, nil), q, h, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, wait := runSub(t, s)
+	var ae *amqp.Error
+	if err := wait(); !errors.As(err, &ae) || ae.Condition != amqp.ErrCondNotFound || !strings.Contains(err.Error(), "DLQ::DLQ."+q) {
+		t.Fatalf("Run without the dead-letter queue = %v, want amqp:not-found naming it", err)
+	}
+	if handled.Load() != 0 || s.Stats().Received != 0 {
+		t.Fatalf("handled %d, %v: want nothing taken", handled.Load(), s.Stats())
+	}
+
+	// WaitForQueue: it waits for the queue, then keeps every reason.
+	core, logs := observer.New(zap.InfoLevel)
+	s, err = amqpsub.New(amqpsub.Dial(url, nil), q, h, append(opts, amqpsub.WaitForQueue(),
+		amqpsub.Backoff(50*time.Millisecond, 200*time.Millisecond), amqpsub.Logger(zap.New(core)))...)
 	if err != nil {
 		t.Fatal(err)
 	}
 	stop, wait := runSub(t, s)
-	waitFor(t, 30*time.Second, "the first dead letter read", func() bool {
-		mu.Lock()
-		defer mu.Unlock()
-		return len(deads) == 1
+	waitFor(t, 30*time.Second, "the subscriber waiting for the dead-letter queue", func() bool {
+		return logs.FilterMessageSnippet("waiting for it").Len() > 0
 	})
-	publishFast(t, conn, q, true, uniqueSeqs(2, 0))
-	waitFor(t, 30*time.Second, "the 3 dead letters read", func() bool {
-		mu.Lock()
-		defer mu.Unlock()
-		return len(deads) == 3
-	})
+	if st := s.Stats(); st.Received != 0 {
+		t.Fatalf("received before the dead-letter queue exists: %v", st)
+	}
+	createDeadLetterQueue(t, q)
+	waitFor(t, 30*time.Second, "the 3 rejections copied", func() bool { return s.Stats().DeadLetterCopies == 3 })
+
+	// The dead-letter queue deleted under the subscriber: the next copy
+	// is refused, and the rejection goes to the broker without its reason.
+	ctl(t, "queue", "delete", "--name", "DLQ."+q, "--removeConsumers", "--silent")
+	publishFast(t, conn, q, true, uniqueSeqs(1, 0))
+	waitFor(t, 30*time.Second, "the fourth rejection settled", func() bool { return s.Stats().Settled.Rejected == 1 })
 	stop()
 	if err := wait(); err != nil {
 		t.Fatal(err)
 	}
-	stopReader()
-	if err := waitReader(); err != nil {
-		t.Fatal(err)
-	}
 	st := s.Stats()
-	if st.Results.Reject != 3 || st.DeadLetterCopies != 2 || st.DeadLetterCopyFailures != 1 ||
-		st.Settled.Rejected != 1 || st.Settled.Accepted != 4 || copyFailed.Load() != 1 || copied.Load() != 2 {
+	if st.Results.Reject != 4 || st.DeadLetterCopies != 3 || st.DeadLetterCopyFailures != 1 ||
+		st.Settled.Rejected != 1 || st.Settled.Accepted != 5 || copyFailed.Load() != 1 || copied.Load() != 3 {
 		t.Fatalf("stats %v, %d copy-failed and %d copied events", st, copyFailed.Load(), copied.Load())
 	}
 	mu.Lock()
 	defer mu.Unlock()
-	// The barriers were handled: no copy. The first rejection's copy
-	// failed: rejected; the next two were copied, then accepted.
 	wantNotes := map[string]int{
 		`barrier accepted "" false`:                               2,
+		fmt.Sprintf(`rejection accepted %q false`, "DLQ::DLQ."+q): 3,
 		fmt.Sprintf(`rejection rejected %q true`, "DLQ::DLQ."+q):  1,
-		fmt.Sprintf(`rejection accepted %q false`, "DLQ::DLQ."+q): 2,
 	}
 	gotNotes := map[string]int{}
 	for _, n := range notes {
@@ -115,24 +121,27 @@ func TestArtemisDeadLetterCopyKeepsTheReason(t *testing.T) {
 	if fmt.Sprint(gotNotes) != fmt.Sprint(wantNotes) {
 		t.Fatalf("DeadLetterCopied in OnSettled: %v, want %v", gotNotes, wantNotes)
 	}
-	if deads[0].reason != nil {
-		t.Fatalf("the first dead letter has a reason: %+v", deads[0])
+}
+
+// ctl runs integration/artemis.sh cli with args on the test broker.
+func ctl(t *testing.T, args ...string) {
+	t.Helper()
+	script := os.Getenv("AMQPSUB_ARTEMIS_CTL")
+	if script == "" {
+		t.Fatal("AMQPSUB_ARTEMIS_CTL is empty: this test runs `integration/artemis.sh cli` (`make test` sets it)")
 	}
-	withReason := 0
-	for _, d := range deads {
-		if d.reason != nil {
-			withReason++
-			if d.reason != "malformed" || d.description != "no customer in order" || d.origQueue != q {
-				t.Fatalf("dead letter %+v", d)
-			}
-		}
+	if out, err := exec.Command("bash", append([]string{script, "cli"}, args...)...).CombinedOutput(); err != nil {
+		t.Fatalf("artemis %v: %v\n%s", args, err, out)
 	}
-	if withReason != 2 {
-		t.Fatalf("%d of 3 dead letters carry the reason, want 2 (the first creates the queue): %+v", withReason, deads)
-	}
-	if rs := reader.Stats(); rs.Reconnects != 0 || rs.Settled.Accepted != 3 {
-		t.Fatalf("reader stats %v", rs)
-	}
+}
+
+// createDeadLetterQueue creates DLQ.<q> on the address DLQ as
+// auto-create-dead-letter-resources would (docs/brokers.md's recipe).
+func createDeadLetterQueue(t *testing.T, q string) {
+	t.Helper()
+	ctl(t, "queue", "create", "--name", "DLQ."+q, "--address", "DLQ",
+		"--anycast", "--durable", "--filter", "_AMQ_ORIG_ADDRESS = '"+q+"'",
+		"--preserve-on-no-consumers", "--auto-create-address", "--silent")
 }
 
 // The recipe of docs/brokers.md for a dead-letter queue created ahead of
@@ -141,17 +150,8 @@ func TestArtemisDeadLetterCopyKeepsTheReason(t *testing.T) {
 // and no copy fails.
 func TestArtemisPrecreatedDeadLetterQueueKeepsTheFirstReason(t *testing.T) {
 	url := artemisURL(t)
-	ctl := os.Getenv("AMQPSUB_ARTEMIS_CTL")
-	if ctl == "" {
-		t.Fatal("AMQPSUB_ARTEMIS_CTL is empty: this test creates a queue with `integration/artemis.sh cli` (`make test` sets it)")
-	}
 	q := queueName(t)
-	out, err := exec.Command("bash", ctl, "cli", "queue", "create", "--name", "DLQ."+q, "--address", "DLQ",
-		"--anycast", "--durable", "--filter", "_AMQ_ORIG_ADDRESS = '"+q+"'",
-		"--preserve-on-no-consumers", "--auto-create-address", "--silent").CombinedOutput()
-	if err != nil {
-		t.Fatalf("artemis queue create: %v\n%s", err, out)
-	}
+	createDeadLetterQueue(t, q)
 	conn := dial(t, url)
 	publishFast(t, conn, q, true, uniqueSeqs(3, 0))
 	s, err := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"os/exec"
 	"sort"
 	"strings"
 	"sync"
@@ -202,8 +203,8 @@ func TestArtemisTracesAndMetrics(t *testing.T) {
 
 // On Artemis, with DeadLetterCopy: a rejection whose copy the broker took
 // is a "dead_letter_copy" settle span, outcome accepted, with the address,
-// and is counted as a copy; one whose copy the broker refused (its
-// address names a queue that does not exist) is a "reject" span carrying
+// and is counted as a copy; one whose copy the broker refused (its queue
+// deleted after the subscriber attached to it) is a "reject" span carrying
 // the copy's error, and is counted as a failure.
 func TestArtemisDeadLetterCopySpans(t *testing.T) {
 	url := artemisURL(t)
@@ -212,16 +213,19 @@ func TestArtemisDeadLetterCopySpans(t *testing.T) {
 		copies, failures    int64
 	}{
 		{"taken", "{queue}.dead", "dead_letter_copy", 1, 0},
-		// The address DLQ exists (broker.xml), the queue does not: Artemis
-		// refuses the sender.
-		{"refused", "DLQ::missing.{queue}", "reject", 0, 1},
+		{"refused", "DLQ::gone.{queue}", "reject", 0, 1},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			queue := fmt.Sprintf("amqpotel.dlc.%d.%08x", time.Now().UnixNano(), rand.Uint32())
 			address := strings.ReplaceAll(c.address, "{queue}", queue)
+			gone := strings.TrimPrefix(address, "DLQ::")
+			if c.failures > 0 {
+				artemisCLI(t, "queue", "create", "--name", gone, "--address", "DLQ", "--anycast",
+					"--auto-create-address", "--preserve-on-no-consumers", "--silent")
+			}
 			tp, rec := spans()
 			m, reader := newMetrics(t)
-			publish(t, url, queue, message("ok", "ok", nil), message("bad", "bad", nil))
+			publish(t, url, queue, message("first", "first", nil))
 			h := amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
 				if d.MessageID() == "bad" {
 					return amqpsub.RejectWith("malformed", "no customer")
@@ -236,9 +240,20 @@ func TestArtemisDeadLetterCopySpans(t *testing.T) {
 			ctx, cancel := context.WithCancel(t.Context())
 			done := make(chan error, 1)
 			go func() { done <- sub.Run(ctx) }()
+			// Attached (the dead-letter sender with it) once the first is
+			// settled: then the copies' queue goes, for the refused case.
+			for deadline := time.Now().Add(60 * time.Second); sub.Stats().Settled.Accepted != 1; time.Sleep(10 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatalf("first message not settled after 60 s: %v", sub.Stats())
+				}
+			}
+			if c.failures > 0 {
+				artemisCLI(t, "queue", "delete", "--name", gone, "--removeConsumers", "--silent")
+			}
+			publish(t, url, queue, message("ok", "ok", nil), message("bad", "bad", nil))
 			for deadline := time.Now().Add(60 * time.Second); ; {
 				st := sub.Stats()
-				if st.Settled.Accepted+st.Settled.Rejected == 2 {
+				if st.Settled.Accepted+st.Settled.Rejected == 3 {
 					break
 				}
 				if time.Now().After(deadline) {
@@ -298,8 +313,8 @@ func TestArtemisDeadLetterCopySpans(t *testing.T) {
 					t.Errorf("settle span's status is Error: %v", s[0].Status())
 				}
 			}
-			if names["ok"] != "accept" || names["bad"] != c.span {
-				t.Errorf("settle spans %v, want ok: accept, bad: %s", names, c.span)
+			if names["first"] != "accept" || names["ok"] != "accept" || names["bad"] != c.span {
+				t.Errorf("settle spans %v, want first and ok: accept, bad: %s", names, c.span)
 			}
 
 			col := collect(t, reader)
@@ -310,9 +325,22 @@ func TestArtemisDeadLetterCopySpans(t *testing.T) {
 			if got := col.sum(amqpotel.DeadLetterCopyFailuresName, dest); got != c.failures {
 				t.Errorf("%s = %d, want %d", amqpotel.DeadLetterCopyFailuresName, got, c.failures)
 			}
-			if got := col.sum(amqpotel.SettlementsName, dest, amqpotel.OutcomeKey.String("accepted"), noError); got != 1+c.copies {
-				t.Errorf("accepted settlements %d, want %d", got, 1+c.copies)
+			if got := col.sum(amqpotel.SettlementsName, dest, amqpotel.OutcomeKey.String("accepted"), noError); got != 2+c.copies {
+				t.Errorf("accepted settlements %d, want %d", got, 2+c.copies)
 			}
 		})
+	}
+}
+
+// artemisCLI runs the test broker's CLI (integration/artemis.sh cli, which
+// `make test` names in AMQPSUB_ARTEMIS_CTL), or skips the test.
+func artemisCLI(t *testing.T, args ...string) {
+	t.Helper()
+	ctl := os.Getenv("AMQPSUB_ARTEMIS_CTL")
+	if ctl == "" {
+		t.Skip("AMQPSUB_ARTEMIS_CTL is not set: this test runs the broker's CLI (`make test` sets it)")
+	}
+	if out, err := exec.Command("bash", append([]string{ctl, "cli"}, args...)...).CombinedOutput(); err != nil {
+		t.Fatalf("artemis %v: %v\n%s", args, err, out)
 	}
 }

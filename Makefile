@@ -82,7 +82,7 @@ bench: brokers
 scaling: prereqs
 	AMQPSUB_SCALING=1 AMQPSUB_CLUSTER_CTL=$(CLUSTER_CTL) $(GO) test -count=1 -run TestArtemisScalingThroughput -v -timeout 30m ./integration
 
-## fuzz: every fuzz target for FUZZTIME each (default 1m); CI runs them for 8s
+## fuzz: every fuzz target for FUZZTIME each (default 1m); CI runs them for 5s
 fuzz:
 	FUZZTIME=$${FUZZTIME:-1m} bash integration/fuzz.sh
 

@@ -20,7 +20,8 @@ func TestServiceBusMixedRenewBatchLosesOnlyTheLostLock(t *testing.T) {
 	for _, mode := range []string{"reject-all-410", "reject-all-400", "partial-200"} {
 		t.Run(mode, func(t *testing.T) {
 			t.Cleanup(func() { p.call(t, "POST", "/faults/renew-batch", map[string]any{"mode": "reject-all-410"}, nil) })
-			q := p.entity(t, map[string]any{"lock_duration_ms": 6000, "max_delivery_count": 100})
+			const lock = 4 * time.Second
+			q := p.entity(t, map[string]any{"lock_duration_ms": lock.Milliseconds(), "max_delivery_count": 100})
 			p.call(t, "POST", "/messages", map[string]any{"entity": q, "count": 256, "message_id_prefix": "m"}, nil)
 			gate := make(chan struct{})
 			s, err := amqpsub.New(sbConnector(t, p), q, amqpsub.HandlerFunc(func(ctx context.Context, _ *amqpsub.Delivery) error {
@@ -78,7 +79,7 @@ func TestServiceBusMixedRenewBatchLosesOnlyTheLostLock(t *testing.T) {
 				mode, others.Sub(first).Round(time.Millisecond), done.Sub(first).Round(time.Millisecond),
 				c["renew_lock_requests"], c["renew_lock_tokens_asked"], c["renew_lock_tokens"])
 			// Two more lock durations: no other lock expires.
-			time.Sleep(12 * time.Second)
+			time.Sleep(2 * lock)
 			c = p.counters(t)
 			st := s.Stats()
 			if c["lock_expirations"] != 1 || st.Locks.Lost != 1 {

@@ -72,7 +72,7 @@ GO=$GO bash "$ROOT/integration/checkout.sh" || checkout_rc=$?
 
 section "fuzz (short runs; FUZZTIME=5m make fuzz for long ones)"
 fuzz_rc=0
-FUZZTIME=${FUZZTIME:-8s} bash integration/fuzz.sh || fuzz_rc=$?
+FUZZTIME=${FUZZTIME:-5s} bash integration/fuzz.sh || fuzz_rc=$?
 
 # ==== artemistest (a module of its own: artemistest/go.mod) ====
 # The helper that starts Artemis for Go tests. Its tests start and stop

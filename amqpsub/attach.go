@@ -87,11 +87,17 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 		return fail("attach receiver", err)
 	}
 	if s.cfg.deadLetterCopy != "" {
-		// Before any delivery: a dead-letter address the broker refuses
-		// fails the attach as a missing queue does, rather than the
-		// reasons of the first rejections.
+		// Before any delivery: at the first attach, a dead-letter address
+		// the broker refuses fails the attach as a missing queue does,
+		// rather than the reasons of the first rejections. At a reconnect
+		// the subscriber goes on without it (a queue deleted meanwhile
+		// costs the reasons of the copies it refuses, not the consumer);
+		// the first copy tries again.
 		if l.dlq.snd, err = s.deadLetterSender(ctx, l.sess); err != nil {
-			return fail("attach dead-letter sender", err)
+			if !p.att.before {
+				return fail("attach dead-letter sender", err)
+			}
+			s.log.Warn("dead-letter address refused at a reconnect; going on, copies will try it again", zap.Error(err))
 		}
 	}
 	src, step, err := p.kind.attached(ctx, l)

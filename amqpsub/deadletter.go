@@ -24,13 +24,26 @@ import (
 // [Stats.DeadLetterCopyFailures]. "{queue}" in address stands for the
 // queue's name.
 //
-// The subscriber attaches its sender to address as it attaches to the
-// queue, before any delivery: an address the broker refuses (a
-// dead-letter queue that does not exist) fails that attach as a missing
-// queue does, so Run returns the broker's amqp:not-found at once (or, with
-// [WaitForQueue], waits until the address exists) instead of losing the
-// reasons of the first rejections. A copy can then fail only when the
-// sender is lost meanwhile.
+// The subscriber attaches its sender to address as it first attaches to
+// the queue, before any delivery: an address the broker refuses (a
+// dead-letter queue that does not exist) fails that first attach as a
+// missing queue does, so Run returns the broker's amqp:not-found at once
+// (or, with [WaitForQueue], waits until the address exists) instead of
+// losing the reasons of the first rejections. At a reconnect a refusal is
+// logged and the subscriber goes on; each copy then tries the address
+// again. A copy can still fail later: the queue deleted under a running
+// subscriber (the broker refuses each copy), or the connection lost during
+// the copy (the delivery is then not settled at all, and comes back).
+//
+// On Artemis, attaching to the address creates the queue if the broker
+// auto-creates queues there (auto-create-queues, on for every address in
+// the stock broker.xml): with auto-create-dead-letter-resources and no
+// address setting that turns auto-creation off for DLQ.#, the attach
+// makes DLQ.{queue} without the filter the broker itself would give it,
+// and it then takes a share of other queues' dead letters. Turn
+// auto-creation off for the dead-letter addresses (as
+// integration/artemis/broker.xml does), or create the queue ahead with its
+// filter.
 //
 // A copied rejection settles as accepted on the wire, and a [Recorder] and
 // [Delivery.OnSettled] hear [OutcomeAccepted]: each copy is reported as
@@ -68,8 +81,9 @@ import (
 // such id: after such a crash its copy may be stored twice.
 //
 // The two steps are not one transaction: go-amqp has no AMQP
-// transactions. Not for the [RabbitMQ3] profile (RabbitMQ dead-letters
-// through the queue's dead-letter exchange), nor for Service Bus, which
+// transactions. New refuses it, with an error wrapping
+// [ErrInvalidOption], for the [RabbitMQ3] profile (RabbitMQ dead-letters
+// through the queue's dead-letter exchange) and for Service Bus, which
 // keeps the reason itself. Default: off.
 func DeadLetterCopy(address string) Option {
 	return optionFunc(func(c *config) {
@@ -110,10 +124,11 @@ type deadLetterNote struct {
 // its reason, as [EventDeadLetterCopyFailed] reports). address is "" when
 // no copy was sent: the option is off, the delivery was not rejected, its
 // lock or link was lost first, or its settlement is not yet decided. It
-// is decided before the settlement is applied, so the function given to
-// [Delivery.OnSettled] can tell an accepted copy from a handled delivery
-// with it, as the contrib adapters do; so can the handler's own code once
-// the handler has returned.
+// is decided after the handler returns and before the settlement is
+// applied, so the function given to [Delivery.OnSettled] can tell an
+// accepted copy from a handled delivery with it, as the contrib adapters
+// do; read elsewhere (a goroutine of the handler's), it may not be
+// decided yet.
 func (d *Delivery) DeadLetterCopied() (address string, err error) {
 	if n := d.dl.Load(); n != nil {
 		return n.address, n.err

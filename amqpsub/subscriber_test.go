@@ -73,6 +73,12 @@ func TestInvalidOptionsFailAtConstruction(t *testing.T) {
 			return amqpsub.New(nowhere, "q", h, amqpsub.SettleTimeout(999*time.Millisecond))
 		},
 		"empty dead-letter address": func() (*amqpsub.Subscriber, error) { return amqpsub.New(nowhere, "q", h, amqpsub.DeadLetterCopy("")) },
+		"DeadLetterCopy on Service Bus": func() (*amqpsub.Subscriber, error) {
+			return amqpsub.New(nowhere, "q", h, amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.DeadLetterCopy("dlq"))
+		},
+		"DeadLetterCopy on RabbitMQ3": func() (*amqpsub.Subscriber, error) {
+			return amqpsub.New(nowhere, "q", h, amqpsub.WithProfile(amqpsub.RabbitMQ3), amqpsub.DeadLetterCopy("dlq"))
+		},
 	} {
 		s, err := build()
 		if !errors.Is(err, amqpsub.ErrInvalidOption) || s != nil {

@@ -90,8 +90,40 @@ func TestArtemisDeadLetterCopyKeepsTheReason(t *testing.T) {
 	if st := s.Stats(); st.Received != 0 {
 		t.Fatalf("received before the dead-letter queue exists: %v", st)
 	}
+	// A dead-letter reader, also started before its queue exists
+	// (WaitForQueue on a receiver), reads the copies as the broker has them.
+	type dead struct{ reason, description, origQueue any }
+	var deads []dead
+	reader, err := amqpsub.New(amqpsub.Dial(url, nil), dlq(q), amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+		ap := d.ApplicationProperties()
+		mu.Lock()
+		defer mu.Unlock()
+		deads = append(deads, dead{ap["DeadLetterReason"], ap["DeadLetterErrorDescription"], ap["_AMQ_ORIG_QUEUE"]})
+		return nil
+	}), amqpsub.WaitForQueue(), amqpsub.Backoff(50*time.Millisecond, 200*time.Millisecond), amqpsub.Logger(logger(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stopReader, waitReader := runSub(t, reader)
 	createDeadLetterQueue(t, q)
 	waitFor(t, 30*time.Second, "the 3 rejections copied", func() bool { return s.Stats().DeadLetterCopies == 3 })
+	waitFor(t, 30*time.Second, "the 3 copies read from the dead-letter queue", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(deads) == 3
+	})
+	stopReader()
+	if err := waitReader(); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	for _, d := range deads {
+		if d.reason != "malformed" || d.description != "no customer in order" || d.origQueue != q {
+			mu.Unlock()
+			t.Fatalf("dead letter %+v: want the reason, its description and the original queue", d)
+		}
+	}
+	mu.Unlock()
 
 	// The dead-letter queue deleted under the subscriber: the next copy
 	// is refused, and the rejection goes to the broker without its reason.
@@ -120,6 +152,46 @@ func TestArtemisDeadLetterCopyKeepsTheReason(t *testing.T) {
 	}
 	if fmt.Sprint(gotNotes) != fmt.Sprint(wantNotes) {
 		t.Fatalf("DeadLetterCopied in OnSettled: %v, want %v", gotNotes, wantNotes)
+	}
+}
+
+// A dead-letter queue deleted under a running subscriber, then the
+// connection lost: the reconnect goes on without the dead-letter sender
+// (only the first attach requires it), and the subscriber consumes on.
+func TestArtemisDeadLetterQueueGoneAtAReconnect(t *testing.T) {
+	url := artemisURL(t)
+	q := queueName(t)
+	createDeadLetterQueue(t, q)
+	px := newProxy(t, strings.TrimPrefix(url, "amqp://"))
+	conn := dial(t, url)
+	publishFast(t, conn, q, true, uniqueSeqs(2, 0))
+	var barriers atomic.Int64
+	s, err := amqpsub.New(amqpsub.Dial(px.url(), nil), q, amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+		if seqOf(d) < 0 {
+			barriers.Add(1)
+			return nil
+		}
+		return amqpsub.Reject("bad")
+	}), amqpsub.DeadLetterCopy("DLQ::DLQ.{queue}"), amqpsub.Backoff(50*time.Millisecond, 200*time.Millisecond),
+		amqpsub.Logger(logger(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop, wait := runSub(t, s)
+	waitFor(t, 30*time.Second, "2 copies and the barrier", func() bool {
+		return s.Stats().DeadLetterCopies == 2 && barriers.Load() == 1
+	})
+	ctl(t, "queue", "delete", "--name", "DLQ."+q, "--removeConsumers", "--silent")
+	px.cut()
+	px.acceptAgain()
+	publishFast(t, conn, q, true, uniqueSeqs(1, 0))
+	waitFor(t, 30*time.Second, "the second barrier, after the reconnect", func() bool { return barriers.Load() == 2 })
+	stop()
+	if err := wait(); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	if st := s.Stats(); st.Reconnects < 1 || st.Results.Reject != 3 {
+		t.Fatalf("stats %v: want a reconnect and the third rejection handled", st)
 	}
 }
 

@@ -152,9 +152,10 @@ func sbIndex(d *amqpsub.Delivery) int {
 	return int(v)
 }
 
-// Lock duration 2 s, Credit(256), Workers(4), 50 ms per message: each of
-// the 1,000 deliveries waits about 3.2 s behind the 256 held, longer than
-// a lock lasts, yet none is redelivered, and the renewals share requests.
+// Lock duration 2 s, Credit(256), Workers(4), 50 ms per message: past the
+// first 160 or so, each of the 1,000 deliveries waits about 3.2 s behind
+// the 256 held, longer than a lock lasts, yet none is redelivered, and the
+// renewals share requests.
 func TestServiceBusRenewalUnderBacklog(t *testing.T) {
 	p := serviceBusPeer(t)
 	q := p.entity(t, map[string]any{"lock_duration_ms": 2000})

@@ -39,7 +39,8 @@ const (
 	// accepted.
 	DeadLetterCopiesName = "amqpsub.dead_letter.copies"
 	// DeadLetterCopyFailuresName counts the copies the broker did not
-	// take; those deliveries were rejected without their reason.
+	// take; those deliveries were rejected without their reason (or, their
+	// link lost with the copy, not settled at all, and delivered again).
 	DeadLetterCopyFailuresName = "amqpsub.dead_letter.copy_failures"
 	// LocksRenewedName counts Service Bus message locks renewed.
 	LocksRenewedName = "amqpsub.locks.renewed"

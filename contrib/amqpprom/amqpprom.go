@@ -109,7 +109,7 @@ func New(reg prometheus.Registerer, opts ...Option) *Metrics {
 		}, base),
 		dlFailed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "amqpsub_dead_letter_copy_failures_total", ConstLabels: cfg.constLabels,
-			Help: "Dead-letter copies the broker did not take (amqpsub.DeadLetterCopy); those deliveries were rejected, and their reason lost.",
+			Help: "Dead-letter copies the broker did not take (amqpsub.DeadLetterCopy); those deliveries were rejected without their reason (or, their link lost with the copy, not settled, and delivered again).",
 		}, base),
 		gauges: newGauges(cfg.constLabels),
 	}

@@ -46,8 +46,8 @@ func scrapeAfterRun(t *testing.T, url string, copyRejected bool) {
 	opts := []amqpsub.Option{amqpsub.WorkersByKey(8)}
 	dlq := queue + ".dead"
 	if copyRejected {
-		// An address of its own, which Artemis creates as a queue at the
-		// first copy, so that no reason is lost.
+		// An address of its own, which Artemis creates as a queue when the
+		// subscriber attaches its sender, so that no reason is lost.
 		opts = append(opts, amqpsub.DeadLetterCopy(dlq))
 	}
 

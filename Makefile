@@ -16,7 +16,7 @@ INTEGRATION_ENV := AMQPSUB_ARTEMIS_URL=$(AMQPSUB_ARTEMIS_URL) \
 	AMQPSUB_RABBITMQ_CTL=$(RABBITMQ_CTL) \
 	AMQPSUB_CLUSTER_CTL=$(CLUSTER_CTL)
 
-.PHONY: checkout scaling golangci all prereqs prereqs-demo brokers brokers-stop artemis rabbitmq unit integration test artemistest demo bench fuzz fmt vet lint check
+.PHONY: checkout scaling credit golangci all prereqs prereqs-demo brokers brokers-stop artemis rabbitmq unit integration test artemistest demo bench fuzz fmt vet lint check
 
 # Modules of their own (own go.mod) that `make lint` checks like the root
 # one, with the root's .golangci.yml: the Artemis test helper and the
@@ -81,6 +81,15 @@ bench: brokers
 ## starts and stops the two-node cluster itself; a few minutes
 scaling: prereqs
 	AMQPSUB_SCALING=1 AMQPSUB_CLUSTER_CTL=$(CLUSTER_CTL) $(GO) test -count=1 -run TestArtemisScalingThroughput -v -timeout 30m ./integration
+
+## credit: the adaptive credit against a fixed one (docs/performance.md):
+## replica fairness, a crash, group spread on Artemis, locks on the Service
+## Bus peer; starts the brokers and the peer (left running); about 15 minutes
+credit: brokers
+	bash integration/sbpeer/sbpeer.sh start
+	AMQPSUB_CREDIT=1 AMQPSUB_SBPEER_CONN=$$(bash integration/sbpeer/sbpeer.sh url) \
+	AMQPSUB_SBPEER_CONTROL=$$(bash integration/sbpeer/sbpeer.sh ctl-url) $(INTEGRATION_ENV) \
+	$(GO) test -count=1 -run 'TestArtemisCredit|TestServiceBusCredit' -v -timeout 40m ./integration
 
 ## fuzz: every fuzz target for FUZZTIME each (default 1m); CI runs them for 5s
 fuzz:

@@ -496,6 +496,48 @@ func ExampleSubscriber_Stats() {
 	// accepted 2 retried 1 rejected 1
 }
 
+// The credit adapts by default: with 4 lanes blocked on slow work, the
+// subscriber holds what those lanes will start soon, not the whole
+// Credit. FixedCredit holds all of it, as a lone consumer draining a
+// backlog may want.
+func ExampleFixedCredit() {
+	for _, opts := range [][]amqpsub.Option{nil, {amqpsub.FixedCredit()}} {
+		q := amqpsubtest.NewQueue()
+		for range 100 {
+			q.Publish(amqpsubtest.Message("", "x"))
+		}
+		started := make(chan struct{}, 100)
+		release := make(chan struct{})
+		sub, _ := amqpsub.New(q.Connector(), "orders", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+			started <- struct{}{}
+			<-release
+			return nil
+		}), append(opts, amqpsub.Workers(4), amqpsub.Credit(64))...)
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- sub.Run(ctx) }()
+		for range 4 {
+			<-started
+		}
+		// The four handlers are running; wait for the credit to be spent.
+		want := 64
+		if opts == nil {
+			want = 4
+		}
+		for sub.Stats().Held != want {
+			time.Sleep(time.Millisecond)
+		}
+		st := sub.Stats()
+		fmt.Printf("credit %d of %d, held %d\n", st.Credit, st.CreditLimit, st.Held)
+		close(release)
+		cancel()
+		<-done
+	}
+	// Output:
+	// credit 4 of 64, held 4
+	// credit 64 of 64, held 64
+}
+
 // RabbitMQ 3.10 (with the rabbitmq_amqp1_0 plugin; the queue "orders" is
 // consumed as /amq/queue/orders). Retry is settled as released, since
 // RabbitMQ 3.10 ends the session on modified: the broker counts nothing

@@ -19,6 +19,9 @@ func (f optionFunc) apply(c *config) { f(c) }
 
 type config struct {
 	credit       int
+	fixedCredit  bool // FixedCredit: hold credit, do not adapt
+	floor        int  // the adaptive credit's floor, set by build (creditFloor)
+	floorNeed    int  // what one lane takes at once: 1, or a batch (creditFloor)
 	workers      int
 	byKey        bool
 	workersSet   string // the option that set workers, to refuse a second one
@@ -98,13 +101,39 @@ func (c *config) invalid(format string, args ...any) {
 	c.errs = append(c.errs, fmt.Errorf("%w: "+format, append([]any{ErrInvalidOption}, args...)...))
 }
 
-// Credit sets how many deliveries the broker may send ahead, which is also
-// the most the process holds at once (waiting, in lanes and in handlers).
-// Must be between 1 and 1048576. Default: 256.
+// Credit sets the most deliveries the broker may send ahead, which is
+// also the most the process holds at once (waiting, in lanes and in
+// handlers). The credit the link holds follows demand below it (see
+// [FixedCredit] for how, and for holding all of it). Must be between 1 and
+// 1048576. Default: 256.
 func Credit(n int) Option {
 	return checked("Credit", n, n >= 1 && n <= 1<<20, "must be between 1 and 1048576", func(c *config) {
 		c.credit = n
 	})
+}
+
+// FixedCredit holds the whole [Credit] at all times, whatever the
+// handlers' pace.
+//
+// Without it (the default) the credit is adaptive: the link holds what the
+// lanes will start soon, their measured drain rate times four round trips
+// a granted credit takes to come back as a delivery (each counted as at
+// least 2 ms), on top of one delivery per lane (for a [BatchHandler], a
+// batch per lane) and of what waits behind a busy lane (a slow group's
+// backlog), and never more than Credit. A replica with slow handlers then takes
+// from the queue only what it will start soon and leaves the rest to the
+// replicas that are free, and on Service Bus fewer locks are held and
+// renewed ahead of their handlers; fast handlers grow the credit up to
+// Credit within a fraction of a second. A lowered credit is not taken back
+// from the broker: the next grants wait until what was granted has been
+// spent. docs/design.md says how it is computed, docs/performance.md what
+// it measured.
+//
+// Hold the whole credit when the broker's round trip varies widely, or
+// when a replica should prefetch a full Credit regardless (a lone
+// consumer draining a backlog gains nothing by it).
+func FixedCredit() Option {
+	return optionFunc(func(c *config) { c.fixedCredit = true })
 }
 
 // Workers runs up to n handlers at once, with no order between deliveries.

@@ -140,7 +140,7 @@ func TestLargestCreditRuns(t *testing.T) {
 		s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 			<-gate
 			return nil
-		}), amqpsub.Credit(1<<20), amqpsub.WorkersByKey(64))
+		}), amqpsub.Credit(1<<20), amqpsub.FixedCredit(), amqpsub.WorkersByKey(64))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -279,7 +279,7 @@ func TestMaxHeldBytesTooLargeToScaleIsUnbounded(t *testing.T) {
 			s, err := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 				<-release
 				return nil
-			}), amqpsub.Credit(256), amqpsub.MaxHeldBytes(n))
+			}), amqpsub.Credit(256), amqpsub.FixedCredit(), amqpsub.MaxHeldBytes(n))
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -35,6 +35,21 @@ type pipe struct {
 	keeps bool
 }
 
+// creditFloor is the least an adaptive credit holds (pump.Config's
+// AdaptiveFloor): a delivery per lane, and for a BatchHandler a batch per
+// lane, so that every free lane starts at once; 0 with FixedCredit. What
+// keeps a lane busy across the round trip is the credit's in-flight part.
+func (c *config) creditFloor(batch bool) int {
+	if c.fixedCredit {
+		return 0
+	}
+	c.floorNeed = 1
+	if batch {
+		c.floorNeed = min(c.batchSize, c.credit)
+	}
+	return min(c.workers*c.floorNeed, 1<<20)
+}
+
 func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
 	p := &pipe{s: s, index: index, gauge: lanes.NewGauge(s.cfg.workers)}
 	p.kind = s.cfg.profile.kind(p, session)
@@ -47,6 +62,15 @@ func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
 		Mode:    s.cfg.profile.creditMode,
 		Logger:  s.log,
 		OnEvent: s.pumpEvent,
+		// The pump bounds it by credit, a session's share.
+		AdaptiveFloor: s.cfg.floor,
+	}
+	if s.cfg.floor > 0 {
+		// A lane's own backlog (a slow group's deliveries behind its
+		// handler) is held on top of the floor, so the free lanes still get
+		// credit. need is what a lane takes at once: the floor per lane.
+		need, g := s.cfg.floorNeed, p.gauge
+		pc.Parked = func() int { return g.Parked(need) }
 	}
 	if s.rec != nil {
 		pc.Meter = meter{s.rec}

@@ -56,7 +56,7 @@ func TestLostLinkIsReplacedAfterBackoff(t *testing.T) {
 				<-block // in a handler when the link goes
 			}
 			return nil
-		}), amqpsub.Credit(4), amqpsub.Backoff(100*time.Millisecond, 400*time.Millisecond),
+		}), amqpsub.Credit(4), amqpsub.FixedCredit(), amqpsub.Backoff(100*time.Millisecond, 400*time.Millisecond),
 			amqpsub.OnReconnect(func(attempts int, cause error) {
 				reconnects = append(reconnects, fmt.Sprintf("%d %v", attempts, errors.Is(cause, fake.ErrLinkLost)))
 			}))

@@ -260,7 +260,7 @@ func TestGracePeriodZeroReleasesAndCancelsAtOnce(t *testing.T) {
 					}
 					single := amqpsub.HandlerFunc(func(ctx context.Context, _ *amqpsub.Delivery) error { return h(ctx) })
 					batch := amqpsub.BatchHandlerFunc(func(ctx context.Context, b []*amqpsub.Delivery) []error { return []error{h(ctx)} })
-					opts := []amqpsub.Option{amqpsub.Credit(10), amqpsub.GracePeriod(0)}
+					opts := []amqpsub.Option{amqpsub.Credit(10), amqpsub.FixedCredit(), amqpsub.GracePeriod(0)}
 					var s *amqpsub.Subscriber
 					switch tc.shape {
 					case "Workers(1)":
@@ -484,7 +484,7 @@ func TestGraceZeroSendsEverySettlementDecidedBeforeTheStop(t *testing.T) {
 			<-ctx.Done()
 			return ctx.Err()
 		}), amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(2*time.Second),
-			amqpsub.MaxLockRenewal(0))
+			amqpsub.MaxLockRenewal(0), amqpsub.FixedCredit())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -522,7 +522,7 @@ func TestStopCountsSettlementsItCouldNotSend(t *testing.T) {
 			handled.Add(1)
 			return nil
 		}), amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.GracePeriod(0), amqpsub.CloseTimeout(time.Second),
-			amqpsub.SettleTimeout(time.Minute), amqpsub.MaxLockRenewal(0))
+			amqpsub.SettleTimeout(time.Minute), amqpsub.MaxLockRenewal(0), amqpsub.FixedCredit())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -591,7 +591,7 @@ func TestShutdownReleasesBufferedAndSettlesInProgress(t *testing.T) {
 			started.Add(1)
 			<-finish
 			return ctx.Err() // nil unless the grace period ran out
-		}), amqpsub.Credit(20), amqpsub.Workers(2))
+		}), amqpsub.Credit(20), amqpsub.FixedCredit(), amqpsub.Workers(2))
 		_, errc := run(t, s)
 		synctest.Wait()
 		shut := make(chan error, 1)

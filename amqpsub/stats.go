@@ -2,6 +2,7 @@ package amqpsub
 
 import (
 	"fmt"
+	"time"
 
 	"github.com/amqpsub/amqpsub/pump"
 
@@ -29,6 +30,19 @@ type Stats struct {
 	// BytesHeld is the size of the bodies held now, MaxBytesHeld the most
 	// at once (see [MaxHeldBytes]; counted with or without it).
 	BytesHeld, MaxBytesHeld int64
+	// Credit is the credit now: what the subscriber grants the broker up
+	// to (held and outstanding). It follows demand between its floor and
+	// CreditLimit, the [Credit] option (a session consumer: the sum of its
+	// session links', each with its share of Credit), unless [FixedCredit]
+	// holds it there; a byte budget ([MaxHeldBytes]) lowers it too. It is
+	// recomputed after each event of a link and every 10 ms while anything
+	// is held. Lowered, it takes nothing back: Held stays above it until
+	// what was granted is spent. RoundTrip is the round trip measured, from
+	// a grant to the first delivery the grant brought (the longest of a
+	// session consumer's links; the credit counts it as at least 2 ms); 0
+	// with FixedCredit or before any delivery.
+	Credit, CreditLimit int
+	RoundTrip           time.Duration
 
 	// Lanes is each lane's (or worker's) load now (deliveries waiting for
 	// it and in its handler) and deliveries finished in all; a session
@@ -154,7 +168,7 @@ func (s *Subscriber) Stats() Stats {
 	var p pump.Stats
 	var locks Locks
 	lanesSt := make([]LaneStats, s.cfg.workers)
-	groups := 0
+	groups, creditLimit := 0, 0
 	for _, pp := range s.pipes {
 		g := pp.gauge.Read()
 		for i := range lanesSt {
@@ -166,6 +180,9 @@ func (s *Subscriber) Stats() Stats {
 		p.Held += q.Held
 		p.MaxHeld += q.MaxHeld
 		p.BytesHeld += q.BytesHeld
+		p.Credit += q.Credit
+		p.RoundTrip = max(p.RoundTrip, q.RoundTrip)
+		creditLimit += pp.pump.Credit()
 		p.MaxBytesHeld += q.MaxBytesHeld
 		p.Buffered += q.Buffered
 		p.Handling += q.Handling
@@ -196,6 +213,9 @@ func (s *Subscriber) Stats() Stats {
 		MaxHeld:      p.MaxHeld,
 		BytesHeld:    p.BytesHeld,
 		MaxBytesHeld: p.MaxBytesHeld,
+		Credit:       p.Credit,
+		CreditLimit:  creditLimit,
+		RoundTrip:    p.RoundTrip,
 		Buffered:     p.Buffered,
 		Handling:     p.Handling,
 		Settling:     p.Settling,

@@ -121,6 +121,7 @@ func build(c Connector, queue string, opts []Option, batch bool) (*Subscriber, e
 	if err := errors.Join(cfg.errs...); err != nil {
 		return nil, err
 	}
+	cfg.floor = cfg.creditFloor(batch)
 	log := cfg.log.With(zap.String("queue", queue))
 	s := &Subscriber{
 		connector: c,

@@ -98,7 +98,7 @@ func TestHeldNeverExceedsCredit(t *testing.T) {
 		s, _ := amqpsub.New(amqpsub.SourceOf(src), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
 			<-unblock
 			return nil
-		}), amqpsub.Credit(8), amqpsub.Workers(3))
+		}), amqpsub.Credit(8), amqpsub.FixedCredit(), amqpsub.Workers(3))
 		cancel, errc := run(t, s)
 		synctest.Wait()
 		st := s.Stats()

@@ -115,6 +115,7 @@ func TestRecorderHearsOfDroppedDeliveries(t *testing.T) {
 			return nil
 		})
 		sub, err := amqpsub.New(q.Connector(), "orders", h, amqpsub.WithMetrics(rec),
+			amqpsub.FixedCredit(), // deliveries buffered behind the blocked one, for the loss to drop
 			amqpsub.Backoff(time.Millisecond, time.Millisecond),
 			amqpsub.OnEvent(func(e amqpsub.Event) {
 				if e.Kind == amqpsub.EventReconnected {

@@ -106,7 +106,7 @@ func TestArtemisOutcomes(t *testing.T) {
 				panic("boom")
 			}
 			return nil
-		})
+		}, amqpsub.FixedCredit()) // all six sent at once: the failed ones come back after
 		drain(t, q, sub)
 		want := `#0: 0 accepted → consumed
 #1: 0 released, 0 accepted → consumed
@@ -273,7 +273,8 @@ func TestBrokerRetryBreaksGroupOrderLocalRetryKeepsIt(t *testing.T) {
 				publishGroups(q, 1, 2)
 				gate := make(chan struct{})
 				var handled []string
-				opts := []amqpsub.Option{amqpsub.WorkersByKey(1), amqpsub.Credit(2)}
+				// Fixed: the group's next delivery is held when the first fails.
+				opts := []amqpsub.Option{amqpsub.WorkersByKey(1), amqpsub.Credit(2), amqpsub.FixedCredit()}
 				if local {
 					opts = append(opts, amqpsub.LocalRetry(amqpsub.RetryPolicy{Attempts: 3}))
 				}
@@ -454,7 +455,7 @@ func TestTheQueueNeverSendsPastTheCredit(t *testing.T) {
 		}
 		gate := make(chan struct{})
 		sub := newSub(t, q, func(context.Context, *amqpsub.Delivery) error { <-gate; return nil },
-			amqpsub.Credit(4), amqpsub.Workers(2))
+			amqpsub.Credit(4), amqpsub.FixedCredit(), amqpsub.Workers(2))
 		stop := start(sub)
 		synctest.Wait()
 		inFlight := 0
@@ -492,7 +493,7 @@ func TestLostLinkRedeliversWhatWasUnsettled(t *testing.T) {
 				<-gate
 			}
 			return nil
-		}, amqpsub.OnReconnect(func(_ int, cause error) { causes = append(causes, cause) }))
+		}, amqpsub.OnReconnect(func(_ int, cause error) { causes = append(causes, cause) }), amqpsub.FixedCredit())
 		stop := start(sub)
 		synctest.Wait() // g0/0 in the handler, the others buffered
 		q.LoseLinks(nil)
@@ -596,6 +597,9 @@ func TestStopPaths(t *testing.T) {
 	// holds the first until gate closes or its ctx ends, and reports
 	// ctx.Err() when it returns.
 	blocking := func(t *testing.T, q *amqpsubtest.Queue, opts ...amqpsub.Option) (sub *amqpsub.Subscriber, gate chan struct{}, ctxErr <-chan error) {
+		// Fixed: the two behind the blocked one are buffered, for the stop
+		// to release.
+		opts = append(opts, amqpsub.FixedCredit())
 		q.Publish(amqpsubtest.Message("", "0"), amqpsubtest.Message("", "1"), amqpsubtest.Message("", "2"))
 		gate = make(chan struct{})
 		errc := make(chan error, 1)
@@ -828,7 +832,7 @@ func TestStopDoesNotRedeliverToTheStoppingLink(t *testing.T) {
 			<-finish
 		}
 		return nil
-	}))
+	}), amqpsub.FixedCredit()) // the second is buffered while the first is handled
 	if err != nil {
 		t.Fatal(err)
 	}

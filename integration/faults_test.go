@@ -839,6 +839,8 @@ type childConfig struct {
 	// CheckOrder counts, with Workers(1), the deliveries handled out of
 	// seq order (OrderViolations).
 	CheckOrder bool
+	// FixedCredit holds the whole Credit (amqpsub.FixedCredit).
+	FixedCredit bool
 }
 
 // childStats is one "s {...}" line of a child.
@@ -905,6 +907,9 @@ func childMain() int {
 		zapcore.Lock(os.Stderr), zap.WarnLevel))
 	opts := []amqpsub.Option{amqpsub.Credit(cfg.Credit), amqpsub.GracePeriod(cfg.Grace), amqpsub.Logger(log),
 		amqpsub.MaxHeldBytes(cfg.MaxHeldBytes)}
+	if cfg.FixedCredit {
+		opts = append(opts, amqpsub.FixedCredit())
+	}
 	if cfg.ByKey {
 		opts = append(opts, amqpsub.WorkersByKey(cfg.Workers))
 	} else {

@@ -41,7 +41,8 @@ func TestArtemisStuckHandlerIsAbandoned(t *testing.T) {
 					<-release // never mind ctx
 				}
 				return nil
-			}), amqpsub.GracePeriod(grace), amqpsub.CloseTimeout(closing), amqpsub.Logger(logger(t)))
+			}), amqpsub.GracePeriod(grace), amqpsub.CloseTimeout(closing), amqpsub.Logger(logger(t)),
+				amqpsub.FixedCredit()) // the other 5 buffered behind the stuck one
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -100,7 +101,7 @@ func TestArtemisCloseIsBoundedWhenTheBrokerFreezes(t *testing.T) {
 	s, err := amqpsub.New(amqpsub.Dial(p.url(), nil), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
 		<-ctx.Done()
 		return ctx.Err()
-	}), amqpsub.CloseTimeout(closing), amqpsub.Logger(logger(t)))
+	}), amqpsub.CloseTimeout(closing), amqpsub.Logger(logger(t)), amqpsub.FixedCredit()) // all 21 held
 	if err != nil {
 		t.Fatal(err)
 	}

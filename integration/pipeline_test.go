@@ -193,7 +193,7 @@ func TestArtemisCreditBound(t *testing.T) {
 		<-unblock
 		handled.Add(1)
 		return nil
-	}), amqpsub.Credit(32), amqpsub.WorkersByKey(4), amqpsub.Logger(logger(t)))
+	}), amqpsub.Credit(32), amqpsub.FixedCredit(), amqpsub.WorkersByKey(4), amqpsub.Logger(logger(t)))
 	stop, wait := runSub(t, s)
 	waitFor(t, 30*time.Second, "32 deliveries held", func() bool { return s.Stats().Held == 32 })
 	// The broker's own count of the deliveries it has out: were a 33rd on
@@ -351,7 +351,7 @@ func TestArtemisStopHandsBufferedToAnotherConsumer(t *testing.T) {
 		firstDone[seqOf(d)] = true
 		mu.Unlock()
 		return nil
-	}), amqpsub.Credit(buffered+inProgress+1), amqpsub.Workers(inProgress), amqpsub.Logger(logger(t)))
+	}), amqpsub.Credit(buffered+inProgress+1), amqpsub.FixedCredit(), amqpsub.Workers(inProgress), amqpsub.Logger(logger(t)))
 	stop, wait := runSub(t, s)
 	waitFor(t, 30*time.Second, "208 held", func() bool {
 		st := s.Stats()

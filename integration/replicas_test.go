@@ -212,6 +212,27 @@ func newReplicaRun(t *testing.T, bin, url, queue string, flags ...string) *repli
 // its receiver is attached.
 func (r *replicaRun) start(id string, extra ...string) *replicaProc {
 	r.t.Helper()
+	p := r.launch(id, extra...)
+	r.waitReady(p)
+	return p
+}
+
+// startTogether starts the replicas ids at once, and then waits until
+// each one's receiver is attached.
+func (r *replicaRun) startTogether(ids ...string) {
+	r.t.Helper()
+	var ps []*replicaProc
+	for _, id := range ids {
+		ps = append(ps, r.launch(id))
+	}
+	for _, p := range ps {
+		r.waitReady(p)
+	}
+}
+
+// launch starts replica id without waiting for it.
+func (r *replicaRun) launch(id string, extra ...string) *replicaProc {
+	r.t.Helper()
 	args := append([]string{"-url", r.url, "-queue", r.queue, "-id", id, "-events", "-report", "0"}, r.flags...)
 	args = append(args, extra...)
 	cmd := exec.Command(r.bin, args...)
@@ -239,14 +260,19 @@ func (r *replicaRun) start(id string, extra ...string) *replicaProc {
 		p.err = cmd.Wait()
 		close(p.exited)
 	}()
+	return p
+}
+
+// waitReady waits until p's receiver is attached.
+func (r *replicaRun) waitReady(p *replicaProc) {
+	r.t.Helper()
 	select {
 	case <-p.ready:
 	case <-p.exited:
-		r.t.Fatalf("replica %s exited before attaching (%v): %s", id, p.err, p.stderr)
+		r.t.Fatalf("replica %s exited before attaching (%v): %s", p.id, p.err, p.stderr)
 	case <-time.After(30 * time.Second):
-		r.t.Fatalf("replica %s not attached within 30 s: %s", id, p.stderr)
+		r.t.Fatalf("replica %s not attached within 30 s: %s", p.id, p.stderr)
 	}
-	return p
 }
 
 // stop sends sig to replica id and waits until it has exited.
@@ -556,50 +582,64 @@ func TestArtemisReplicas(t *testing.T) {
 
 	// Artemis hands out a queue in order, and each consumer's walk through
 	// it stops at the first message whose group belongs to a consumer with
-	// no credit left: replicas move through the queue together, at the pace
-	// of the slowest.
-	t.Run("slow replica", func(t *testing.T) {
-		q := queueName(t)
-		run := newReplicaRun(t, bin, url, q, "-lanes", "4")
-		run.start("fast1", "-work", "0")
-		run.start("fast2", "-work", "0")
-		run.start("slow", "-work", "20ms")
-		const n = 4500
-		msgs := groups(n, 60)
-		publishFast(t, conn, q, true, msgs)
-		run.waitHandled(n, 2*time.Minute)
-		run.stopAll()
-		run.logSummaries()
-		evs := run.log.snapshot()
-		f := analyse(evs, msgs)
-		f.log(t, "slow replica")
-		if len(f.lost) != 0 || f.duplicates != 0 || f.violations != 0 {
-			t.Errorf("lost %d, duplicates %d, order violations %d; want 0, 0, 0", len(f.lost), f.duplicates, f.violations)
+	// no credit left: with a fixed credit, replicas move through the queue
+	// together, at the pace of the slowest. The adaptive credit holds a
+	// slow replica's backlog on top of what its lanes start (parked), so
+	// that replica seldom runs out of credit; how far the fast ones then
+	// get ahead is logged.
+	for _, fixed := range []bool{true, false} {
+		name := "slow replica"
+		var flags []string
+		if fixed {
+			name += " FixedCredit"
+			flags = []string{"-fixed-credit"}
 		}
-		start, done := int64(0), map[string]int64{}
-		for _, e := range evs {
-			if e.group == "" {
-				continue
+		t.Run(name, func(t *testing.T) {
+			q := queueName(t)
+			run := newReplicaRun(t, bin, url, q, append([]string{"-lanes", "4"}, flags...)...)
+			run.start("fast1", "-work", "0")
+			run.start("fast2", "-work", "0")
+			run.start("slow", "-work", "20ms")
+			const n = 4500
+			msgs := groups(n, 60)
+			publishFast(t, conn, q, true, msgs)
+			run.waitHandled(n, 2*time.Minute)
+			run.stopAll()
+			run.logSummaries()
+			evs := run.log.snapshot()
+			f := analyse(evs, msgs)
+			f.log(t, name)
+			if len(f.lost) != 0 || f.duplicates != 0 || f.violations != 0 {
+				t.Errorf("lost %d, duplicates %d, order violations %d; want 0, 0, 0", len(f.lost), f.duplicates, f.violations)
 			}
-			if start == 0 {
-				start = e.at
+			start, done := int64(0), map[string]int64{}
+			for _, e := range evs {
+				if e.group == "" {
+					continue
+				}
+				if start == 0 {
+					start = e.at
+				}
+				done[e.replica] = e.at - start
 			}
-			done[e.replica] = e.at - start
-		}
-		for _, id := range []string{"fast1", "fast2", "slow"} {
-			t.Logf("%s: %d messages, its last one %v after the first of the run; max held %d",
-				id, f.replicas[id], time.Duration(done[id]).Round(time.Millisecond), run.log.stats[id].maxHeld)
-		}
-		// Alone, a fast replica would finish its third in a fraction of the
-		// slow one's time; held back, it finishes about when the slow one
-		// does, less the slow one's last credit's worth.
-		for _, id := range []string{"fast1", "fast2"} {
-			if done[id] < done["slow"]/2 {
-				t.Errorf("%s finished after %v, the slow replica after %v: the fast replicas were not held back",
-					id, time.Duration(done[id]), time.Duration(done["slow"]))
+			for _, id := range []string{"fast1", "fast2", "slow"} {
+				t.Logf("%s: %d messages, its last one %v after the first of the run; max held %d",
+					id, f.replicas[id], time.Duration(done[id]).Round(time.Millisecond), run.log.stats[id].maxHeld)
 			}
-		}
-	})
+			if !fixed {
+				return
+			}
+			// Alone, a fast replica would finish its third in a fraction of
+			// the slow one's time; held back, it finishes about when the
+			// slow one does, less the slow one's last credit's worth.
+			for _, id := range []string{"fast1", "fast2"} {
+				if done[id] < done["slow"]/2 {
+					t.Errorf("%s finished after %v, the slow replica after %v: the fast replicas were not held back",
+						id, time.Duration(done[id]), time.Duration(done["slow"]))
+				}
+			}
+		})
+	}
 
 	// Stop r2 once a third of the stream is handled. Two lanes and up to
 	// 4 ms of work a message keep the replicas behind the publisher, so

@@ -30,7 +30,7 @@ func TestServiceBusMixedRenewBatchLosesOnlyTheLostLock(t *testing.T) {
 				case <-ctx.Done():
 				}
 				return nil
-			}), amqpsub.Credit(256), amqpsub.Workers(1), amqpsub.Logger(logger(t)))
+			}), amqpsub.Credit(256), amqpsub.FixedCredit(), amqpsub.Workers(1), amqpsub.Logger(logger(t)))
 			if err != nil {
 				t.Fatal(err)
 			}

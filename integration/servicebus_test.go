@@ -167,7 +167,7 @@ func TestServiceBusRenewalUnderBacklog(t *testing.T) {
 		seen[sbIndex(d)].Add(1)
 		time.Sleep(50 * time.Millisecond)
 		return nil
-	}), amqpsub.Credit(256), amqpsub.Workers(4), amqpsub.Logger(logger(t)))
+	}), amqpsub.Credit(256), amqpsub.FixedCredit(), amqpsub.Workers(4), amqpsub.Logger(logger(t)))
 	stop, wait := runSub(t, s)
 	waitFor(t, 2*time.Minute, "1,000 completed", func() bool { return p.info(t, q).Stats["completed"] == n })
 	stop()
@@ -474,7 +474,7 @@ func TestServiceBusStopReleasesBuffered(t *testing.T) {
 		once.Do(func() { close(in) })
 		<-finish
 		return nil
-	}), amqpsub.Credit(201), amqpsub.Logger(logger(t)))
+	}), amqpsub.Credit(201), amqpsub.FixedCredit(), amqpsub.Logger(logger(t)))
 	stop, wait := runSub(t, s)
 	<-in
 	waitFor(t, 10*time.Second, "201 held", func() bool { return s.Stats().Held == 201 })

@@ -27,6 +27,7 @@ type pool[T any] struct {
 	spare   []*pkey[T]
 	ready   ring[pentry[T]] // keys with items waiting and none taken; keyless items
 	waiting int             // items in the pool, not taken
+	parked  int             // of those, the items of keys a lane holds: they wait for that lane
 	done    bool            // no more pushes: lanes end once nothing is left for them
 	stopped bool            // Stop: pushes are refused
 	idle    []*poolFeed[T]  // lanes that found nothing and wait on their wake
@@ -135,6 +136,7 @@ func (p *pool[T]) push(item T) bool {
 		pk.items.push(item)
 		switch {
 		case pk.taken > 0:
+			p.setParked(p.parked + 1)
 			wake = p.wakeOwner(pk.owner)
 		case !pk.queued:
 			pk.queued = true
@@ -176,9 +178,18 @@ func (p *pool[T]) stop(drop func(T)) {
 		}
 	}
 	p.waiting = 0
+	p.setParked(0)
 	p.mu.Unlock()
 	for _, it := range items {
 		drop(it)
+	}
+}
+
+// setParked records the parked count, for Gauge.Parked. Under mu.
+func (p *pool[T]) setParked(n int) {
+	p.parked = n
+	if p.gauge != nil {
+		p.gauge.parked.Store(int64(n))
 	}
 }
 
@@ -213,6 +224,7 @@ func (p *pool[T]) finish(k string) {
 		p.mu.Unlock()
 		return
 	}
+	p.setParked(p.parked - pk.items.n) // any lane may take them now
 	pk.queued = true
 	p.ready.push(pentry[T]{k: pk})
 	wake := p.wakeIdle()
@@ -270,6 +282,7 @@ func (f *poolFeed[T]) take() (T, status) {
 		if pk.items.n > 0 {
 			pk.taken++
 			p.waiting--
+			p.setParked(p.parked - 1)
 			return pk.items.pop(), got
 		}
 	}
@@ -288,7 +301,9 @@ func (f *poolFeed[T]) take() (T, status) {
 		pk.owner = f
 		p.waiting--
 		f.mine = append(f.mine, pk)
-		return pk.items.pop(), got
+		item := pk.items.pop()
+		p.setParked(p.parked + pk.items.n) // the rest wait for this lane now
+		return item, got
 	}
 	if p.done {
 		return zero, closed

@@ -5,8 +5,9 @@ import "sync/atomic"
 // Gauge is what the lanes hold and have done, kept up to date by [Run] and
 // read from any goroutine.
 type Gauge struct {
-	lanes []laneGauge
-	keys  atomic.Int64
+	lanes  []laneGauge
+	keys   atomic.Int64
+	parked atomic.Int64 // Balanced: items waiting for the lane that holds their key
 }
 
 type laneGauge struct {
@@ -36,4 +37,18 @@ func (g *Gauge) Read() Reading {
 		r.Finished[i] = g.lanes[i].finished.Load()
 	}
 	return r
+}
+
+// Parked returns the items queued behind a busy lane: over the lanes, what
+// each holds past the first need (1 for single items, a batch's size for
+// batches), and under Balanced the items waiting for the lane that holds
+// their key. Those wait for their own lane, whatever the others do; an
+// adaptive credit adds them to what it holds, so that they do not keep
+// the free lanes waiting. It does not allocate.
+func (g *Gauge) Parked(need int) int {
+	n := int(g.parked.Load())
+	for i := range g.lanes {
+		n += max(0, int(g.lanes[i].load.Load())-need)
+	}
+	return n
 }

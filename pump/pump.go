@@ -85,6 +85,15 @@ type Config struct {
 	// Meter, when set, hears of every delivery received and every
 	// settlement applied. nil costs a nil check per call.
 	Meter Meter
+	// AdaptiveFloor, when > 0, makes the credit adaptive (credit's Adapt):
+	// it follows the drain rate and the round trip, between AdaptiveFloor
+	// (what the consumer's lanes start at once) and Credit. 0 holds Credit.
+	AdaptiveFloor int
+	// Parked, with AdaptiveFloor, returns how many held deliveries wait
+	// behind a busy lane (credit's Park): the credit holds them on top of
+	// the adaptive limit. Called on the pump's goroutine before each grant;
+	// it must be cheap and must not block. nil counts none.
+	Parked func() int
 }
 
 // Meter hears of what the pump does, for metrics. Its methods run on the
@@ -172,6 +181,10 @@ func New(cfg Config) *Pump {
 	if cfg.MaxHeldBytes > 0 {
 		p.acct.SetByteBudget(cfg.MaxHeldBytes)
 	}
+	if cfg.AdaptiveFloor > 0 {
+		p.acct.Adapt(cfg.AdaptiveFloor, time.Now)
+	}
+	p.stats.creditNow.Store(int64(p.acct.Limit()))
 	if cfg.KeepAcrossLinks && cfg.Settlers <= 0 {
 		panic("pump: KeepAcrossLinks needs Settlers")
 	}
@@ -398,6 +411,16 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 		}
 	}()
 
+	// With an adaptive credit, the lanes' parked count moves on their own
+	// goroutines: a tick re-reads it while anything is held (or the limit
+	// is above its floor, to let it decay), so that a slow group that took
+	// the whole floor does not leave the free lanes without credit until
+	// its handler settles.
+	var tick *time.Ticker
+	if p.cfg.AdaptiveFloor > 0 {
+		tick = time.NewTicker(adaptTick)
+		defer tick.Stop()
+	}
 	stop := p.stop
 	stopping := wait.Closed(stop)
 	if stopping {
@@ -409,12 +432,16 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 			p.checkQuiet()
 		}
 		if !stopping {
+			if p.cfg.Parked != nil {
+				p.acct.Park(p.cfg.Parked())
+			}
 			if n := p.acct.Grant(); n > 0 {
 				if err := src.IssueCredit(n); err != nil {
 					return fmt.Errorf("pump: issue credit: %w", err)
 				}
 				p.stats.granted.Add(uint64(n))
 			}
+			p.noteCredit()
 		} else if p.acct.Held() == 0 {
 			return ErrStopped
 		}
@@ -423,7 +450,13 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 		if len(p.backlog) > 0 {
 			head, out = p.backlog[0], p.out
 		}
+		var ticks <-chan time.Time
+		if tick != nil && !stopping && (p.acct.Held() > 0 || p.acct.Limit() > p.cfg.AdaptiveFloor) {
+			ticks = tick.C
+		}
 		select {
+		case <-ticks:
+			// Only for the grant at the top of the loop.
 		case <-in.wake:
 			msgs, err := in.take()
 			for _, m := range msgs {
@@ -452,6 +485,10 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 		}
 	}
 }
+
+// adaptTick is how often an adaptive credit is recomputed while deliveries
+// are held, besides after each event of the link.
+const adaptTick = 10 * time.Millisecond
 
 // drainWait bounds how long a stop waits for the broker to answer its
 // drain before it releases the buffered deliveries anyway.
@@ -572,6 +609,19 @@ func (p *Pump) noteHeld() {
 	bytes, most := p.acct.BytesHeld()
 	p.stats.bytesHeld.Store(bytes)
 	p.stats.maxBytesHeld.Store(most)
+}
+
+// noteCredit publishes the credit now and the round trip, for Stats.
+func (p *Pump) noteCredit() {
+	if p.cfg.AdaptiveFloor <= 0 && p.cfg.MaxHeldBytes <= 0 {
+		return // the credit never moves
+	}
+	if n := int64(p.acct.Limit()); n != p.stats.creditNow.Load() {
+		p.stats.creditNow.Store(n)
+	}
+	if p.cfg.AdaptiveFloor > 0 {
+		p.stats.roundTrip.Store(int64(p.acct.RoundTrip()))
+	}
 }
 
 // freed records that held deliveries of n bytes in all left the process.

@@ -2,6 +2,7 @@ package pump
 
 import (
 	"sync/atomic"
+	"time"
 
 	"github.com/Azure/go-amqp"
 )
@@ -26,6 +27,8 @@ type counters struct {
 	maxBytesHeld    atomic.Int64
 	overshoot       atomic.Int64
 	windowed        atomic.Bool
+	creditNow       atomic.Int64
+	roundTrip       atomic.Int64 // ns
 }
 
 // Stats are a pump's counters. Counts are totals since [New].
@@ -61,6 +64,13 @@ type Stats struct {
 	// BytesHeld is the [Size] of the deliveries held now, MaxBytesHeld the
 	// most at once.
 	BytesHeld, MaxBytesHeld int64
+	// Credit is the most deliveries the pump lets the process hold now
+	// (held and outstanding): [Config.Credit], or less with
+	// [Config.AdaptiveFloor] (the adaptive limit as of the last grant) or
+	// a byte budget. RoundTrip is the round trip the adaptive limit
+	// measured (0 without one, or before a first delivery).
+	Credit    int
+	RoundTrip time.Duration
 	// A census of the book, taken entry by entry while the pump goes on:
 	// Buffered + Handling + Settling is Held give or take the deliveries that
 	// moved meanwhile.
@@ -94,6 +104,8 @@ func (p *Pump) Stats() Stats {
 		Windowed:        p.stats.windowed.Load(),
 		BytesHeld:       p.stats.bytesHeld.Load(),
 		MaxBytesHeld:    p.stats.maxBytesHeld.Load(),
+		Credit:          int(p.stats.creditNow.Load()),
+		RoundTrip:       time.Duration(p.stats.roundTrip.Load()),
 	}
 	p.Each(func(d *Delivery) bool {
 		switch d.State() {

@@ -46,7 +46,8 @@
 // And, read from amqpsub.MetricsInfo.Stats in one callback per collection,
 // summed over the running subscribers of a queue (one whose Run returned
 // is left out): amqpsub.messages.held (held now,
-// against amqpsub.credit), amqpsub.lane.load (per lane, amqpsub.lane),
+// against amqpsub.credit, the credit now, within amqpsub.credit.limit),
+// amqpsub.lane.load (per lane, amqpsub.lane),
 // amqpsub.groups.held, amqpsub.bytes.held (By) and amqpsub.locks.held.
 // They are asynchronous up-down counters, as the OpenTelemetry guidelines
 // want for values that add up across attributes (a Prometheus exporter

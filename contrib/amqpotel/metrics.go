@@ -49,8 +49,12 @@ const (
 	DroppedName = "amqpsub.deliveries.dropped"
 	// HeldName is the deliveries held in the process now.
 	HeldName = "amqpsub.messages.held"
-	// CreditName is the subscriber's credit: the most it holds at once.
+	// CreditName is the subscriber's credit now: the most it lets the
+	// broker send ahead and holds at once (adaptive, within
+	// CreditLimitName, unless amqpsub.FixedCredit).
 	CreditName = "amqpsub.credit" //nolint:gosec // G101 reads "cred" in a metric name, which is no credential
+	// CreditLimitName is the credit's bound: the amqpsub.Credit option.
+	CreditLimitName = "amqpsub.credit.limit" //nolint:gosec // as CreditName
 	// LaneLoadName is each lane's load now (deliveries waiting for it and
 	// in its handler).
 	LaneLoadName = "amqpsub.lane.load"
@@ -85,8 +89,8 @@ type Metrics struct {
 	dlCopies     metric.Int64Counter
 	dlFailures   metric.Int64Counter
 
-	held, credit, laneLoad, groupsHeld, bytesHeld, locksHeld metric.Int64ObservableUpDownCounter
-	reg                                                      metric.Registration
+	held, credit, creditLimit, laneLoad, groupsHeld, bytesHeld, locksHeld metric.Int64ObservableUpDownCounter
+	reg                                                                   metric.Registration
 
 	mu sync.Mutex
 	// recs are the recorders made, weakly: a subscriber that is garbage
@@ -144,7 +148,8 @@ func NewMetrics(opts ...Option) (*Metrics, error) {
 		return g
 	}
 	m.held = gauge(HeldName, "{message}", "Deliveries held in the process now: buffered, in a handler, or waiting for their settlement.")
-	m.credit = gauge(CreditName, "{message}", "The credit: the most deliveries held at once.")
+	m.credit = gauge(CreditName, "{message}", "The credit now: the most deliveries the broker may send ahead and the process hold.")
+	m.creditLimit = gauge(CreditLimitName, "{message}", "The credit's bound: the Credit option.")
 	m.laneLoad = gauge(LaneLoadName, "{message}", "Deliveries waiting for a lane and in its handler now.")
 	m.groupsHeld = gauge(GroupsHeldName, "{group}", "Groups (group-ids) with deliveries in the lanes now.")
 	m.bytesHeld = gauge(BytesHeldName, "By", "Size of the message bodies held now.")
@@ -152,7 +157,7 @@ func NewMetrics(opts ...Option) (*Metrics, error) {
 	if err := errors.Join(errs...); err != nil {
 		return nil, fmt.Errorf("amqpotel: creating instruments: %w", err)
 	}
-	m.reg, err = meter.RegisterCallback(m.observe, m.held, m.credit, m.laneLoad, m.groupsHeld, m.bytesHeld, m.locksHeld)
+	m.reg, err = meter.RegisterCallback(m.observe, m.held, m.credit, m.creditLimit, m.laneLoad, m.groupsHeld, m.bytesHeld, m.locksHeld)
 	if err != nil {
 		return nil, fmt.Errorf("amqpotel: registering the gauges' callback: %w", err)
 	}
@@ -367,10 +372,10 @@ func (r *recorder) ended() bool {
 
 // gauges sums the gauges of the subscribers of one queue.
 type gauges struct {
-	base                               attribute.Set
-	lanes                              []attribute.Set
-	held, credit, groups, bytes, locks int64
-	load                               []int64
+	base                                      attribute.Set
+	lanes                                     []attribute.Set
+	held, credit, limit, groups, bytes, locks int64
+	load                                      []int64
 }
 
 // observe reads every live subscriber's Stats, once each per collection,
@@ -401,7 +406,8 @@ func (m *Metrics) observe(_ context.Context, o metric.Observer) error {
 		}
 		st := r.stats()
 		g.held += int64(st.Held)
-		g.credit += r.credit
+		g.credit += int64(st.Credit)
+		g.limit += r.credit
 		g.groups += int64(st.GroupsHeld)
 		g.bytes += st.BytesHeld
 		g.locks += int64(st.Locks.Held)
@@ -421,6 +427,7 @@ func (m *Metrics) observe(_ context.Context, o metric.Observer) error {
 		at := metric.WithAttributeSet(g.base)
 		o.ObserveInt64(m.held, g.held, at)
 		o.ObserveInt64(m.credit, g.credit, at)
+		o.ObserveInt64(m.creditLimit, g.limit, at)
 		o.ObserveInt64(m.groupsHeld, g.groups, at)
 		o.ObserveInt64(m.bytesHeld, g.bytes, at)
 		o.ObserveInt64(m.locksHeld, g.locks, at)

@@ -170,8 +170,12 @@ func TestMetricsGaugesWhileRunning(t *testing.T) {
 		t.Fatal(err)
 	}
 	base := []attribute.KeyValue{semconv.MessagingSystemKey.String("activemq"), semconv.MessagingDestinationNameKey.String("orders")}
-	if got := c.sum(amqpotel.CreditName, base...); got != 256 {
-		t.Errorf("credit = %d", got)
+	// The adaptive credit: at least the 3 lanes, within the limit.
+	if got := c.sum(amqpotel.CreditName, base...); got < 3 || got > 256 {
+		t.Errorf("credit = %d, want between 3 and 256", got)
+	}
+	if got := c.sum(amqpotel.CreditLimitName, base...); got != 256 {
+		t.Errorf("credit limit = %d", got)
 	}
 	if got := c.sum(amqpotel.HeldName, base...); got != 0 {
 		t.Errorf("held = %d after the drain", got)
@@ -305,7 +309,7 @@ func info(queue string, st func() amqpsub.Stats) amqpsub.MetricsInfo {
 // The recorder's every method, called directly: the attributes of each.
 func TestRecorderAttributes(t *testing.T) {
 	m, reader := newMetrics(t)
-	fs := &fakeStats{st: amqpsub.Stats{Held: 3, GroupsHeld: 2, BytesHeld: 300, Locks: amqpsub.Locks{Held: 3},
+	fs := &fakeStats{st: amqpsub.Stats{Held: 3, Credit: 6, GroupsHeld: 2, BytesHeld: 300, Locks: amqpsub.Locks{Held: 3},
 		Lanes: []amqpsub.LaneStats{{Load: 1}, {Load: 2}}}}
 	r := m.Recorder(info("sbq", fs.get))
 	r.Received()
@@ -344,7 +348,8 @@ func TestRecorderAttributes(t *testing.T) {
 		{amqpotel.EventsName, []attribute.KeyValue{amqpotel.EventKey.String("EventKind(200)")}, 1},
 		{amqpotel.LocksRenewedName, nil, 7},
 		{amqpotel.HeldName, nil, 3},
-		{amqpotel.CreditName, nil, 10},
+		{amqpotel.CreditName, nil, 6},
+		{amqpotel.CreditLimitName, nil, 10},
 		{amqpotel.GroupsHeldName, nil, 2},
 		{amqpotel.BytesHeldName, nil, 300},
 		{amqpotel.LocksHeldName, nil, 3},
@@ -368,15 +373,20 @@ func TestRecorderAttributes(t *testing.T) {
 // collected drops out of them; Close stops them.
 func TestGaugesSumAndForget(t *testing.T) {
 	m, reader := newMetrics(t)
-	st := func() amqpsub.Stats { return amqpsub.Stats{Held: 4, Lanes: []amqpsub.LaneStats{{Load: 4}, {}}} }
+	st := func() amqpsub.Stats {
+		return amqpsub.Stats{Held: 4, Credit: 7, Lanes: []amqpsub.LaneStats{{Load: 4}, {}}}
+	}
 	a := m.Recorder(info("q", st))
 	b := m.Recorder(info("q", st))
 	c := collect(t, reader)
 	if got := c.sum(amqpotel.HeldName); got != 8 {
 		t.Errorf("held = %d, want 8 (two subscribers of 4)", got)
 	}
-	if got := c.sum(amqpotel.CreditName); got != 20 {
-		t.Errorf("credit = %d, want 20", got)
+	if got := c.sum(amqpotel.CreditName); got != 14 {
+		t.Errorf("credit = %d, want 14 (7 + 7, now)", got)
+	}
+	if got := c.sum(amqpotel.CreditLimitName); got != 20 {
+		t.Errorf("credit limit = %d, want 20", got)
 	}
 	if got := c.sum(amqpotel.LaneLoadName, amqpotel.LaneKey.Int(0)); got != 8 {
 		t.Errorf("lane 0 = %d, want 8:\n%s", got, c.attrSets(amqpotel.LaneLoadName))

@@ -257,7 +257,7 @@ func (s subscriber) ended() bool {
 
 // gauges is a collector that reads each Subscriber's Stats when scraped.
 type gauges struct {
-	held, credit, bytes, groups, locks, lane *prometheus.Desc
+	held, credit, creditLimit, bytes, groups, locks, lane *prometheus.Desc
 
 	mu sync.Mutex
 	// recs are the recorders of the subscribers, held weakly: one that is
@@ -272,12 +272,13 @@ func newGauges(constLabels prometheus.Labels) *gauges {
 		return prometheus.NewDesc(name, help, append(append([]string(nil), base...), more...), constLabels)
 	}
 	return &gauges{
-		held:   d("amqpsub_held_deliveries", "Deliveries held in the process now (at most the credit on a broker that keeps within it)."),
-		credit: d("amqpsub_credit", "The credit: the most deliveries the broker may send ahead."),
-		bytes:  d("amqpsub_held_bytes", "Bytes of the bodies held now."),
-		groups: d("amqpsub_groups_held", "Groups with deliveries in the lanes now (BalanceKeys)."),
-		locks:  d("amqpsub_locks_held", "Service Bus deliveries whose locks are kept now."),
-		lane:   d("amqpsub_lane_load", "Deliveries waiting for each lane and in its handler.", "lane"),
+		held:        d("amqpsub_held_deliveries", "Deliveries held in the process now (at most the credit on a broker that keeps within it)."),
+		credit:      d("amqpsub_credit", "The credit now: the most deliveries the broker may send ahead and the process hold (adaptive, within amqpsub_credit_limit, unless FixedCredit)."),
+		creditLimit: d("amqpsub_credit_limit", "The credit's bound: the Credit option."),
+		bytes:       d("amqpsub_held_bytes", "Bytes of the bodies held now."),
+		groups:      d("amqpsub_groups_held", "Groups with deliveries in the lanes now (BalanceKeys)."),
+		locks:       d("amqpsub_locks_held", "Service Bus deliveries whose locks are kept now."),
+		lane:        d("amqpsub_lane_load", "Deliveries waiting for each lane and in its handler.", "lane"),
 	}
 }
 
@@ -289,7 +290,7 @@ func (g *gauges) add(r *recorder) {
 
 // Describe implements prometheus.Collector.
 func (g *gauges) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{g.held, g.credit, g.bytes, g.groups, g.locks, g.lane} {
+	for _, d := range []*prometheus.Desc{g.held, g.credit, g.creditLimit, g.bytes, g.groups, g.locks, g.lane} {
 		ch <- d
 	}
 }
@@ -313,8 +314,8 @@ func (g *gauges) Collect(ch chan<- prometheus.Metric) {
 	g.mu.Unlock()
 	type key struct{ system, queue string }
 	type sums struct {
-		held, credit, bytes, groups, locks float64
-		lanes                              []float64
+		held, credit, limit, bytes, groups, locks float64
+		lanes                                     []float64
 	}
 	var order []key
 	byKey := map[key]*sums{}
@@ -328,7 +329,8 @@ func (g *gauges) Collect(ch chan<- prometheus.Metric) {
 		}
 		st := s.stats()
 		t.held += float64(st.Held)
-		t.credit += float64(s.credit)
+		t.credit += float64(st.Credit)
+		t.limit += float64(s.credit)
 		t.bytes += float64(st.BytesHeld)
 		t.groups += float64(st.GroupsHeld)
 		t.locks += float64(st.Locks.Held)
@@ -346,6 +348,7 @@ func (g *gauges) Collect(ch chan<- prometheus.Metric) {
 		}
 		v(g.held, t.held)
 		v(g.credit, t.credit)
+		v(g.creditLimit, t.limit)
 		v(g.bytes, t.bytes)
 		v(g.groups, t.groups)
 		v(g.locks, t.locks)

@@ -223,7 +223,7 @@ func TestTwoSubscribersOfOneQueueShareTheirGauges(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	var runs []chan error
 	for range 2 {
-		sub, err := amqpsub.New(q.Connector(), "orders", nop, amqpsub.WithMetrics(m), amqpsub.Credit(100))
+		sub, err := amqpsub.New(q.Connector(), "orders", nop, amqpsub.WithMetrics(m), amqpsub.Credit(100), amqpsub.FixedCredit())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -245,7 +245,10 @@ func TestTwoSubscribersOfOneQueueShareTheirGauges(t *testing.T) {
 		t.Fatalf("GET /metrics: %s; Gather: %v", resp.Status, err)
 	}
 	if c := gaugeValue(t, reg, "amqpsub_credit"); c != 200 {
-		t.Errorf("credit gauge %v, want the two subscribers' 100 + 100", c)
+		t.Errorf("credit gauge %v, want the two subscribers' fixed 100 + 100", c)
+	}
+	if c := gaugeValue(t, reg, "amqpsub_credit_limit"); c != 200 {
+		t.Errorf("credit limit gauge %v, want 100 + 100", c)
 	}
 	cancel()
 	for _, errc := range runs {

@@ -114,7 +114,7 @@ func scrapeAfterRun(t *testing.T, url string, copyRejected bool) {
 		{`messaging_process_duration_seconds_count{` + labels + `,messaging_operation_name="process",result="accept",error_type=""}`, n - n/rejectEvery},
 		{`messaging_process_duration_seconds_count{` + labels + `,messaging_operation_name="process",result="reject",error_type="reject"}`, n / rejectEvery},
 		{`amqpsub_held_deliveries{` + labels + `}`, 0},
-		{`amqpsub_credit{` + labels + `}`, 256},
+		{`amqpsub_credit_limit{` + labels + `}`, 256},
 	} {
 		got, ok := fams[normalize(c.series)]
 		if !ok {
@@ -129,6 +129,11 @@ func scrapeAfterRun(t *testing.T, url string, copyRejected bool) {
 		if got := countQueue(t, url, dlq, n/rejectEvery); got != n/rejectEvery {
 			t.Errorf("%d copies on %s, want %d", got, dlq, n/rejectEvery)
 		}
+	}
+	// The adaptive credit, idle now: at least the 8 lanes, at most the
+	// limit.
+	if c := fams[normalize(`amqpsub_credit{`+labels+`}`)]; c < 8 || c > 256 {
+		t.Errorf("amqpsub_credit = %v, want between the 8 lanes and 256", c)
 	}
 	t.Logf("scraped %d series after %d messages", len(fams), n)
 }

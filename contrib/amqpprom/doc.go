@@ -58,7 +58,8 @@
 // Subscribers of one queue and broker (replicas in one process); a
 // Subscriber whose Run has returned is forgotten:
 //
-//	amqpsub_held_deliveries, amqpsub_credit, amqpsub_held_bytes,
+//	amqpsub_held_deliveries, amqpsub_credit (now: adaptive unless FixedCredit),
+//	amqpsub_credit_limit (the Credit option; summed, as the others), amqpsub_held_bytes,
 //	amqpsub_groups_held, amqpsub_locks_held,
 //	amqpsub_lane_load{lane}  (deliveries waiting for each lane or in it)
 //

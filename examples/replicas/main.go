@@ -62,7 +62,8 @@ func main() {
 	flag.DurationVar(&cfg.work, "work", time.Millisecond, "each message takes a random 0..work")
 	flag.StringVar(&cfg.id, "id", fmt.Sprintf("%s-%d", host, os.Getpid()), "replica id, in the summary and event lines")
 	flag.DurationVar(&cfg.grace, "grace", 30*time.Second, "graceful stop: how long handlers in progress may take")
-	flag.IntVar(&cfg.credit, "credit", 256, "deliveries the broker may send ahead")
+	flag.IntVar(&cfg.credit, "credit", 256, "the most deliveries the broker may send ahead (the adaptive credit's bound)")
+	flag.BoolVar(&cfg.fixedCredit, "fixed-credit", false, "hold the whole -credit at all times (amqpsub.FixedCredit) instead of the adaptive credit")
 	flag.BoolVar(&cfg.events, "events", false, "write one line per handled message to stdout")
 	flag.DurationVar(&cfg.report, "report", 2*time.Second, "print progress to stderr this often (0: never)")
 	flag.IntVar(&cfg.publish, "publish", 0, "publish this many messages over -groups group-ids, then exit")
@@ -87,6 +88,7 @@ type config struct {
 	lanes, credit  int
 	work, grace    time.Duration
 	events         bool
+	fixedCredit    bool
 	report         time.Duration
 	publish        int
 	groups         int
@@ -174,15 +176,18 @@ func consume(ctx context.Context, cfg config, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	sub, err := amqpsub.New(conn, cfg.queue, handler,
-		amqpsub.WorkersByKey(cfg.lanes), amqpsub.Credit(cfg.credit), amqpsub.GracePeriod(cfg.grace),
+	opts := []amqpsub.Option{amqpsub.WorkersByKey(cfg.lanes), amqpsub.Credit(cfg.credit), amqpsub.GracePeriod(cfg.grace)}
+	if cfg.fixedCredit {
+		opts = append(opts, amqpsub.FixedCredit())
+	}
+	sub, err := amqpsub.New(conn, cfg.queue, handler, append(opts,
 		amqpsub.Logger(logger), amqpsub.OnEvent(func(e amqpsub.Event) {
 			if cfg.events && e.Kind == amqpsub.EventReconnected {
 				// One short write, as the handlers' lines are: a pipe
 				// keeps it whole.
 				fmt.Fprintf(stdout, "reconnected %s %s %d\n", cfg.id, e.Broker, time.Now().UnixNano())
 			}
-		}))
+		}))...)
 	if err != nil {
 		return err
 	}

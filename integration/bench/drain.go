@@ -69,15 +69,25 @@ func scenarios(groups int) []scenario {
 				return []amqpsub.Option{amqpsub.Batch(100, 10*time.Millisecond)}
 			}},
 	}
-	// Each no-merge variant runs right after its counterpart.
+	// Each no-merge and fixed-credit variant runs right after its
+	// counterpart.
 	var paired []scenario
 	for _, sc := range list {
 		paired = append(paired, sc)
 		if sc.name == "w1" || sc.name == "key8" || sc.name == "batch" {
-			sc.name += "nomerge"
-			sc.title += ", acceptances not merged (wire NoMerge)"
-			sc.noMerge = true
-			paired = append(paired, sc)
+			nm := sc
+			nm.name += "nomerge"
+			nm.title += ", acceptances not merged (wire NoMerge)"
+			nm.noMerge = true
+			paired = append(paired, nm)
+		}
+		if sc.group == "b" && !sc.plain {
+			fixed := sc
+			opts := sc.opts
+			fixed.name += "fixed"
+			fixed.title += ", FixedCredit()"
+			fixed.opts = func() []amqpsub.Option { return append(opts(), amqpsub.FixedCredit()) }
+			paired = append(paired, fixed)
 		}
 	}
 	list = paired

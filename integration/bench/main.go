@@ -100,7 +100,7 @@ func parseFlags() (*options, error) {
 	flag.StringVar(&o.artemisURL, "artemis", envOr("AMQPSUB_ARTEMIS_URL", "amqp://127.0.0.1:5672"), "Artemis URL (default $AMQPSUB_ARTEMIS_URL)")
 	flag.StringVar(&o.rabbitURL, "rabbitmq", envOr("AMQPSUB_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5682"), "RabbitMQ 3.10 URL (default $AMQPSUB_RABBITMQ_URL)")
 	flag.StringVar(&brokers, "brokers", "artemis,rabbitmq", "brokers to run, in order: artemis, rabbitmq")
-	flag.StringVar(&scens, "scenarios", "all", "scenarios to run: all, or a list of loop, w1, w1plain, w8, key8, batch, slow1, slow4, slow8, slow16, slow64, bal8, bal16, bal64, w1nomerge, key8nomerge, batchnomerge, jms, protonc, pyproton")
+	flag.StringVar(&scens, "scenarios", "all", "scenarios to run: all, or a list of loop, w1, w1plain, w8, key8, batch (each of these but w1plain also as w1fixed..., with FixedCredit), slow1, slow4, slow8, slow16, slow64, bal8, bal16, bal64, w1nomerge, key8nomerge, batchnomerge, jms, protonc, pyproton")
 	flag.StringVar(&pays, "payloads", "p100,t1k", "payloads: p100 (100 B persistent), t1k (1 KiB non-persistent)")
 	flag.IntVar(&o.n, "n", 100000, "messages preloaded per drain (plus one barrier)")
 	flag.IntVar(&o.runs, "runs", 3, "runs of every scenario; the table shows the median")

@@ -59,9 +59,11 @@ func ConstLabels(l prometheus.Labels) Option {
 }
 
 // New returns Metrics whose collectors are registered on reg. It panics if
-// they cannot be (a second New on the same registry), as
-// prometheus.MustRegister does: give every Subscriber of a process the same
-// Metrics instead.
+// they cannot be (a second New on the same registry with the same
+// ConstLabels), as prometheus.MustRegister does: give every Subscriber of
+// a process the same Metrics, whose gauges sum the Subscribers of one
+// queue (replicas in one process); for a series per Subscriber instead,
+// give each its own New with a ConstLabels that tells them apart.
 func New(reg prometheus.Registerer, opts ...Option) *Metrics {
 	cfg := config{
 		durationBuckets: []float64{0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10},

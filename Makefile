@@ -84,7 +84,7 @@ scaling: prereqs
 
 ## credit: the adaptive credit against a fixed one (docs/performance.md):
 ## replica fairness, a crash, group spread on Artemis, locks on the Service
-## Bus peer; starts the brokers and the peer (left running); about 15 minutes
+## Bus peer; starts the brokers and the peer (left running); about 10 minutes
 credit: brokers
 	bash integration/sbpeer/sbpeer.sh start
 	AMQPSUB_CREDIT=1 AMQPSUB_SBPEER_CONN=$$(bash integration/sbpeer/sbpeer.sh url) \

@@ -382,13 +382,16 @@ func (a *Account) Grant() uint32 {
 	if a.budget > 0 && a.held == 0 && outstanding <= 0 {
 		want = max(want, 1) // one always flows, however large
 	}
-	if want <= 0 && a.held == 0 && a.flowOwed && a.budget == 0 && outstanding <= limit && a.limit-outstanding >= 1 {
+	if want <= 0 && a.held == 0 && a.flowOwed && a.budget == 0 && a.limit-outstanding >= 1 {
 		// The last settlement is followed by a flow frame even when the
-		// adaptive limit has come down to what is outstanding: a paused
+		// adaptive limit has come down below what is outstanding: a paused
 		// Artemis queue (group-rebalance-pause-dispatch) resumes only on
-		// one. One credit past the limit at most (outstanding ≤ limit
-		// before it), within the ceiling, and never under a byte budget,
-		// so that a lowered limit still runs down.
+		// one, and a pause is when the rate, and so the limit, falls. One
+		// credit past the limit, within the ceiling, and never under a byte
+		// budget. The cost: when every delivery empties the process (a
+		// trickle, handled before the next arrives), what is outstanding
+		// stays where it was instead of running down to the limit; with a
+		// backlog, something is held and it runs down.
 		want = 1
 	}
 	// Below a chunk, wait for more settlements, unless nothing is held (or

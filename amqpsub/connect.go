@@ -72,7 +72,8 @@ type dialer struct {
 // Dial returns a [Connector] that dials url (amqp://host:port or
 // amqps://host:port, with user:password@ for SASL PLAIN; the port defaults
 // to 5672 and 5671) with go-amqp's options (nil for the defaults; for
-// amqps, TLSConfig's ServerName defaults to the host).
+// amqps, TLSConfig's ServerName defaults to the host). A URL without
+// credentials offers SASL ANONYMOUS, unless opts sets a SASLType.
 //
 // The subscriber owns the connections it dials and closes them when it
 // stops; after a lost connection it dials a new one. Errors and logs name
@@ -123,11 +124,38 @@ func (d *dialer) dial(ctx context.Context, idle time.Duration) (*connection, err
 	default:
 		return nil, fmt.Errorf("unsupported scheme %q", u.Scheme)
 	}
-	if u.User != nil {
+	anonymous := false
+	switch {
+	case u.User != nil:
 		pw, _ := u.User.Password()
 		opts.SASLType = amqp.SASLTypePlain(u.User.Username(), pw)
+	case opts.SASLType == nil:
+		// As Qpid's clients do: RabbitMQ 4 takes no client without SASL,
+		// and Artemis and RabbitMQ 3 take ANONYMOUS where they take a
+		// client without credentials at all.
+		opts.SASLType, anonymous = amqp.SASLTypeAnonymous(), true
 	}
-	return dialAMQP(ctx, host, port, secure, &opts, d.wire)
+	c, err := dialAMQP(ctx, host, port, secure, &opts, d.wire)
+	if err != nil {
+		return nil, handshakeHint(err, anonymous)
+	}
+	return c, nil
+}
+
+// handshakeHint adds what to do to go-amqp's errors for a protocol header
+// or SASL mechanism the broker does not take; anonymous says that Dial
+// offered SASL ANONYMOUS for want of credentials.
+func handshakeHint(err error, anonymous bool) error {
+	msg := err.Error()
+	switch {
+	case strings.Contains(msg, "unexpected protocol header 0x3, expected 0x0"):
+		return fmt.Errorf("%w (the broker requires SASL: give user:password@ in the URL, or a SASLType in the go-amqp options)", err)
+	case strings.Contains(msg, "unexpected protocol header 0x0, expected 0x3"):
+		return fmt.Errorf("%w (the broker does not do SASL: pass a go-amqp connection made without SASLType to amqpsub.Conn)", err)
+	case anonymous && strings.Contains(msg, "no supported auth mechanism"):
+		return fmt.Errorf("%w (the URL has no credentials, so SASL ANONYMOUS was offered, which the broker does not take: give user:password@ in the URL)", err)
+	}
+	return err
 }
 
 // dialAMQP opens the socket itself, rather than through amqp.Dial, so that

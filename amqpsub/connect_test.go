@@ -3,6 +3,7 @@ package amqpsub_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"strings"
@@ -11,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/Azure/go-amqp"
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/internal/wire"
 	"go.uber.org/zap"
@@ -437,5 +439,60 @@ func TestUnreachableBrokerNamesTheAddressButNotTheSecret(t *testing.T) {
 	}
 	if !strings.Contains(err.Error(), "127.0.0.1:1") || strings.Contains(err.Error(), "s3cr3t-pw") {
 		t.Fatalf("error %q: want the address, not the password", err)
+	}
+}
+
+// A URL without credentials offers SASL ANONYMOUS (RabbitMQ 4 takes no
+// client without SASL), one with credentials PLAIN.
+func TestDialOffersAnonymousWithoutCredentials(t *testing.T) {
+	for _, tc := range []struct{ url, mech string }{
+		{"amqp://%s", "ANONYMOUS"},
+		{"amqp://alice:s3cr3t@%s", "PLAIN"},
+	} {
+		p := newPeer(t, false)
+		s, err := amqpsub.New(amqpsub.Dial(fmt.Sprintf(tc.url, p.addr()), nil), "q", nop, amqpsub.DialTimeout(5*time.Second))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cancel, errc := run(t, s)
+		waitAttached(t, p, errc)
+		cancel()
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case m := <-p.mechs:
+			if m != tc.mech {
+				t.Errorf("%s: mechanism %s, want %s", tc.url, m, tc.mech)
+			}
+		default:
+			t.Errorf("%s: no SASL offered, want %s", tc.url, tc.mech)
+		}
+	}
+}
+
+// A broker that answers a client without SASL with the SASL header gets an
+// error that says what to do, not go-amqp's protocol header numbers alone;
+// so does one that does not take the ANONYMOUS that Dial offers.
+func TestHandshakeErrorsSayWhatToDo(t *testing.T) {
+	p := newPeer(t, false)
+	p.saslOnly = true
+	c, err := amqp.Dial(t.Context(), "amqp://"+p.addr(), nil) // no SASL
+	if err == nil {
+		c.Close()
+		t.Fatal("a dial without SASL succeeded")
+	}
+	if got := amqpsub.HandshakeHint(err, false).Error(); !strings.Contains(got, "the broker requires SASL: give user:password@ in the URL") {
+		t.Fatalf("error %q says nothing of SASL", got)
+	}
+	if !errors.Is(amqpsub.HandshakeHint(err, false), err) {
+		t.Fatal("the hint does not wrap go-amqp's error")
+	}
+	none := errors.New("no supported auth mechanism ([PLAIN])") // go-amqp's words
+	if got := amqpsub.HandshakeHint(none, true).Error(); !strings.Contains(got, "SASL ANONYMOUS was offered, which the broker does not take") {
+		t.Fatalf("error %q does not say that ANONYMOUS was refused", got)
+	}
+	if got := amqpsub.HandshakeHint(none, false); got != none {
+		t.Fatalf("with credentials given, the error is changed: %v", got)
 	}
 }

@@ -82,9 +82,11 @@ import (
 //
 // The two steps are not one transaction: go-amqp has no AMQP
 // transactions. New refuses it, with an error wrapping
-// [ErrInvalidOption], for the [RabbitMQ3] profile (RabbitMQ dead-letters
-// through the queue's dead-letter exchange) and for Service Bus, which
-// keeps the reason itself. Default: off.
+// [ErrInvalidOption], for the [RabbitMQ4] and [RabbitMQ3] profiles
+// (RabbitMQ dead-letters through the queue's dead-letter exchange, and has
+// no duplicate detection to make the copy safe; a RabbitMQ 4 quorum queue
+// keeps the reason: see RabbitMQ4) and for Service Bus, which keeps the
+// reason itself. Default: off.
 func DeadLetterCopy(address string) Option {
 	return optionFunc(func(c *config) {
 		if address == "" {

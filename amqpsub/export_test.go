@@ -46,3 +46,6 @@ func PumpCredit(s *Subscriber) int {
 	}
 	return total
 }
+
+// HandshakeHint is handshakeHint, for the tests of Dial's errors.
+var HandshakeHint = handshakeHint

@@ -1,6 +1,7 @@
 package amqpsub_test
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -21,6 +22,8 @@ import (
 type peer struct {
 	ln       net.Listener
 	refuse   bool          // refuse every SASL handshake (auth)
+	saslOnly bool          // answer a client without SASL with the SASL header, as RabbitMQ 4 does
+	mechs    chan string   // the mechanism of each sasl-init, as sent
 	accepted atomic.Int64  // TCP connections accepted
 	attached chan struct{} // one per receiver attached that gave credit
 
@@ -35,7 +38,7 @@ func newPeer(t *testing.T, refuse bool) *peer {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &peer{ln: ln, refuse: refuse, attached: make(chan struct{}, 16), conns: map[net.Conn]bool{}}
+	p := &peer{ln: ln, refuse: refuse, attached: make(chan struct{}, 16), mechs: make(chan string, 16), conns: map[net.Conn]bool{}}
 	p.wg.Go(func() {
 		for {
 			c, err := ln.Accept()
@@ -93,8 +96,17 @@ func (p *peer) serve(c net.Conn) error {
 		if err := write(c, peerSASLHeader, peerFrame(1, 0, mechs)); err != nil {
 			return err
 		}
-		if _, _, err := readPeerFrame(c); err != nil { // sasl-init
+		_, init, err := readPeerFrame(c) // sasl-init
+		if err != nil {
 			return err
+		}
+		for _, m := range []string{"ANONYMOUS", "PLAIN"} {
+			if bytes.Contains(init, []byte(m)) {
+				select {
+				case p.mechs <- m:
+				default:
+				}
+			}
 		}
 		code := byte(0)
 		if p.refuse {
@@ -110,6 +122,10 @@ func (p *peer) serve(c net.Conn) error {
 		if _, err := io.ReadFull(c, hdr); err != nil {
 			return err
 		}
+	}
+	if p.saslOnly && slices.Equal(hdr, peerAMQPHeader) {
+		_ = write(c, peerSASLHeader)
+		return nil
 	}
 	if !slices.Equal(hdr, peerAMQPHeader) {
 		return fmt.Errorf("protocol header % x", hdr)

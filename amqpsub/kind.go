@@ -16,8 +16,9 @@ import (
 // servicebus.go, the Service Bus API, reads what its kind put on a link
 // (link.sb).
 //
-// plainKind, for Artemis, RabbitMQ and any other AMQP 1.0 broker, adds
-// nothing. Service Bus's kind (sbkind.go) adds peek-lock: the lease book
+// plainKind, for Artemis, RabbitMQ 3 and any other AMQP 1.0 broker, adds
+// nothing. RabbitMQ 4's kind (rabbitmq4.go) reads the queue's type at each
+// attach, and settles a Reject on a quorum queue as modified. Service Bus's kind (sbkind.go) adds peek-lock: the lease book
 // (servicebus.Book) that renews locks, settlements sent concurrently in
 // each group's order and by lock token once a link is gone, the
 // $management node beside each link, and sessions.
@@ -58,6 +59,11 @@ type brokerKind interface {
 	settle(t pump.Ticket, o pump.Outcome, lane int)
 	// addLocks adds the kind's lock counters to l.
 	addLocks(l *Locks)
+	// returnsCounted says whether the broker counts a release as a
+	// delivery attempt (a RabbitMQ quorum queue does), as far as the kind
+	// knows now: a graceful stop then finishes what is buffered before it
+	// releases anything (see Run).
+	returnsCounted() bool
 }
 
 // refusal is how a kind reads an attach error.
@@ -86,6 +92,7 @@ func (plainKind) ready(context.Context, *link) error                         { r
 func (plainKind) attachedSource(pump.Source)                                 {}
 func (plainKind) refused(error, int) (refusal, time.Duration)                { return refusedNot, 0 }
 func (plainKind) addLocks(*Locks)                                            {}
+func (plainKind) returnsCounted() bool                                       { return false }
 func (plainKind) release(_ context.Context, _ *link, _ error, detach func()) { detach() }
 
 func (plainKind) attached(_ context.Context, l *link) (pump.Source, string, error) {

@@ -141,7 +141,7 @@ func (p Profile) system() string {
 	switch p.name {
 	case "artemis":
 		return "activemq"
-	case "rabbitmq3":
+	case "rabbitmq3", "rabbitmq4":
 		return "rabbitmq"
 	case "servicebus":
 		return "servicebus"

@@ -260,7 +260,7 @@ func CloseTimeout(d time.Duration) Option {
 func WithProfile(p Profile) Option {
 	return optionFunc(func(c *config) {
 		if p.name == "" {
-			c.invalid("WithProfile: the zero Profile; use Artemis, RabbitMQ3 or Generic")
+			c.invalid("WithProfile: the zero Profile; use Artemis, RabbitMQ4, RabbitMQ3 or Generic")
 			return
 		}
 		c.profile, c.profileSet = p, true

@@ -8,7 +8,7 @@ import (
 )
 
 // Profile holds what differs between brokers on the wire. Use one of
-// Artemis, [RabbitMQ3], [AzureServiceBus] or [Generic].
+// Artemis, [RabbitMQ4], [RabbitMQ3], [AzureServiceBus] or [Generic].
 type Profile struct {
 	name string
 	// sourceCaps are sent as the source capabilities at attach.
@@ -58,6 +58,37 @@ var (
 	// Retry is settled as modified{delivery-failed}: Artemis counts it and
 	// dead-letters at max-delivery-attempts.
 	Artemis = artemis()
+
+	// RabbitMQ4 is for RabbitMQ 4.x, whose AMQP 1.0 is native. A queue
+	// name q is addressed as /queues/q, q percent-encoded (RFC 3986); a
+	// name that already starts with /queues/ is used as it is. The queue
+	// must exist: attaching to a missing one fails with amqp:not-found
+	// (see [WaitForQueue]). Retry is settled as modified{delivery-failed}.
+	//
+	// At each attach the subscriber asks the broker's management node for
+	// the queue's type, since what a return costs depends on it:
+	//
+	//   - A quorum queue counts every return of a delivery toward its
+	//     delivery-limit (20 by default), a release included, and
+	//     dead-letters at the limit. So a graceful stop takes the credit
+	//     back and finishes what is buffered, for up to half the
+	//     [GracePeriod], before it releases what is left; [Release] counts
+	//     there too. A [Reject] is settled as modified{delivery-failed,
+	//     undeliverable-here} with the reason in the message annotations
+	//     [AnnotationDeadLetterReason], [AnnotationDeadLetterDescription]
+	//     and [AnnotationDeadLetterCondition], which the dead letter keeps.
+	//     [MaxDeliveryCount] reads the header's delivery-count, which counts
+	//     the Retry attempts (modified{delivery-failed}) but not releases.
+	//   - A classic queue counts nothing: its delivery-count stays 0 and it
+	//     has no delivery limit, so a message that always fails is retried
+	//     for ever. [MaxDeliveryCount] is refused there (Run fails with
+	//     [ErrInvalidOption]): bound the attempts with [LocalRetry] and
+	//     then [Reject]. A Reject is settled as rejected, which
+	//     dead-letters (with a dead-letter exchange) but keeps no reason.
+	//
+	// If the management node cannot be read, the queue is treated as a
+	// quorum queue but for Reject, which is settled as rejected.
+	RabbitMQ4 = rabbitMQ4()
 
 	// RabbitMQ3 is for RabbitMQ 3.x with the rabbitmq_amqp1_0 plugin. A
 	// queue name q is addressed as /amq/queue/q (the queue must exist); a
@@ -124,6 +155,18 @@ func rabbitMQ3() Profile {
 		detach:     false,
 		rejectCond: RejectCondition,
 		kind:       plain,
+	}
+}
+
+func rabbitMQ4() Profile {
+	return Profile{
+		name:       "rabbitmq4",
+		address:    rabbit4Address,
+		retry:      pump.Outcome{Kind: pump.Modify, DeliveryFailed: true},
+		creditMode: credit.Continuous,
+		detach:     true,
+		rejectCond: RejectCondition,
+		kind:       newRabbit4Kind,
 	}
 }
 

@@ -22,6 +22,9 @@ import (
 // deliveries no handler has taken are released at once, handlers in
 // progress get the grace period ([GracePeriod]) to finish and are settled;
 // then the link, session and connection are closed within [CloseTimeout].
+// Where the broker counts a release as a delivery attempt (a RabbitMQ 4
+// quorum queue, see [RabbitMQ4]), the buffered deliveries are handled
+// rather than released, for up to half the grace period.
 // Close stops at once: handlers' ctx is cancelled and the connection closed
 // within CloseTimeout; the broker redelivers what was held. A fatal error
 // (see [FatalErrors]) stops the same way as a graceful stop, except that what
@@ -119,6 +122,9 @@ func (s *Subscriber) Run(ctx context.Context) error {
 		s.log.Info("stopping", zap.String("reason", why),
 			zap.Duration("grace", grace), zap.Duration("close_timeout", s.cfg.closeTimeout))
 	}
+	if !closing && fatal == nil {
+		s.finishBuffered(runs, stopAt)
+	}
 	if !closing {
 		for _, r := range runs {
 			r.p.pump.Stop() // from here on, lanes release what no handler has taken
@@ -131,7 +137,7 @@ func (s *Subscriber) Run(ctx context.Context) error {
 		// but handlers in progress get the grace period to finish.
 		s.waitGrace(runs)
 	default:
-		s.graceful(runs)
+		s.graceful(runs, stopAt)
 	}
 
 	// Nothing more is decided: the results of handlers still running are
@@ -237,7 +243,7 @@ type running struct {
 // after: see Run); and that for a quarter of CloseTimeout at most, so that
 // a pump stuck on a settlement the broker does not take (a peer that
 // stopped reading) cannot hold the stop past its bound.
-func (s *Subscriber) graceful(runs []*running) {
+func (s *Subscriber) graceful(runs []*running, stopAt time.Time) {
 	if s.cfg.grace == 0 {
 		by := time.Now().Add(s.cfg.closeTimeout / 4)
 		for _, r := range runs {
@@ -251,7 +257,7 @@ func (s *Subscriber) graceful(runs []*running) {
 		}
 		return
 	}
-	by := time.Now().Add(s.cfg.grace)
+	by := stopAt.Add(s.cfg.grace)
 	for _, r := range runs {
 		if !wait.Until(r.done, by, s.closeReq) {
 			if !wait.Closed(s.closeReq) {
@@ -262,6 +268,42 @@ func (s *Subscriber) graceful(runs []*running) {
 				}
 				s.log.Warn("grace period over; cancelling the handlers still running, the broker redelivers what they hold",
 					zap.Int("handling", handling), zap.Int("held", held))
+			}
+			return
+		}
+	}
+}
+
+// finishBuffered is the first part of a graceful stop where the broker
+// counts a release as a delivery attempt (a RabbitMQ 4 quorum queue): each
+// such pump takes its credit back while the lanes go on with what is
+// buffered, until nothing is held or half the grace period has passed, and
+// only then does Stop release what is left. Releasing at once would cost
+// every buffered delivery an attempt at every stop, and a consumer
+// restarted at each deploy would see its queue dead-letter, at the
+// delivery-limit, messages no handler ever saw. Close cuts it short;
+// GracePeriod(0) skips it.
+func (s *Subscriber) finishBuffered(runs []*running, stopAt time.Time) {
+	if s.cfg.grace == 0 {
+		return
+	}
+	var counted []*running
+	for _, r := range runs {
+		if r.p.kind.returnsCounted() {
+			r.p.pump.Hold()
+			counted = append(counted, r)
+		}
+	}
+	by := stopAt.Add(s.cfg.grace / 2)
+	for _, r := range counted {
+		if !wait.Until(r.p.pump.Emptied(), by, s.closeReq) {
+			if !wait.Closed(s.closeReq) {
+				held := 0
+				for _, r := range counted {
+					held += r.p.pump.Held()
+				}
+				s.log.Warn("half the grace period passed before what was buffered was handled; releasing the rest, which the broker counts as delivery attempts",
+					zap.Int("held", held))
 			}
 			return
 		}

@@ -206,6 +206,9 @@ func (k *sbKind) handlerContext(ctx context.Context, ts ...pump.Ticket) (context
 	return hctx, func() { cancel(nil) }
 }
 
+// returnsCounted: Service Bus does not count a release.
+func (*sbKind) returnsCounted() bool { return false }
+
 func (k *sbKind) addLocks(l *Locks) {
 	b := k.book.Stats()
 	l.Held += b.Held

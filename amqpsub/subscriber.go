@@ -108,7 +108,7 @@ func build(c Connector, queue string, opts []Option, batch bool) (*Subscriber, e
 	if v, ok := c.(validator); ok {
 		v.validate(&cfg, queue)
 	}
-	if cfg.deadLetterCopy != "" && (cfg.profile.name == "servicebus" || cfg.profile.name == "rabbitmq3") {
+	if cfg.deadLetterCopy != "" && (cfg.profile.name == "servicebus" || cfg.profile.name == "rabbitmq3" || cfg.profile.name == "rabbitmq4") {
 		cfg.invalid("DeadLetterCopy is for brokers that drop a rejection's reason (Artemis, Generic); %s keeps it or dead-letters through its own configuration", cfg.profile.system())
 	}
 	if cfg.batchSet && !batch {

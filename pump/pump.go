@@ -134,6 +134,10 @@ type Pump struct {
 	released     chan struct{} // closed once Stop has taken effect
 	quietOnce    sync.Once
 	quiet        chan struct{} // closed once only handlers hold deliveries after Stop
+	holdOnce     sync.Once
+	hold         chan struct{} // closed by Hold
+	emptiedOnce  sync.Once
+	emptied      chan struct{} // closed once nothing is held after Hold
 	done         chan struct{}
 	running      atomic.Bool
 
@@ -174,6 +178,8 @@ func New(cfg Config) *Pump {
 		stop:     make(chan struct{}),
 		released: make(chan struct{}),
 		quiet:    make(chan struct{}),
+		hold:     make(chan struct{}),
+		emptied:  make(chan struct{}),
 		done:     make(chan struct{}),
 		acct:     credit.New(cfg.Credit, cfg.Mode),
 	}
@@ -277,6 +283,22 @@ func (p *Pump) Held() int { return int(p.stats.held.Load()) }
 // than once and from any goroutine. To stop at once, cancel Run's ctx.
 func (p *Pump) Stop() { p.stopOnce.Do(func() { close(p.stop) }) }
 
+// Hold starts the first part of a stop on a broker that counts every
+// return of a delivery as an attempt (a RabbitMQ quorum queue counts a
+// release toward its delivery-limit): the pump grants no more credit and
+// takes back what the broker still has (a drain), but goes on handing what
+// it holds, and what was already on its way, to Out, so that the consumers
+// can finish it rather than release it. [Emptied] is closed once nothing
+// is held. [Stop] may follow at any time, and releases what is left. Hold
+// does not wait; it is safe to call more than once and from any goroutine.
+func (p *Pump) Hold() { p.holdOnce.Do(func() { close(p.hold) }) }
+
+// Emptied returns a channel closed once, after [Hold], no delivery is held:
+// everything received was settled. It is closed when Run returns, too.
+func (p *Pump) Emptied() <-chan struct{} { return p.emptied }
+
+func (p *Pump) markEmptied() { p.emptiedOnce.Do(func() { close(p.emptied) }) }
+
 func (p *Pump) markReleased() { p.releasedOnce.Do(func() { close(p.released) }) }
 
 // FlushBy sets how long, once Run's ctx has ended, the settlers go on
@@ -307,6 +329,7 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 		return errors.New("pump: Run called twice")
 	}
 	defer close(p.done)
+	defer p.markEmptied()
 	defer p.markQuiet()
 	defer p.markReleased()
 	defer close(p.out)
@@ -427,11 +450,21 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 		stop = nil
 		p.drainThenRelease(ctx, rctx, src, &wg)
 	}
+	// A link attached while holding was never given credit: nothing to
+	// take back.
+	hold := p.hold
+	holding := wait.Closed(hold)
+	if holding {
+		hold = nil
+	}
 	for {
 		if stopping {
 			p.checkQuiet()
 		}
-		if !stopping {
+		if holding && p.acct.Held() == 0 {
+			p.markEmptied()
+		}
+		if !stopping && !holding {
 			if p.cfg.Parked != nil {
 				p.acct.Park(p.cfg.Parked())
 			}
@@ -451,7 +484,7 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 			head, out = p.backlog[0], p.out
 		}
 		var ticks <-chan time.Time
-		if tick != nil && !stopping && (p.acct.Held() > 0 || p.acct.Limit() > p.cfg.AdaptiveFloor) {
+		if tick != nil && !stopping && !holding && (p.acct.Held() > 0 || p.acct.Limit() > p.cfg.AdaptiveFloor) {
 			ticks = tick.C
 		}
 		select {
@@ -477,6 +510,11 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 			// credit goes back in chunks rather than a flow frame per
 			// settlement.
 			p.applyQueued(ctx)
+		case <-hold:
+			hold, holding = nil, true
+			if _, ok := src.(drainer); ok {
+				wg.Go(func() { drainCredit(rctx, src) })
+			}
 		case <-stop:
 			stop, stopping = nil, true
 			p.drainThenRelease(ctx, rctx, src, &wg)

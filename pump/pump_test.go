@@ -555,3 +555,72 @@ func TestEveryOvershootIsCounted(t *testing.T) {
 		<-errc
 	})
 }
+
+// Hold takes the credit back but hands on what is held, so that every
+// delivery buffered at a stop is settled by a consumer rather than
+// released; Emptied says when nothing is left, and the Stop after it
+// releases nothing.
+func TestHoldFinishesWhatIsBufferedWithoutReleasing(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(40)...)
+		p := pump.New(pump.Config{Credit: 16})
+		_, errc := start(t, p, attachTo(src))
+		first := <-p.Out()
+		synctest.Wait() // 16 received: 15 wait in Out
+		p.Hold()
+		synctest.Wait()
+		if src.Credit() != 0 {
+			t.Fatalf("credit left after Hold: %d", src.Credit())
+		}
+		p.Settle(first, pump.Outcome{Kind: pump.Accept})
+		for range 15 {
+			select {
+			case <-p.Emptied():
+				t.Fatal("Emptied closed while deliveries are held")
+			default:
+			}
+			tk := <-p.Out()
+			p.Settle(tk, pump.Outcome{Kind: pump.Accept})
+		}
+		<-p.Emptied()
+		synctest.Wait()
+		if st := p.Stats(); st.Received != 16 || st.Accepted != 16 || st.Released != 0 {
+			t.Fatalf("after Hold: %+v (no credit may be granted, nothing released)", st)
+		}
+		p.Stop()
+		if err := <-errc; !errors.Is(err, pump.ErrStopped) {
+			t.Fatalf("Run = %v", err)
+		}
+		if n := src.Count(fake.Released); n != 0 || src.Queued() != 24 {
+			t.Fatalf("released %d, queued %d; want 0 and 24", n, src.Queued())
+		}
+	})
+}
+
+// Deliveries still held when Stop follows Hold are released as by Stop
+// alone.
+func TestStopAfterHoldReleasesWhatIsLeft(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		src := fake.New(true, fake.Messages(10)...)
+		p := pump.New(pump.Config{Credit: 8})
+		_, errc := start(t, p, attachTo(src))
+		first := <-p.Out()
+		synctest.Wait()
+		p.Hold()
+		synctest.Wait()
+		p.Stop()
+		<-p.Released()
+		p.Settle(first, pump.Outcome{Kind: pump.Accept})
+		if err := <-errc; !errors.Is(err, pump.ErrStopped) {
+			t.Fatalf("Run = %v", err)
+		}
+		if st := p.Stats(); st.Accepted != 1 || st.Released != 7 {
+			t.Fatalf("stats %+v, want 1 accepted and 7 released", st)
+		}
+		select {
+		case <-p.Emptied():
+		default:
+			t.Fatal("Emptied not closed after Run returned")
+		}
+	})
+}

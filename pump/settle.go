@@ -48,9 +48,12 @@ type Outcome struct {
 	Kind Kind
 	// Error is sent with [Reject]; nil sends none.
 	Error *amqp.Error
-	// DeliveryFailed and UndeliverableHere go with [Modify].
+	// DeliveryFailed, UndeliverableHere and Annotations go with [Modify];
+	// the broker merges Annotations into the message's annotations (nil:
+	// none).
 	DeliveryFailed    bool
 	UndeliverableHere bool
+	Annotations       amqp.Annotations
 }
 
 type settlement struct {
@@ -391,6 +394,7 @@ func settleOn(ctx context.Context, src Source, msg *amqp.Message, o Outcome) err
 		return src.ModifyMessage(ctx, msg, &amqp.ModifyMessageOptions{
 			DeliveryFailed:    o.DeliveryFailed,
 			UndeliverableHere: o.UndeliverableHere,
+			Annotations:       o.Annotations,
 		})
 	case Reject:
 		return src.RejectMessage(ctx, msg, o.Error)

@@ -1,0 +1,253 @@
+package amqpsub
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strings"
+	"sync/atomic"
+
+	"github.com/Azure/go-amqp"
+	"go.uber.org/zap"
+
+	"github.com/amqpsub/amqpsub/pump"
+)
+
+// The RabbitMQ 4 kind (rabbit4Kind) adds one thing to the plain kind: at
+// each attach it asks the broker's management node what type the queue is,
+// because RabbitMQ 4 treats returns differently by queue type:
+//
+//   - a quorum queue counts every return (released, and modified with or
+//     without delivery-failed) toward its delivery-limit (20 by default) and
+//     dead-letters at the limit; modified{delivery-failed} raises the
+//     header's delivery-count. It keeps the annotations of a
+//     modified{undeliverable-here} on the dead letter;
+//   - a classic queue counts nothing (the header's delivery-count stays 0)
+//     and has no delivery limit; a rejection's reason reaches nothing.
+//
+// So on a quorum queue (or one whose type could not be read) a stop
+// finishes what is buffered rather than release it (returnsCounted), and
+// a Reject is sent as modified{delivery-failed, undeliverable-here} with the
+// reason in x-opt- annotations; on a classic queue MaxDeliveryCount is
+// refused, since nothing would ever reach it.
+type rabbit4Kind struct {
+	plainKind
+	queue atomic.Pointer[rabbitQueue] // what the last attach read; nil before
+	warn  atomic.Bool                 // the management node's failure was logged
+}
+
+func newRabbit4Kind(p *pipe, _ string) brokerKind { return &rabbit4Kind{plainKind: plainKind{p: p}} }
+
+// rabbitQueue is what RabbitMQ 4's management node says of a queue.
+type rabbitQueue struct {
+	// typ is "classic", "quorum" or "stream"; "" when it could not be read.
+	typ string
+	// limit is the queue's x-delivery-limit argument, 0 when it has none
+	// (a quorum queue's default is 20, and a policy may set another).
+	limit int64
+}
+
+func (k *rabbit4Kind) attached(ctx context.Context, l *link) (pump.Source, string, error) {
+	s := k.p.s
+	q, err := readRabbitQueue(ctx, l.sess, s.cfg.profile.address(s.queue))
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil, "read the queue's type", err
+		}
+		if !k.warn.Swap(true) {
+			s.log.Warn("could not read the queue's type from RabbitMQ's management node; treating it as a quorum queue, and rejecting without the reason",
+				zap.Error(err))
+		}
+		q = rabbitQueue{}
+	}
+	k.queue.Store(&q)
+	if q.typ == "classic" && s.cfg.maxDelivery > 0 {
+		return nil, "check the queue", fmt.Errorf("%w: MaxDeliveryCount(%d) on classic queue %q: RabbitMQ counts no "+
+			"delivery attempts on a classic queue, so no delivery would ever reach the limit; use a quorum queue "+
+			"(its x-delivery-limit dead-letters too), or LocalRetry and then Reject, or leave MaxDeliveryCount off",
+			ErrInvalidOption, s.cfg.maxDelivery, s.queue)
+	}
+	if s.debug() {
+		s.log.Debug("queue type read", zap.String("type", q.typ), zap.Int64("delivery_limit", q.limit))
+	}
+	return l.rcv, "", nil
+}
+
+// returnsCounted: anything but a classic queue may count a release.
+func (k *rabbit4Kind) returnsCounted() bool {
+	q := k.queue.Load()
+	return q == nil || q.typ != "classic"
+}
+
+// settle sends a Reject on a quorum queue as modified{delivery-failed,
+// undeliverable-here} with the reason in annotations, which the queue
+// dead-letters keeping them; a rejected outcome's error reaches nothing on
+// RabbitMQ.
+func (k *rabbit4Kind) settle(t pump.Ticket, o pump.Outcome, _ int) {
+	if o.Kind == pump.Reject {
+		if q := k.queue.Load(); q != nil && q.typ == "quorum" {
+			o = quorumReject(o.Error)
+		}
+	}
+	k.p.pump.Settle(t, o)
+}
+
+// The annotations a Reject on a quorum queue puts on the dead letter.
+// RabbitMQ takes only keys that start with "x-": any other ends the session.
+const (
+	// AnnotationDeadLetterReason holds a Reject's reason on a dead letter
+	// of a RabbitMQ 4 quorum queue.
+	AnnotationDeadLetterReason = "x-opt-dead-letter-reason"
+	// AnnotationDeadLetterDescription holds RejectWith's description.
+	AnnotationDeadLetterDescription = "x-opt-dead-letter-description"
+	// AnnotationDeadLetterCondition holds the rejection's AMQP error
+	// condition ([RejectCondition], or MaxMessageSize's).
+	AnnotationDeadLetterCondition = "x-opt-dead-letter-condition"
+)
+
+// quorumReject is the modified outcome that dead-letters on a quorum queue
+// with e's reason, description and condition as annotations.
+func quorumReject(e *amqp.Error) pump.Outcome {
+	a := amqp.Annotations{}
+	if e != nil {
+		if e.Description != "" {
+			a[AnnotationDeadLetterReason] = e.Description
+		}
+		if d, ok := e.Info["DeadLetterErrorDescription"].(string); ok && d != "" {
+			a[AnnotationDeadLetterDescription] = d
+		}
+		if e.Condition != "" {
+			a[AnnotationDeadLetterCondition] = string(e.Condition)
+		}
+	}
+	return pump.Outcome{Kind: pump.Modify, DeliveryFailed: true, UndeliverableHere: true, Annotations: a}
+}
+
+// rabbitManagement is RabbitMQ 4's management node, and the name its link
+// pair must have.
+const (
+	rabbitManagement     = "/management"
+	rabbitManagementPair = "management-link-pair"
+)
+
+// errNoAnswer: the management node sent something that is not an answer.
+var errNoAnswer = errors.New("the management node's answer is not one")
+
+// readRabbitQueue asks RabbitMQ 4's management node (an HTTP-like request
+// over a pair of links, as RabbitMQ's own AMQP 1.0 clients do) for the
+// queue at address (/queues/<name>), on sess and within ctx, and closes
+// the links again.
+func readRabbitQueue(ctx context.Context, sess *amqp.Session, address string) (rabbitQueue, error) {
+	props := map[string]any{"paired": true}
+	snd, err := sess.NewSender(ctx, rabbitManagement, &amqp.SenderOptions{
+		Name:                        rabbitManagementPair,
+		Properties:                  props,
+		SourceAddress:               rabbitManagement,
+		SettlementMode:              amqp.SenderSettleModeSettled.Ptr(),
+		RequestedReceiverSettleMode: amqp.ReceiverSettleModeFirst.Ptr(),
+	})
+	if err != nil {
+		return rabbitQueue{}, fmt.Errorf("attach to %s: %w", rabbitManagement, err)
+	}
+	defer func() { _ = snd.Close(ctx) }()
+	rcv, err := sess.NewReceiver(ctx, rabbitManagement, &amqp.ReceiverOptions{
+		Name:                      rabbitManagementPair,
+		Properties:                props,
+		TargetAddress:             rabbitManagement,
+		SettlementMode:            amqp.ReceiverSettleModeFirst.Ptr(),
+		RequestedSenderSettleMode: amqp.SenderSettleModeSettled.Ptr(),
+		Credit:                    1,
+	})
+	if err != nil {
+		return rabbitQueue{}, fmt.Errorf("attach from %s: %w", rabbitManagement, err)
+	}
+	defer func() { _ = rcv.Close(ctx) }()
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	id, get, me := hex.EncodeToString(b[:]), "GET", "$me"
+	req := &amqp.Message{
+		Properties: &amqp.MessageProperties{MessageID: id, To: &address, Subject: &get, ReplyTo: &me},
+		Value:      amqp.Null{},
+	}
+	if err := snd.Send(ctx, req, &amqp.SendOptions{Settled: true}); err != nil {
+		return rabbitQueue{}, fmt.Errorf("send to %s: %w", rabbitManagement, err)
+	}
+	ans, err := rcv.Receive(ctx, nil)
+	if err != nil {
+		return rabbitQueue{}, fmt.Errorf("receive from %s: %w", rabbitManagement, err)
+	}
+	return parseRabbitQueue(ans, id)
+}
+
+// parseRabbitQueue reads the management node's answer to request id.
+func parseRabbitQueue(m *amqp.Message, id string) (rabbitQueue, error) {
+	if m.Properties == nil || m.Properties.CorrelationID != id || m.Properties.Subject == nil {
+		return rabbitQueue{}, errNoAnswer
+	}
+	if code := *m.Properties.Subject; code != "200" {
+		return rabbitQueue{}, fmt.Errorf("the management node answered %s to GET: %v", code, m.Value)
+	}
+	v, ok := m.Value.(map[string]any)
+	if !ok {
+		return rabbitQueue{}, fmt.Errorf("%w: a body of %T", errNoAnswer, m.Value)
+	}
+	var q rabbitQueue
+	q.typ, _ = v["type"].(string)
+	if args, ok := v["arguments"].(map[string]any); ok {
+		q.limit = anyInt(args["x-delivery-limit"])
+	}
+	return q, nil
+}
+
+// anyInt returns an AMQP integer of any width as int64, 0 for anything else.
+func anyInt(v any) int64 {
+	switch n := v.(type) {
+	case int8:
+		return int64(n)
+	case int16:
+		return int64(n)
+	case int32:
+		return int64(n)
+	case int64:
+		return n
+	case uint8:
+		return int64(n)
+	case uint16:
+		return int64(n)
+	case uint32:
+		return int64(n)
+	case uint64:
+		if n > 1<<62 {
+			return 1 << 62
+		}
+		return int64(n)
+	}
+	return 0
+}
+
+// rabbit4Address maps a queue name to RabbitMQ 4's v2 address
+// /queues/<name>, the name percent-encoded as RFC 3986 says of a path
+// segment (everything but the unreserved characters); an address that
+// already starts with /queues/ is used as it is.
+func rabbit4Address(q string) string {
+	if strings.HasPrefix(q, "/queues/") {
+		return q
+	}
+	const hexDigits = "0123456789ABCDEF"
+	var b strings.Builder
+	b.Grow(len("/queues/") + len(q))
+	b.WriteString("/queues/")
+	for i := 0; i < len(q); i++ {
+		switch c := q[i]; {
+		case 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z', '0' <= c && c <= '9', c == '-', c == '.', c == '_', c == '~':
+			b.WriteByte(c)
+		default:
+			b.WriteByte('%')
+			b.WriteByte(hexDigits[c>>4])
+			b.WriteByte(hexDigits[c&15])
+		}
+	}
+	return b.String()
+}

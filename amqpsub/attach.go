@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/Azure/go-amqp"
@@ -153,8 +155,37 @@ func (s *Subscriber) attached(p *pipe, l *link) {
 			name = l.rcv.LinkName()
 		}
 	}
+	var product, version string
+	if l != nil && l.conn != nil {
+		props := l.conn.Properties()
+		product, _ = props["product"].(string)
+		version, _ = props["version"].(string)
+	}
 	s.log.Info("attached", zap.String("broker", broker), zap.String("address", s.cfg.profile.address(s.queue)),
-		zap.String("link", name), zap.Stringer("profile", s.cfg.profile), zap.Int("credit", p.pump.Credit()))
+		zap.String("link", name), zap.Stringer("profile", s.cfg.profile), zap.Int("credit", p.pump.Credit()),
+		zap.String("product", product), zap.String("version", version))
+	if want := profileFor(product, version); want != "" && want != s.cfg.profile.name && s.cfg.profile.name != "generic" &&
+		!s.profileWarned.Swap(true) {
+		s.log.Warn("the broker is not the profile's; give WithProfile the broker's profile",
+			zap.String("product", product), zap.String("version", version),
+			zap.Stringer("profile", s.cfg.profile), zap.String("suggested", want))
+	}
+}
+
+// profileFor names the profile for a broker that calls itself product,
+// version in its open frame, "" when it is none amqpsub knows.
+func profileFor(product, version string) string {
+	switch p := strings.ToLower(product); {
+	case p == "rabbitmq":
+		major, _, _ := strings.Cut(version, ".")
+		if n, err := strconv.Atoi(major); err == nil && n >= 4 {
+			return "rabbitmq4"
+		}
+		return "rabbitmq3"
+	case strings.Contains(p, "artemis"):
+		return "artemis"
+	}
+	return ""
 }
 
 // closeLink closes what l opened, all steps within CloseTimeout and before

@@ -526,7 +526,10 @@ func MaxMessageSize(n int64) Option {
 //   - Elsewhere a delivery whose header delivery-count (the earlier failed
 //     attempts) is above n is rejected with a reason: n+1 deliveries are
 //     handled. RabbitMQ 3.10 always sends a delivery count of 0, so it has
-//     no effect there.
+//     no effect there. On RabbitMQ 4 ([RabbitMQ4]) a quorum queue counts
+//     Retry (and its own delivery-limit counts every return); a classic
+//     queue counts nothing, so Run refuses the option there with an error
+//     wrapping [ErrInvalidOption].
 //
 // 0 turns it off. Default: off.
 func MaxDeliveryCount(n uint32) Option {

@@ -46,14 +46,17 @@ func (e *OutcomeError) Unwrap() error {
 var releaseOutcome = &OutcomeError{kind: ResultRelease}
 
 // Release returns the delivery to the queue untouched: the broker does not
-// count it as a failed attempt, so it is never dead-lettered for it.
+// count it as a failed attempt, so it is never dead-lettered for it; but a
+// RabbitMQ 4 quorum queue counts every return toward its delivery-limit,
+// a release too (see [RabbitMQ4]).
 func Release() error { return releaseOutcome }
 
 // Retry returns the delivery to the queue as a failed attempt: on Artemis it
 // is settled as modified{delivery-failed}, so the broker's delivery count
 // goes up and the delivery is dead-lettered after max-delivery-attempts.
 // Under the [RabbitMQ3] profile it is released, since RabbitMQ 3.10 ends the
-// session on modified. Any error a handler returns that is not an
+// session on modified. A RabbitMQ 4 classic queue counts nothing (see
+// [RabbitMQ4]). Any error a handler returns that is not an
 // [OutcomeError] means Retry; Retry(err) just says so explicitly. err may be
 // nil. Retry of an error that is already a Retry returns it unchanged.
 func Retry(err error) error {
@@ -67,7 +70,8 @@ func Retry(err error) error {
 // rejected, with an error whose description is reason (and info
 // DeadLetterReason = reason, the key Service Bus reads). Artemis moves it
 // to the queue's dead-letter address (without one it is dropped) but keeps
-// no trace of the reason; see [DeadLetterCopy] for a way to keep it.
+// no trace of the reason; see [DeadLetterCopy] for a way to keep it. On a
+// RabbitMQ 4 quorum queue the dead letter keeps it (see [RabbitMQ4]).
 func Reject(reason string) error { return &OutcomeError{kind: ResultReject, reason: reason} }
 
 // RejectWith is [Reject] with a longer description besides the reason (info

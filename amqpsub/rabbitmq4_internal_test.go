@@ -80,3 +80,21 @@ func TestQuorumRejectKeepsTheReason(t *testing.T) {
 		t.Fatalf("a Reject without an error: %+v", o)
 	}
 }
+
+func TestProfileFor(t *testing.T) {
+	for _, tc := range []struct{ product, version, want string }{
+		{"RabbitMQ", "4.0.5", "rabbitmq4"},
+		{"RabbitMQ", "4.1.0-rc.1", "rabbitmq4"},
+		{"RabbitMQ", "10.0.0", "rabbitmq4"},
+		{"RabbitMQ", "3.10.8", "rabbitmq3"},
+		{"RabbitMQ", "", "rabbitmq3"},
+		{"apache-activemq-artemis", "2.40.0", "artemis"},
+		{"ActiveMQ Artemis", "2.40.0", "artemis"},
+		{"", "", ""},
+		{"qpid-dispatch-router", "1.19", ""},
+	} {
+		if got := profileFor(tc.product, tc.version); got != tc.want {
+			t.Errorf("profileFor(%q, %q) = %q, want %q", tc.product, tc.version, got, tc.want)
+		}
+	}
+}

@@ -47,6 +47,7 @@ type Subscriber struct {
 	cut                    atomic.Bool  // Run gave up on the running handlers: ignore their results
 	reconnects             atomic.Uint64
 	inOnReconnect          atomic.Int32 // OnReconnect calls in progress
+	profileWarned          atomic.Bool  // the broker's own name was found at odds with the profile
 	abandoned              atomic.Uint64
 	deadLetterCopies       atomic.Uint64
 	deadLetterCopyFailures atomic.Uint64

@@ -5,18 +5,22 @@ SHELL := /bin/bash
 GO ?= go
 ARTEMIS_CTL  := $(abspath integration/artemis.sh)
 RABBITMQ_CTL := $(abspath integration/rabbitmq.sh)
+RABBITMQ4_CTL := $(abspath integration/rabbitmq4.sh)
 CLUSTER_CTL  := $(abspath integration/artemis-cluster.sh)
 AMQPSUB_ARTEMIS_URL  ?= amqp://127.0.0.1:5672
 AMQPSUB_RABBITMQ_URL ?= amqp://guest:guest@127.0.0.1:5682
+AMQPSUB_RABBITMQ4_URL ?= amqp://guest:guest@127.0.0.1:5692
 INTEGRATION_TIMEOUT  ?= 40m
 
 INTEGRATION_ENV := AMQPSUB_ARTEMIS_URL=$(AMQPSUB_ARTEMIS_URL) \
 	AMQPSUB_RABBITMQ_URL=$(AMQPSUB_RABBITMQ_URL) \
+	AMQPSUB_RABBITMQ4_URL=$(AMQPSUB_RABBITMQ4_URL) \
 	AMQPSUB_ARTEMIS_CTL=$(ARTEMIS_CTL) \
 	AMQPSUB_RABBITMQ_CTL=$(RABBITMQ_CTL) \
+	AMQPSUB_RABBITMQ4_CTL=$(RABBITMQ4_CTL) \
 	AMQPSUB_CLUSTER_CTL=$(CLUSTER_CTL)
 
-.PHONY: checkout scaling credit golangci all prereqs prereqs-demo brokers brokers-stop artemis rabbitmq unit integration test artemistest demo bench fuzz fmt vet lint check
+.PHONY: checkout scaling credit golangci all prereqs prereqs-demo brokers brokers-stop artemis rabbitmq rabbitmq4 unit integration test artemistest demo bench fuzz fmt vet lint check
 
 # Modules of their own (own go.mod) that `make lint` checks like the root
 # one, with the root's .golangci.yml: the Artemis test helper and the
@@ -33,9 +37,9 @@ prereqs:
 prereqs-demo:
 	bash integration/prereqs.sh demo
 
-## brokers: start Artemis (127.0.0.1:5672) and RabbitMQ (127.0.0.1:5682); idempotent
+## brokers: start Artemis (127.0.0.1:5672), RabbitMQ 3.10 (127.0.0.1:5682) and RabbitMQ 4 (127.0.0.1:5692); idempotent
 brokers: prereqs
-	bash $(ARTEMIS_CTL) start && bash $(RABBITMQ_CTL) start
+	bash $(ARTEMIS_CTL) start && bash $(RABBITMQ_CTL) start && bash $(RABBITMQ4_CTL) start
 
 artemis: prereqs-demo
 	bash $(ARTEMIS_CTL) start
@@ -43,9 +47,13 @@ artemis: prereqs-demo
 rabbitmq: prereqs
 	bash $(RABBITMQ_CTL) start
 
-## brokers-stop: stop both brokers (idempotent)
+## rabbitmq4: start RabbitMQ 4.0.5 (127.0.0.1:5692; its Debian trixie root is made once, about 75 s)
+rabbitmq4: prereqs
+	bash $(RABBITMQ4_CTL) start
+
+## brokers-stop: stop the three brokers (idempotent)
 brokers-stop:
-	rc=0; bash $(ARTEMIS_CTL) stop || rc=1; bash $(RABBITMQ_CTL) stop || rc=1; exit $$rc
+	rc=0; bash $(ARTEMIS_CTL) stop || rc=1; bash $(RABBITMQ_CTL) stop || rc=1; bash $(RABBITMQ4_CTL) stop || rc=1; exit $$rc
 
 ## unit: unit tests (everything except ./integration)
 unit:

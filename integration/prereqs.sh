@@ -7,11 +7,13 @@
 #   prereqs.sh demo    Java 17+ and Maven (Artemis is downloaded with Maven),
 #                      flock, Go
 #   prereqs.sh rabbitmq  rabbitmq-server only (rabbitmq.sh start runs this)
+#   prereqs.sh rabbitmq4 debootstrap only (rabbitmq4.sh start runs this): it
+#                      makes the Debian trixie root that RabbitMQ 4 runs in
 #   prereqs.sh test    demo's, plus a JDK (the JMS producer is built with
 #                      Maven), gcc (go test -race needs cgo), openssl (the
 #                      TLS test writes a keystore), rabbitmq-server (the
-#                      second broker), python3-qpid-proton (the Python
-#                      producer)
+#                      second broker), debootstrap (rabbitmq4's),
+#                      python3-qpid-proton (the Python producer)
 #   prereqs.sh bench   test's, plus what the bench's reference consumers
 #                      need besides: Proton C's receive example
 #                      (libqpid-proton11-dev-examples, as source) and its
@@ -46,12 +48,18 @@ apt_install() {
 }
 
 set_=${1:-test}
-case "$set_" in demo|test|rabbitmq|bench) ;; *) die "usage: prereqs.sh demo|test|rabbitmq|bench" ;; esac
+case "$set_" in demo|test|rabbitmq|rabbitmq4|bench) ;; *) die "usage: prereqs.sh demo|test|rabbitmq|rabbitmq4|bench" ;; esac
 
 need=()
 rabbit_ok() { [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] && command -v epmd >/dev/null; }
 if [ "$set_" = rabbitmq ]; then
   rabbit_ok || apt_install rabbitmq-server
+  exit 0
+fi
+# RabbitMQ 4 comes from trixie inside a root of its own (rabbitmq4.sh);
+# the host needs only debootstrap to make that root.
+if [ "$set_" = rabbitmq4 ]; then
+  command -v debootstrap >/dev/null || apt_install debootstrap
   exit 0
 fi
 command -v java >/dev/null || need+=(openjdk-17-jre-headless)
@@ -62,6 +70,7 @@ if [ "$set_" != demo ]; then
   command -v gcc >/dev/null || need+=(gcc libc6-dev)
   command -v openssl >/dev/null || need+=(openssl)
   rabbit_ok || need+=(rabbitmq-server)
+  command -v debootstrap >/dev/null || need+=(debootstrap)
   # The tests run Debian's python, not one earlier on PATH (pyenv's, say).
   /usr/bin/python3 -c 'import proton' 2>/dev/null || need+=(python3-qpid-proton)
 fi

@@ -2,13 +2,13 @@
 # `make test`: unit tests, the artemistest module's tests (which start
 # their own Artemis processes), then the integration tests against real
 # brokers, then go vet and go test in each contrib module
-# (contrib/*/go.mod). Starts Artemis and RabbitMQ if they are not running,
-# and stops (only) the ones it started when it exits, also on failure or
-# Ctrl-C. Exits non-zero if any stage failed.
+# (contrib/*/go.mod). Starts Artemis, RabbitMQ 3.10 and RabbitMQ 4 if they
+# are not running, and stops (only) the ones it started when it exits, also
+# on failure or Ctrl-C. Exits non-zero if any stage failed.
 #
 # Environment: GO (default go), GOTESTFLAGS (extra `go test` flags),
-# INTEGRATION_TIMEOUT (default 40m), plus everything artemis.sh and
-# rabbitmq.sh read.
+# INTEGRATION_TIMEOUT (default 40m), plus everything artemis.sh,
+# rabbitmq.sh and rabbitmq4.sh read.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -18,6 +18,7 @@ ARTEMIS_CTL="$ROOT/integration/artemis.sh"
 # The cluster and HA tests start (and stop) their own brokers with it.
 CLUSTER_CTL="$ROOT/integration/artemis-cluster.sh"
 RABBITMQ_CTL="$ROOT/integration/rabbitmq.sh"
+RABBITMQ4_CTL="$ROOT/integration/rabbitmq4.sh"
 # shellcheck disable=SC2206
 EXTRA=(${GOTESTFLAGS:-})
 
@@ -60,7 +61,7 @@ if [ -n "$pkgs" ]; then
   # holds: the few tests of these packages that need a broker or the
   # Service Bus peer skip here and run in the integration stage below.
   # shellcheck disable=SC2086
-  env -u AMQPSUB_ARTEMIS_URL -u AMQPSUB_RABBITMQ_URL -u AMQPSUB_SBPEER_CONN -u AMQPSUB_SBPEER_CONTROL -u AMQPSUB_CLUSTER_CTL \
+  env -u AMQPSUB_ARTEMIS_URL -u AMQPSUB_RABBITMQ_URL -u AMQPSUB_RABBITMQ4_URL -u AMQPSUB_SBPEER_CONN -u AMQPSUB_SBPEER_CONTROL -u AMQPSUB_CLUSTER_CTL \
     "$GO" test -race -count=1 "${EXTRA[@]}" $pkgs || unit_rc=$?
 else
   echo "no unit test packages"
@@ -88,7 +89,7 @@ artemistest_rc=0
 # ==== end of the artemistest block ====
 
 section "brokers"
-for ctl in "$ARTEMIS_CTL" "$RABBITMQ_CTL"; do
+for ctl in "$ARTEMIS_CTL" "$RABBITMQ_CTL" "$RABBITMQ4_CTL"; do
   if ! bash "$ctl" status >/dev/null 2>&1; then
     started+=("$ctl")
   fi
@@ -124,6 +125,7 @@ fi
 # The brokers' addresses, for the integration stage and the contrib stage.
 artemis_url=${AMQPSUB_ARTEMIS_URL:-$(bash "$ARTEMIS_CTL" url)}
 rabbitmq_url=${AMQPSUB_RABBITMQ_URL:-$(bash "$RABBITMQ_CTL" url)}
+rabbitmq4_url=${AMQPSUB_RABBITMQ4_URL:-$(bash "$RABBITMQ4_CTL" url)}
 
 section "integration tests"
 # ./amqpsub again, with the brokers and the peer up: its Service Bus tests
@@ -131,8 +133,10 @@ section "integration tests"
 integ_rc=0
 AMQPSUB_ARTEMIS_URL=$artemis_url \
 AMQPSUB_RABBITMQ_URL=$rabbitmq_url \
+AMQPSUB_RABBITMQ4_URL=$rabbitmq4_url \
 AMQPSUB_ARTEMIS_CTL=$ARTEMIS_CTL \
 AMQPSUB_RABBITMQ_CTL=$RABBITMQ_CTL \
+AMQPSUB_RABBITMQ4_CTL=$RABBITMQ4_CTL \
 AMQPSUB_CLUSTER_CTL=${AMQPSUB_CLUSTER_CTL-$CLUSTER_CTL} \
   "$GO" test -race -count=1 -timeout "${INTEGRATION_TIMEOUT:-40m}" "${EXTRA[@]}" ./integration/... ./amqpsub \
   || integ_rc=$?
@@ -153,8 +157,10 @@ for mod in "$ROOT"/contrib/*/go.mod; do
     "$GO" vet ./... &&
     AMQPSUB_ARTEMIS_URL=$artemis_url \
     AMQPSUB_RABBITMQ_URL=$rabbitmq_url \
+    AMQPSUB_RABBITMQ4_URL=$rabbitmq4_url \
     AMQPSUB_ARTEMIS_CTL=$ARTEMIS_CTL \
     AMQPSUB_RABBITMQ_CTL=$RABBITMQ_CTL \
+    AMQPSUB_RABBITMQ4_CTL=$RABBITMQ4_CTL \
       "$GO" test -race -count=1 -timeout 10m "${EXTRA[@]}" ./...); then
     contrib_rc=1
     contrib_failed+=("$name")

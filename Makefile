@@ -97,7 +97,7 @@ credit: brokers
 	bash integration/sbpeer/sbpeer.sh start
 	AMQPSUB_CREDIT=1 AMQPSUB_SBPEER_CONN=$$(bash integration/sbpeer/sbpeer.sh url) \
 	AMQPSUB_SBPEER_CONTROL=$$(bash integration/sbpeer/sbpeer.sh ctl-url) $(INTEGRATION_ENV) \
-	$(GO) test -count=1 -run 'TestArtemisCredit|TestServiceBusCredit' -v -timeout 40m ./integration
+	$(GO) test -count=1 -run 'TestArtemisCredit|TestServiceBusCredit|TestRabbitMQ4StopCost' -v -timeout 40m ./integration
 
 ## fuzz: every fuzz target for FUZZTIME each (default 1m); CI runs them for 5s
 fuzz:

@@ -51,7 +51,7 @@ type rabbitQueue struct {
 
 func (k *rabbit4Kind) attached(ctx context.Context, l *link) (pump.Source, string, error) {
 	s := k.p.s
-	q, err := readRabbitQueue(ctx, l.sess, s.cfg.profile.address(s.queue))
+	q, err := readRabbitQueue(ctx, l.conn, s.cfg.profile.address(s.queue))
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil, "read the queue's type", err
@@ -137,10 +137,35 @@ var errNoAnswer = errors.New("the management node's answer is not one")
 
 // readRabbitQueue asks RabbitMQ 4's management node (an HTTP-like request
 // over a pair of links, as RabbitMQ's own AMQP 1.0 clients do) for the
-// queue at address (/queues/<name>), on sess and within ctx, and closes
-// the links again.
-func readRabbitQueue(ctx context.Context, sess *amqp.Session, address string) (rabbitQueue, error) {
+// queue at address (/queues/<name>), on a session of its own on conn (an
+// error of the management node ends its session, which must not be the
+// receiver's), within ctx, and closes the session again.
+//
+// The receiving link is attached and given its credit first: the node
+// answers on it at once, and ends the session if it has no credit then;
+// the credit goes out as soon as the link has it, a round trip (the
+// sending link's attach) before the request.
+func readRabbitQueue(ctx context.Context, conn *amqp.Conn, address string) (rabbitQueue, error) {
+	sess, err := conn.NewSession(ctx, nil)
+	if err != nil {
+		return rabbitQueue{}, fmt.Errorf("open a session for %s: %w", rabbitManagement, err)
+	}
+	defer func() { _ = sess.Close(ctx) }()
 	props := map[string]any{"paired": true}
+	rcv, err := sess.NewReceiver(ctx, rabbitManagement, &amqp.ReceiverOptions{
+		Name:                      rabbitManagementPair,
+		Properties:                props,
+		TargetAddress:             rabbitManagement,
+		SettlementMode:            amqp.ReceiverSettleModeFirst.Ptr(),
+		RequestedSenderSettleMode: amqp.SenderSettleModeSettled.Ptr(),
+		Credit:                    -1, // manual: go-amqp would send an automatic credit only once Receive is called
+	})
+	if err != nil {
+		return rabbitQueue{}, fmt.Errorf("attach from %s: %w", rabbitManagement, err)
+	}
+	if err := rcv.IssueCredit(1); err != nil {
+		return rabbitQueue{}, fmt.Errorf("credit from %s: %w", rabbitManagement, err)
+	}
 	snd, err := sess.NewSender(ctx, rabbitManagement, &amqp.SenderOptions{
 		Name:                        rabbitManagementPair,
 		Properties:                  props,
@@ -151,19 +176,6 @@ func readRabbitQueue(ctx context.Context, sess *amqp.Session, address string) (r
 	if err != nil {
 		return rabbitQueue{}, fmt.Errorf("attach to %s: %w", rabbitManagement, err)
 	}
-	defer func() { _ = snd.Close(ctx) }()
-	rcv, err := sess.NewReceiver(ctx, rabbitManagement, &amqp.ReceiverOptions{
-		Name:                      rabbitManagementPair,
-		Properties:                props,
-		TargetAddress:             rabbitManagement,
-		SettlementMode:            amqp.ReceiverSettleModeFirst.Ptr(),
-		RequestedSenderSettleMode: amqp.SenderSettleModeSettled.Ptr(),
-		Credit:                    1,
-	})
-	if err != nil {
-		return rabbitQueue{}, fmt.Errorf("attach from %s: %w", rabbitManagement, err)
-	}
-	defer func() { _ = rcv.Close(ctx) }()
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	id, get, me := hex.EncodeToString(b[:]), "GET", "$me"

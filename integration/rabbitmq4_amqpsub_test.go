@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
 )
@@ -388,6 +390,30 @@ func TestRabbitMQ4Outcomes(t *testing.T) {
 		var ae *amqp.Error
 		if err := s.Run(context.Background()); !errors.As(err, &ae) || ae.Condition != amqp.ErrCondNotFound {
 			t.Fatalf("Run = %v; want amqp:not-found", err)
+		}
+	})
+
+	t.Run("another profile is logged", func(t *testing.T) {
+		q := declareRabbit4(t, "classic")
+		core, logs := observer.New(zap.InfoLevel)
+		s, err := amqpsub.New(amqpsub.Dial(url, nil), "/queues/"+q, amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.Logger(zap.New(core))) // the default profile, Artemis
+		if err != nil {
+			t.Fatal(err)
+		}
+		stop, wait := runSub(t, s)
+		waitFor(t, 30*time.Second, "the attach", func() bool { return s.Stats().Links == 1 })
+		stop()
+		if err := wait(); err != nil {
+			t.Fatal(err)
+		}
+		at := logs.FilterMessage("attached").All()
+		if len(at) != 1 || at[0].ContextMap()["product"] != "RabbitMQ" || !strings.HasPrefix(at[0].ContextMap()["version"].(string), "4.") {
+			t.Fatalf("attached lines %v: no product RabbitMQ 4", at)
+		}
+		w := logs.FilterMessage("the broker is not the profile's; give WithProfile the broker's profile").All()
+		if len(w) != 1 || w[0].ContextMap()["suggested"] != "rabbitmq4" || w[0].ContextMap()["profile"] != "artemis" {
+			t.Fatalf("profile warnings %v; want one suggesting rabbitmq4", w)
 		}
 	})
 

@@ -31,7 +31,8 @@ import (
 // finishes what is buffered rather than release it (returnsCounted), and
 // a Reject is sent as modified{delivery-failed, undeliverable-here} with the
 // reason in x-opt- annotations; on a classic queue MaxDeliveryCount is
-// refused, since nothing would ever reach it.
+// refused, since nothing would ever reach it. A test source (package
+// amqpsubtest) says the queue's type itself: see checkSource.
 type rabbit4Kind struct {
 	plainKind
 	queue atomic.Pointer[rabbitQueue] // what the last attach read; nil before
@@ -62,9 +63,19 @@ func (k *rabbit4Kind) attached(ctx context.Context, l *link) (pump.Source, strin
 		}
 		q = rabbitQueue{}
 	}
+	if err := k.use(q); err != nil {
+		return nil, "check the queue", err
+	}
+	return l.rcv, "", nil
+}
+
+// use keeps q, what an attach read of the queue, for the settlements and
+// the stop, and refuses MaxDeliveryCount on a classic queue.
+func (k *rabbit4Kind) use(q rabbitQueue) error {
+	s := k.p.s
 	k.queue.Store(&q)
 	if q.typ == "classic" && s.cfg.maxDelivery > 0 {
-		return nil, "check the queue", fmt.Errorf("%w: MaxDeliveryCount(%d) on classic queue %q: RabbitMQ counts no "+
+		return fmt.Errorf("%w: MaxDeliveryCount(%d) on classic queue %q: RabbitMQ counts no "+
 			"delivery attempts on a classic queue, so no delivery would ever reach the limit; use a quorum queue "+
 			"(its x-delivery-limit dead-letters too), or LocalRetry and then Reject, or leave MaxDeliveryCount off",
 			ErrInvalidOption, s.cfg.maxDelivery, s.queue)
@@ -72,7 +83,26 @@ func (k *rabbit4Kind) attached(ctx context.Context, l *link) (pump.Source, strin
 	if s.debug() {
 		s.log.Debug("queue type read", zap.String("type", q.typ), zap.Int64("delivery_limit", q.limit))
 	}
-	return l.rcv, "", nil
+	return nil
+}
+
+// rabbitQueueSource is a test source that plays a RabbitMQ 4 queue
+// (package amqpsubtest's, under its RabbitMQ4 profile): it says what the
+// management node says of a broker's queue, its type ("quorum",
+// "classic") and its x-delivery-limit argument (0 when it has none).
+type rabbitQueueSource interface {
+	RabbitMQQueue() (typ string, deliveryLimit int64)
+}
+
+// checkSource is attached for a test source attached in place of a link
+// (sourceChecker): the queue is what the source says, or, from a source
+// that plays no RabbitMQ 4 queue, one whose type could not be read.
+func (k *rabbit4Kind) checkSource(src pump.Source) (step string, err error) {
+	var q rabbitQueue
+	if rs, ok := src.(rabbitQueueSource); ok {
+		q.typ, q.limit = rs.RabbitMQQueue()
+	}
+	return "check the queue", k.use(q)
 }
 
 // returnsCounted: anything but a classic queue may count a release.

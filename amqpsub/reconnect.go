@@ -185,7 +185,7 @@ func (s *Subscriber) failoverLeft(passes *int) bool {
 // source.
 func (s *Subscriber) attachOnce(ctx context.Context, p *pipe) (pump.Source, *link, error) {
 	if c, ok := s.connector.(sourceConnector); ok {
-		src, err := c.next(ctx)
+		src, err := c.attach(ctx, s, p)
 		return src, nil, err
 	}
 	l, err := s.attach(ctx, p)

@@ -3,9 +3,11 @@ package amqpsub
 import (
 	"context"
 	"errors"
+	"fmt"
 
 	"github.com/amqpsub/amqpsub/internal/testhook"
 	"github.com/amqpsub/amqpsub/internal/wire"
+	"github.com/amqpsub/amqpsub/pump"
 )
 
 func init() {
@@ -30,6 +32,33 @@ func (sourceConnector) connect(context.Context, connectRequest) (*connection, er
 }
 
 func (c sourceConnector) String() string { return c.name }
+
+// sourceChecker is a kind that checks a test source at attach as its
+// attached checks a link (rabbit4Kind: the queue's type, which may refuse
+// the options). step names what failed, as attached's does.
+type sourceChecker interface {
+	checkSource(src pump.Source) (step string, err error)
+}
+
+// attach takes the next test source for p, and has p's kind check it. A
+// source the kind refuses is closed, if it can be (as a refused link is),
+// and the attach fails as a link's does: Run ends at the first attach, and
+// at a reconnect if FatalErrors says so (ErrInvalidOption is fatal).
+func (c sourceConnector) attach(ctx context.Context, s *Subscriber, p *pipe) (pump.Source, error) {
+	src, err := c.next(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if k, ok := p.kind.(sourceChecker); ok {
+		if step, err := k.checkSource(src); err != nil {
+			if cl, ok := src.(interface{ Close(context.Context) error }); ok {
+				_ = cl.Close(ctx)
+			}
+			return nil, fmt.Errorf("amqpsub: %s on %s queue %q: %w", step, c, s.queue, err)
+		}
+	}
+	return src, nil
+}
 
 // validate: sources that play Service Bus take the AzureServiceBus profile,
 // and play no sessions.

@@ -2,8 +2,9 @@
 // the broker behind the real amqpsub pipeline (pump, credit, lanes,
 // batches, outcomes, LocalRetry, MaxDeliveryCount, reconnects, stops, and
 // on Service Bus the renewal of message locks), and records what happened
-// to every message. It plays Apache ActiveMQ Artemis, RabbitMQ 3.10, and
-// Azure Service Bus peek-lock on a queue without sessions.
+// to every message. It plays Apache ActiveMQ Artemis, RabbitMQ 3.10,
+// RabbitMQ 4.0 (a quorum queue or a classic one), and Azure Service Bus
+// peek-lock on a queue without sessions.
 //
 // # Five minutes
 //
@@ -111,6 +112,74 @@
 // amqpsub.DeadLetterCopy has no session to send on, so its rejections stay
 // plain rejections. Under RabbitMQ3 the queue does not
 // send past the credit, which RabbitMQ 3.10 does at small credits.
+//
+// # RabbitMQ 4 (WithProfile(amqpsub.RabbitMQ4))
+//
+// The queue plays a RabbitMQ 4.0 queue over its native AMQP 1.0: a quorum
+// queue by default, RabbitMQ 4's recommended type, or a classic one
+// ([WithQueueType]), as RabbitMQ 4.0.5 was measured to behave and as its
+// source (rabbit_fifo, rabbit_classic_queue, rabbit_amqp_session) says. A
+// subscriber with the RabbitMQ4 profile learns the type at each attach,
+// from the queue in place of the broker's management node, and acts on it
+// as on a broker (see amqpsub.RabbitMQ4): MaxDeliveryCount on a classic
+// queue makes Run fail with an error wrapping amqpsub.ErrInvalidOption; on
+// a quorum queue a graceful stop finishes what is buffered, for up to half
+// the grace period, before it releases the rest, and a Reject keeps its
+// reason on the dead letter.
+//
+// Either type:
+//
+//   - The queue hands out messages only within a link's credit, and
+//     answers a drain at once. first-acquirer is true on a message's first
+//     delivery only. There are no message groups: a group-id is a plain
+//     property, and a group's messages go to any link with credit.
+//   - accepted consumes the message; rejected dead-letters it (RabbitMQ
+//     drops it unless the queue has a dead-letter exchange), and the dead
+//     letter keeps nothing of the rejected outcome's error: [Record.Reason]
+//     and [Record.Description] are "" ([Delivery.Error] is what was sent).
+//   - modified{undeliverable-here} dead-letters the message at once.
+//   - A modified outcome with a message-annotation key that does not start
+//     with "x-" ends the link's session with amqp:internal-error (the
+//     broker's session fails with function_clause) before anything is
+//     applied: the link's deliveries go back as when a session ends.
+//
+// A quorum queue:
+//
+//   - counts every return of a message toward its [DeliveryLimit] (20 by
+//     default): a release (amqpsub's Release, what a stop gives back), a
+//     modified outcome with or without delivery-failed (Retry), and a
+//     delivery a link that ends left unsettled. The return that takes the
+//     count past the limit dead-letters the message, reason delivery_limit
+//     ([Record.Reason]): it is delivered at most limit+1 times.
+//   - raises the header's delivery-count for modified{delivery-failed}, so
+//     amqpsub's MaxDeliveryCount counts the Retries; not for a release. An
+//     ended link's unsettled deliveries keep their count when the link was
+//     detached (the subscriber stopped receiving from it), and have it
+//     raised when its session or connection went ([Queue.LoseLinks], an
+//     annotation key not x-), as RabbitMQ returns a consumer's messages
+//     when its process goes down. That, and the counting of what an ended
+//     link held, are from RabbitMQ's source (rabbit_fifo returns a
+//     removed consumer's messages, each counted), not measured.
+//   - puts a return ahead of the messages never delivered, after the
+//     returns already waiting.
+//   - keeps the annotations of a modified outcome on the message: its
+//     later deliveries carry them, and so does its dead letter
+//     ([Record.Annotations]). A Reject's reason (annotation
+//     amqpsub.AnnotationDeadLetterReason) is then [Record.Reason], its
+//     description [Record.Description].
+//
+// A classic queue counts nothing: the header's delivery-count is always 0
+// and there is no delivery limit, so a message a handler always fails
+// comes back for ever. A return goes back to its place in publish order. A
+// modified outcome's annotations are dropped.
+//
+// Where the queue departs from RabbitMQ 4: as under Artemis, a quorum
+// queue's header count starts from the published header's delivery-count;
+// dead letters are a list to assert on, not a dead-letter exchange's
+// queue, and carry none of RabbitMQ's x-opt-deaths or x-first-death-*
+// annotations; a rejected message is dead-lettered without any
+// dead-letter exchange; there are no streams, single active consumer,
+// priorities, TTLs or length limits.
 //
 // # Azure Service Bus (WithProfile(amqpsub.AzureServiceBus))
 //

@@ -3,6 +3,7 @@ package amqpsubtest
 import (
 	"context"
 	"errors"
+	"maps"
 	"math"
 	"time"
 
@@ -102,6 +103,15 @@ func (l *link) deliver(r *record) *amqp.Message {
 	}
 	m := *r.msg
 	m.Header = &h
+	if len(r.ann) > 0 {
+		// A quorum queue's message keeps the annotations it was modified with.
+		ann := maps.Clone(r.msg.Annotations)
+		if ann == nil {
+			ann = amqp.Annotations{}
+		}
+		maps.Copy(ann, r.ann)
+		m.Annotations = ann
+	}
 	r.state = InFlight
 	r.deliveries = append(r.deliveries, Delivery{Count: h.DeliveryCount, Link: l.id})
 	l.unsettled[&m] = r
@@ -135,29 +145,54 @@ func (l *link) IssueCredit(n uint32) error {
 }
 
 func (l *link) AcceptMessage(_ context.Context, m *amqp.Message) error {
-	return l.settle(m, Accepted, nil, false)
+	return l.settle(m, Accepted, nil, nil)
 }
 
 func (l *link) ReleaseMessage(_ context.Context, m *amqp.Message) error {
-	return l.settle(m, Released, nil, false)
+	return l.settle(m, Released, nil, nil)
 }
 
 func (l *link) RejectMessage(_ context.Context, m *amqp.Message, e *amqp.Error) error {
-	return l.settle(m, Rejected, e, false)
+	return l.settle(m, Rejected, e, nil)
 }
 
 func (l *link) ModifyMessage(_ context.Context, m *amqp.Message, o *amqp.ModifyMessageOptions) error {
 	if o == nil {
 		o = &amqp.ModifyMessageOptions{}
 	}
+	mo := &modified{notHere: o.UndeliverableHere, ann: o.Annotations}
 	if o.DeliveryFailed {
-		return l.settle(m, Failed, nil, o.UndeliverableHere)
+		return l.settle(m, Failed, nil, mo)
 	}
-	return l.settle(m, Modified, nil, o.UndeliverableHere)
+	return l.settle(m, Modified, nil, mo)
 }
 
-// settle applies an outcome to the delivery m. notHere (undeliverable-here)
-// keeps the message from l for as long as l is attached, as Artemis does.
+// modified is what a modified outcome says besides delivery-failed.
+type modified struct {
+	notHere bool             // undeliverable-here
+	ann     amqp.Annotations // message-annotations
+}
+
+// Close ends the link as a broker sees its receiver detach: what it has
+// not settled goes back, as when Receive's ctx ends. amqpsub closes a
+// source its kind refused at attach.
+func (l *link) Close(context.Context) error {
+	q := l.q
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.end(l, errClosed)
+	return nil
+}
+
+// settle applies an outcome to the delivery m; mo is a modified outcome's
+// (nil for the others). Its undeliverable-here keeps the message from l for
+// as long as l is attached, as Artemis does; its annotations are ignored.
+//
+// Under RabbitMQ 4, modified{undeliverable-here} dead-letters the message;
+// an annotation key that does not start with x- ends the session before
+// anything is applied; a quorum queue counts every return (released,
+// modified), keeps a modified outcome's annotations on the message, and
+// dead-letters past the delivery limit (see Queue.giveBack).
 //
 // Under Service Bus, a settlement after the lock expired is refused with
 // com.microsoft:message-lock-lost; every modified outcome is an abandon,
@@ -166,7 +201,8 @@ func (l *link) ModifyMessage(_ context.Context, m *amqp.Message, o *amqp.ModifyM
 // settles them by lock token (com.microsoft:update-disposition): a release
 // then goes back as an abandon, counted; those no longer locked are
 // refused as lock-lost.
-func (l *link) settle(m *amqp.Message, o Outcome, e *amqp.Error, notHere bool) error {
+func (l *link) settle(m *amqp.Message, o Outcome, e *amqp.Error, mo *modified) error {
+	notHere := mo != nil && mo.notHere
 	q := l.q
 	q.mu.Lock()
 	defer q.mu.Unlock()
@@ -194,19 +230,42 @@ func (l *link) settle(m *amqp.Message, o Outcome, e *amqp.Error, notHere bool) e
 		}
 		q.unlock(r)
 	}
+	if mo != nil && q.rules.rabbit4 {
+		if k, bad := notXKey(mo.ann); bad {
+			err := sessionEnded(k)
+			q.end(l, err)
+			return err
+		}
+	}
 	delete(l.unsettled, m)
-	if notHere {
+	if notHere && !q.rules.rabbit4 {
 		l.refused[r] = true
 	}
 	d := r.last()
 	d.Outcome, d.Error = o, e
+	if mo != nil {
+		d.UndeliverableHere = mo.notHere
+		d.Annotations = maps.Clone(mo.ann)
+		if q.rules.quorum && len(mo.ann) > 0 {
+			if r.ann == nil {
+				r.ann = amqp.Annotations{}
+			}
+			maps.Copy(r.ann, mo.ann)
+		}
+	}
 	switch {
 	case o == Accepted:
 		r.state = Consumed
 		q.accepted = append(q.accepted, r)
 		q.final++
 	case o == Rejected:
+		r.noError = q.rules.rabbit4
 		q.deadLetter(r)
+	case notHere && q.rules.rabbit4:
+		// Dead-lettered as a rejection is (reason rejected).
+		q.deadLetter(r)
+	case q.rules.quorum: // Released, Modified, Failed
+		q.giveBack(r, o == Failed)
 	case o == Failed, o == Modified && q.rules.peekLock:
 		// A failed attempt: Artemis counts modified{delivery-failed},
 		// Service Bus every abandon.

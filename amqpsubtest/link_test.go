@@ -28,8 +28,11 @@ func open(t *testing.T, q *Queue) *link {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if sb, ok := src.(serviceBusLink); ok {
-		return sb.link
+	switch l := src.(type) {
+	case serviceBusLink:
+		return l.link
+	case rabbit4Link:
+		return l.link
 	}
 	return src.(*link)
 }

@@ -21,12 +21,19 @@ import (
 type Queue struct {
 	rules           rules
 	maxAttempts     uint32 // 0: never dead-letter by count
+	maxAttemptsSet  bool
 	lockDuration    time.Duration
 	lockDurationSet bool
+	// RabbitMQ 4 (rabbitmq4.go).
+	queueType        QueueType
+	queueTypeSet     bool
+	deliveryLimit    int // < 0: none
+	deliveryLimitSet bool
 
 	mu       sync.Mutex
 	records  []*record // publish order
-	queued   []*record // waiting, in publish order
+	queued   []*record // waiting, in publish order (a quorum queue's returns first)
+	returned int       // quorum: how many of queued, at its head, are returns
 	accepted []*record // acceptance order
 	dead     []*record // dead-letter order
 	final    int       // accepted or dead-lettered
@@ -49,10 +56,11 @@ func (f optionFunc) apply(q *Queue) { f(q) }
 
 // WithProfile makes the queue behave as the broker of profile p does (see
 // the package documentation): [amqpsub.Artemis] and [amqpsub.Generic] get
-// Artemis's rules, [amqpsub.RabbitMQ3] gets RabbitMQ 3.10's, and
-// [amqpsub.AzureServiceBus] gets Service Bus peek-lock on a queue without
-// sessions (message locks, [LockDuration]). [NewQueue] panics on a profile it
-// has no rules for.
+// Artemis's rules, [amqpsub.RabbitMQ3] gets RabbitMQ 3.10's,
+// [amqpsub.RabbitMQ4] gets RabbitMQ 4.0's on a quorum queue or a classic
+// one ([WithQueueType], [DeliveryLimit]), and [amqpsub.AzureServiceBus]
+// gets Service Bus peek-lock on a queue without sessions (message locks,
+// [LockDuration]). [NewQueue] panics on a profile it has no rules for.
 //
 // Give the subscriber the same profile; a Service Bus queue's Connector
 // gives it AzureServiceBus itself, as [amqpsub.ServiceBus]'s does.
@@ -72,25 +80,27 @@ func WithProfile(p amqpsub.Profile) Option {
 // (settled modified{delivery-failed}) before it is dead-lettered instead of
 // queued again: Artemis's max-delivery-attempts. n = 0 never dead-letters
 // for failures (Artemis's -1). It has no effect under the RabbitMQ3 profile,
-// where failures are not counted. The repository's test brokers
-// (integration/artemis, artemistest) use 5.
+// where failures are not counted; under RabbitMQ4 [NewQueue] panics on it
+// (a quorum queue's limit is [DeliveryLimit], which counts every return).
+// The repository's test brokers (integration/artemis, artemistest) use 5.
 //
 // Under AzureServiceBus it is the entity's MaxDeliveryCount: an
 // abandon (any modified outcome) and an expired lock each count, and the
 // message is dead-lettered with reason MaxDeliveryCountExceeded. Default:
 // 10, the default of Artemis and of Service Bus.
 func MaxDeliveryAttempts(n uint32) Option {
-	return optionFunc(func(q *Queue) { q.maxAttempts = n })
+	return optionFunc(func(q *Queue) { q.maxAttempts, q.maxAttemptsSet = n, true })
 }
 
 // NewQueue returns an empty queue with the given options. It panics on an
 // invalid option: see each option.
 func NewQueue(opts ...Option) *Queue {
-	q := &Queue{rules: artemisRules, maxAttempts: 10, lockDuration: time.Minute,
+	q := &Queue{rules: artemisRules, maxAttempts: 10, lockDuration: time.Minute, deliveryLimit: 20,
 		owners: map[string]*link{}, locks: map[amqp.UUID]*record{}}
 	for _, o := range opts {
 		o.apply(q)
 	}
+	q.checkRabbitMQ4()
 	if q.lockDurationSet && !q.rules.peekLock {
 		panic("amqpsubtest: LockDuration needs WithProfile(amqpsub.AzureServiceBus): other brokers have no message locks")
 	}
@@ -152,7 +162,10 @@ func (q *Queue) Publish(msgs ...*amqp.Message) {
 // err, and their unsettled deliveries go back to the queue with their
 // delivery count unchanged (Artemis closes an AMQP consumer as not failed),
 // recorded as [Unsettled]. Under Service Bus they stay locked instead, and
-// their settlements are taken (see the package documentation).
+// their settlements are taken (see the package documentation). A RabbitMQ 4
+// quorum queue counts them as returns, and raises their header's
+// delivery-count, as RabbitMQ does when a consumer's session or connection
+// goes.
 //
 // A subscriber sees a lost link and attaches again, through its Connector,
 // to a new link. A nil err means an *amqp.LinkError with condition
@@ -297,8 +310,11 @@ func (q *Queue) attach(ctx context.Context) (pump.Source, error) {
 	l := &link{q: q, id: q.lastLink, wake: make(chan struct{}, 1),
 		unsettled: map[*amqp.Message]*record{}, refused: map[*record]bool{}, expired: map[*amqp.Message]late{}}
 	q.links = append(q.links, l)
-	if q.rules.peekLock {
+	switch {
+	case q.rules.peekLock:
 		return serviceBusLink{l}, nil
+	case q.rules.rabbit4:
+		return rabbit4Link{l}, nil
 	}
 	return l, nil
 }
@@ -336,6 +352,9 @@ func (q *Queue) next(l *link) *record {
 			}
 		}
 		q.queued = slices.Delete(q.queued, i, i+1)
+		if i < q.returned {
+			q.returned--
+		}
 		return r
 	}
 	return nil
@@ -377,13 +396,18 @@ func (q *Queue) deadLetter(r *record) {
 // end ends l with err: its unsettled deliveries go back to the queue,
 // uncounted, and the groups it had are free. Under Service Bus they stay
 // locked instead, until their locks expire or they are settled by lock
-// token (see link.settle). q.mu is held.
+// token (see link.settle). A quorum queue counts them as returns; one whose
+// session ended (err is not errClosed, a detach) as failed too. q.mu is
+// held.
 func (q *Queue) end(l *link, err error) {
 	if l.err != nil {
 		return
 	}
 	l.err = err
 	q.links = slices.DeleteFunc(q.links, func(x *link) bool { return x == l })
+	if q.rules.quorum {
+		q.endQuorum(l, err != errClosed)
+	}
 	for m, r := range l.unsettled {
 		if q.rules.peekLock {
 			continue // the lock outlives the link

@@ -2,12 +2,15 @@ package amqpsubtest
 
 import (
 	"fmt"
+	"maps"
 	"slices"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/Azure/go-amqp"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
 )
 
 // State says where a message is.
@@ -22,7 +25,9 @@ const (
 	// Consumed means accepted. Final.
 	Consumed
 	// DeadLettered means rejected, or failed [MaxDeliveryAttempts] times
-	// (under AzureServiceBus, abandoned or its lock expired). Final.
+	// (under AzureServiceBus, abandoned or its lock expired). Under
+	// RabbitMQ4 also settled modified{undeliverable-here}, or, on a quorum
+	// queue, returned past its [DeliveryLimit]. Final.
 	DeadLettered
 )
 
@@ -44,13 +49,15 @@ const (
 	// Accepted means accepted (a handler's nil).
 	Accepted
 	// Released means released (Release(), a stop, and Retry under RabbitMQ3):
-	// queued again, not counted.
+	// queued again, not counted (but a RabbitMQ 4 quorum queue counts it
+	// toward its [DeliveryLimit]).
 	Released
 	// Modified means modified without delivery-failed: queued again, not
 	// counted; amqpsub does not send it to Artemis. With undeliverable-here
-	// (for [Failed] too), the message is not delivered on that link again.
-	// Under AzureServiceBus it is an abandon (Retry): counted, as Failed is
-	// elsewhere.
+	// (for [Failed] too), the message is not delivered on that link again;
+	// under RabbitMQ4 it is dead-lettered instead. Under AzureServiceBus it
+	// is an abandon (Retry): counted, as Failed is elsewhere. A RabbitMQ 4
+	// quorum queue counts it toward its [DeliveryLimit].
 	Modified
 	// Failed means modified{delivery-failed} (Retry on Artemis): a failed
 	// attempt, counted.
@@ -59,7 +66,8 @@ const (
 	// dead-lettered.
 	Rejected
 	// Unsettled means the link ended before the delivery was settled (a lost
-	// link, Close, a grace period run out): queued again, not counted.
+	// link, Close, a grace period run out): queued again, not counted (a
+	// RabbitMQ 4 quorum queue counts it toward its [DeliveryLimit]).
 	Unsettled
 	// LockExpired means the delivery's Service Bus lock expired before it
 	// was settled (AzureServiceBus): the handler took longer than the lock
@@ -88,6 +96,12 @@ type Delivery struct {
 	Outcome Outcome
 	// Error is the error a [Rejected] outcome carried; nil otherwise.
 	Error *amqp.Error
+	// UndeliverableHere and Annotations are what a [Modified] or [Failed]
+	// outcome carried besides delivery-failed: undeliverable-here, and
+	// the message-annotations, as sent (what the broker keeps of them is
+	// in [Record.Annotations]).
+	UndeliverableHere bool
+	Annotations       amqp.Annotations
 
 	// The rest is for the AzureServiceBus profile only: zero elsewhere.
 
@@ -105,11 +119,25 @@ type Delivery struct {
 }
 
 // String returns the count and the outcome, such as `1 accepted`,
-// `0 rejected "malformed"` or `0 lock expired (late accepted)`.
+// `0 rejected "malformed"`, `0 modified{delivery-failed, undeliverable-here}
+// "malformed"` (a Reject on a RabbitMQ 4 quorum queue, its reason in the
+// annotations) or `0 lock expired (late accepted)`.
 func (d Delivery) String() string {
-	s := strconv.FormatUint(uint64(d.Count), 10) + " " + d.Outcome.String()
+	o := d.Outcome.String()
+	if d.UndeliverableHere {
+		o = strings.TrimSuffix(o, "}")
+		if o == "modified" {
+			o += "{undeliverable-here}"
+		} else {
+			o += ", undeliverable-here}"
+		}
+	}
+	s := strconv.FormatUint(uint64(d.Count), 10) + " " + o
 	if d.Error != nil {
 		s += " " + strconv.Quote(d.Error.Description)
+	}
+	if r := annotation(d.Annotations, amqpsub.AnnotationDeadLetterReason); r != "" {
+		s += " " + strconv.Quote(r)
 	}
 	if d.Late != Pending {
 		s += " (late " + d.Late.String() + ")"
@@ -129,10 +157,20 @@ type Record struct {
 	State State
 	// Deliveries are its deliveries, in order.
 	Deliveries []Delivery
+	// Annotations are the message annotations the broker added to the
+	// message: under RabbitMQ4, on a quorum queue, those of the modified
+	// outcomes it was settled with (such as amqpsub.AnnotationDeadLetterReason
+	// of a Reject), which its later deliveries and its dead letter carry.
+	// nil elsewhere: Artemis and a classic queue drop them.
+	Annotations amqp.Annotations
 
 	// dead is the error the broker itself dead-lettered the message with
-	// (Service Bus: MaxDeliveryCountExceeded); nil otherwise.
+	// (Service Bus: MaxDeliveryCountExceeded; a RabbitMQ 4 quorum queue:
+	// delivery_limit); nil otherwise.
 	dead *amqp.Error
+	// noError: the broker kept nothing of the rejected outcome's error
+	// (RabbitMQ 4).
+	noError bool
 }
 
 // GroupID returns the message's AMQP group-id, "" when it has none.
@@ -147,10 +185,17 @@ func (r Record) GroupID() string {
 // was rejected with: the reason given to amqpsub's Reject or RejectWith.
 // Under AzureServiceBus, a message the service dead-lettered itself, for
 // its delivery count, has the service's DeadLetterReason,
-// MaxDeliveryCountExceeded. It is "" otherwise.
+// MaxDeliveryCountExceeded. Under RabbitMQ4 it is what the dead letter
+// keeps: on a quorum queue the reason of amqpsub's Reject (annotation
+// amqpsub.AnnotationDeadLetterReason), or delivery_limit for a message
+// the queue dead-lettered past its [DeliveryLimit]; on a classic queue,
+// which keeps no reason, "". It is "" otherwise.
 func (r Record) Reason() string {
 	if e := r.rejectError(); e != nil {
 		return e.Description
+	}
+	if r.State == DeadLettered {
+		return annotation(r.Annotations, amqpsub.AnnotationDeadLetterReason)
 	}
 	return ""
 }
@@ -164,11 +209,14 @@ func (r Record) Description() string {
 		s, _ := e.Info["DeadLetterErrorDescription"].(string)
 		return s
 	}
+	if r.State == DeadLettered {
+		return annotation(r.Annotations, amqpsub.AnnotationDeadLetterDescription)
+	}
 	return ""
 }
 
 func (r Record) rejectError() *amqp.Error {
-	if n := len(r.Deliveries); n > 0 && r.Deliveries[n-1].Outcome == Rejected {
+	if n := len(r.Deliveries); n > 0 && r.Deliveries[n-1].Outcome == Rejected && !r.noError {
 		return r.Deliveries[n-1].Error
 	}
 	return r.dead
@@ -232,6 +280,11 @@ type record struct {
 	count      uint32 // the delivery count the next delivery carries
 	deliveries []Delivery
 	dead       *amqp.Error // the broker's own dead-lettering (Record.dead)
+	noError    bool        // Record.noError
+
+	// RabbitMQ 4 quorum queue only.
+	returns uint32           // returns counted toward the delivery limit
+	ann     amqp.Annotations // Record.Annotations
 
 	// Service Bus (peek-lock) only.
 	seq      int64     // x-opt-sequence-number
@@ -240,7 +293,8 @@ type record struct {
 }
 
 func (r *record) snapshot() Record {
-	return Record{Index: r.index, Message: r.msg, State: r.state, Deliveries: slices.Clone(r.deliveries), dead: r.dead}
+	return Record{Index: r.index, Message: r.msg, State: r.state, Deliveries: slices.Clone(r.deliveries),
+		Annotations: maps.Clone(r.ann), dead: r.dead, noError: r.noError}
 }
 
 func (r *record) last() *Delivery { return &r.deliveries[len(r.deliveries)-1] }

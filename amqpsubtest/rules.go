@@ -29,12 +29,30 @@ type rules struct {
 	// abandon, counted; modified{undeliverable-here} (a defer) is refused.
 	// A dead letter carries the service's DeadLetterReason.
 	peekLock bool
+	// rabbit4: RabbitMQ 4.0's native AMQP 1.0, either queue type. A
+	// modified outcome with a message-annotation key that does not start
+	// with "x-" ends the link's session with amqp:internal-error (the
+	// session's function_clause), before the outcome is applied;
+	// modified{undeliverable-here} dead-letters the message, as rejected
+	// does; the dead letter keeps nothing of a rejected outcome's error.
+	rabbit4 bool
+	// quorum: a RabbitMQ 4 quorum queue. Every return counts toward the
+	// delivery limit: released, modified with or without delivery-failed,
+	// and what a link that ends left unsettled. A return past the limit
+	// dead-letters the message (reason delivery_limit); a return goes
+	// ahead of the messages never delivered. The annotations of a
+	// modified outcome stay on the message, and on its dead letter.
+	quorum bool
 }
 
 var (
 	artemisRules    = rules{counts: true, groups: true}
 	rabbitMQRules   = rules{firstAcquirer: true, modifyEndsSession: true}
 	serviceBusRules = rules{counts: true, peekLock: true}
+	// RabbitMQ 4: the quorum queue's header delivery-count counts
+	// modified{delivery-failed}; the classic queue's is always 0.
+	quorumRules  = rules{counts: true, firstAcquirer: true, rabbit4: true, quorum: true}
+	classicRules = rules{firstAcquirer: true, rabbit4: true}
 )
 
 // rulesFor returns the rules of profile p.
@@ -46,6 +64,8 @@ func rulesFor(p amqpsub.Profile) (rules, bool) {
 		return rabbitMQRules, true
 	case amqpsub.AzureServiceBus.String():
 		return serviceBusRules, true
+	case amqpsub.RabbitMQ4.String():
+		return quorumRules, true // WithQueueType may make it classicRules
 	}
 	return rules{}, false
 }

@@ -22,7 +22,11 @@ type Attach func(ctx context.Context) (pump.Source, error)
 // and refuses sessions, which no source plays. Under a peek-lock profile, a
 // source that also implements servicebus.Renewer renews the locks of its
 // deliveries, in place of the $management node beside a broker's link.
-// Set by package amqpsub.
+// Under the RabbitMQ4 profile, a source with a method RabbitMQQueue() (typ
+// string, deliveryLimit int64) says the queue's type, in place of the
+// management node a subscriber asks at each attach; a source the
+// subscriber refuses at attach is closed if it has Close(context.Context)
+// error. Set by package amqpsub.
 var Connector func(name string, next Attach, serviceBus bool) any
 
 // DialWire returns an amqpsub.Connector (as any) that dials url as

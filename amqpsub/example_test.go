@@ -567,6 +567,48 @@ func ExampleRabbitMQ3() {
 	// #0: 0 released, 0 released, 0 accepted → consumed
 }
 
+// RabbitMQ 4 treats a return by the queue's type, which the subscriber
+// reads from the broker at each attach. On a quorum queue (here, as
+// amqpsubtest plays one) Retry is counted in the delivery-count, and a
+// Reject keeps its reason on the dead letter. On a classic queue nothing
+// is counted, so MaxDeliveryCount is refused there. Against the broker:
+// amqpsub.Dial("amqp://guest:guest@127.0.0.1:5672", nil), the queue a
+// name or a /queues/... address.
+func ExampleRabbitMQ4() {
+	q := amqpsubtest.NewQueue(amqpsubtest.WithProfile(amqpsub.RabbitMQ4))
+	q.Publish(amqpsubtest.Message("", "1"), amqpsubtest.Message("", "oops"))
+	failures := 1
+	h := amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		body, _ := d.Body()
+		fmt.Println("delivery count", d.DeliveryCount(), "of", string(body))
+		if string(body) == "oops" {
+			return amqpsub.Reject("not a number")
+		}
+		if failures > 0 {
+			failures--
+			return errors.New("timeout")
+		}
+		return nil
+	})
+	sub, _ := amqpsub.New(q.Connector(), "orders", h, amqpsub.WithProfile(amqpsub.RabbitMQ4))
+	consume(q, sub)
+	printRecords(q)
+	fmt.Println("reason kept:", q.Records()[1].Reason())
+
+	classic := amqpsubtest.NewQueue(amqpsubtest.WithProfile(amqpsub.RabbitMQ4), amqpsubtest.WithQueueType(amqpsubtest.Classic))
+	sub, _ = amqpsub.New(classic.Connector(), "orders", h, amqpsub.WithProfile(amqpsub.RabbitMQ4), amqpsub.MaxDeliveryCount(5))
+	err := sub.Run(context.Background())
+	fmt.Println("classic queue, MaxDeliveryCount:", errors.Is(err, amqpsub.ErrInvalidOption))
+	// Output:
+	// delivery count 0 of 1
+	// delivery count 1 of 1
+	// delivery count 0 of oops
+	// #0: 0 modified{delivery-failed}, 1 accepted → consumed
+	// #1: 0 modified{delivery-failed, undeliverable-here} "not a number" → dead-lettered
+	// reason kept: not a number
+	// classic queue, MaxDeliveryCount: true
+}
+
 // BalanceKeys keeps each customer's orders in order, like WorkersByKey
 // alone, but ties a customer to a lane only while the lane has one of its
 // orders: a slow or busy customer holds back no other, and the customers

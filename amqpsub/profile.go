@@ -70,10 +70,10 @@ var (
 	//
 	//   - A quorum queue counts every return of a delivery toward its
 	//     delivery-limit (20 by default), a release included, and
-	//     dead-letters at the limit. So a graceful stop takes the credit
+	//     dead-letters past the limit. So a graceful stop takes the credit
 	//     back and finishes what is buffered, for up to half the
-	//     [GracePeriod], before it releases what is left; [Release] counts
-	//     there too. A [Reject] is settled as modified{delivery-failed,
+	//     [GracePeriod] (GracePeriod(0) skips it), before it releases what
+	//     is left; [Release] counts there too. A [Reject] is settled as modified{delivery-failed,
 	//     undeliverable-here} with the reason in the message annotations
 	//     [AnnotationDeadLetterReason], [AnnotationDeadLetterDescription]
 	//     and [AnnotationDeadLetterCondition], which the dead letter keeps.

@@ -1,7 +1,7 @@
 // Package amqpsub consumes an AMQP 1.0 queue with flow control, bounded
 // memory, per-key ordering under concurrency, batching and a clean shutdown,
-// on Apache ActiveMQ Artemis (the default), Azure Service Bus, RabbitMQ 3.10
-// and other AMQP 1.0 brokers.
+// on Apache ActiveMQ Artemis (the default), Azure Service Bus, RabbitMQ 4
+// ([RabbitMQ4]), RabbitMQ 3.10 and other AMQP 1.0 brokers.
 //
 // A [Subscriber] reads one queue through one receiver link:
 //
@@ -31,5 +31,7 @@
 // fatal error. A graceful stop grants no more credit, releases at once every
 // delivery no handler has taken (so another replica gets it), lets the
 // handlers in progress finish within the grace period, settles them and
-// closes.
+// closes. On a RabbitMQ 4 quorum queue, which counts every release as a
+// delivery attempt, it handles the buffered deliveries first, for up to
+// half the grace period (see [RabbitMQ4]).
 package amqpsub

@@ -226,7 +226,9 @@ func (s *Subscriber) poison(d *Delivery) error {
 	s.results.poisoned.Add(1)
 	detail := fmt.Sprintf("amqpsub: delivery count %d is past the limit %d", d.DeliveryCount(), limit)
 	if s.cfg.profile.namedReasons {
-		detail = fmt.Sprintf("amqpsub: delivery %d is past MaxDeliveryCount %d", n, limit)
+		// The delivery's number: the earlier deliveries (the header's
+		// count) and this one.
+		detail = fmt.Sprintf("amqpsub: delivery %d is past MaxDeliveryCount %d", uint64(d.DeliveryCount())+1, limit)
 	}
 	err := s.cfg.profile.unhandledReject(reasonMaxDeliveryCountExceeded, detail, "")
 	s.limited.Warn("delivery count past MaxDeliveryCount; dead-lettering it unhandled", s.fields(d, err)...)

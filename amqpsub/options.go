@@ -531,6 +531,14 @@ func MaxMessageSize(n int64) Option {
 //     queue counts nothing, so Run refuses the option there with an error
 //     wrapping [ErrInvalidOption].
 //
+// So for at most N handled deliveries of a message, give MaxDeliveryCount(N)
+// on Service Bus and MaxDeliveryCount(N-1) elsewhere. Under [RabbitMQ4] the
+// rejection carries the reason MaxDeliveryCountExceeded and the delivery's
+// number as its description, as on Service Bus. With [LocalRetry], each
+// delivery is retried in its lane first: a message that always fails runs
+// its handler (n+1) × (1 + the local retries) times, and holds its lane
+// (and its group) for n+1 budgets.
+//
 // 0 turns it off. Default: off.
 func MaxDeliveryCount(n uint32) Option {
 	return optionFunc(func(c *config) { c.maxDelivery = n })

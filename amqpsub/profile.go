@@ -82,9 +82,14 @@ var (
 	//   - A classic queue counts nothing: its delivery-count stays 0 and it
 	//     has no delivery limit, so a message that always fails is retried
 	//     for ever. [MaxDeliveryCount] is refused there (Run fails with
-	//     [ErrInvalidOption]): bound the attempts with [LocalRetry] and
-	//     then [Reject]. A Reject is settled as rejected, which
-	//     dead-letters (with a dead-letter exchange) but keeps no reason.
+	//     [ErrInvalidOption]). A message whose handler always fails comes
+	//     back for ever, and holds its lane (and, under [WorkersByKey], the
+	//     groups behind it, with the credit they take) while it does: use
+	//     a quorum queue, or count the attempts in the handler (by
+	//     message-id, in the process) and [Reject]. [LocalRetry] bounds the
+	//     retries of one delivery in its lane, not the deliveries. A Reject
+	//     is settled as rejected, which dead-letters (with a dead-letter
+	//     exchange) but keeps no reason.
 	//
 	// If the management node cannot be read, the queue is treated as a
 	// quorum queue but for Reject, which is settled as rejected.
@@ -166,7 +171,10 @@ func rabbitMQ4() Profile {
 		creditMode: credit.Continuous,
 		detach:     true,
 		rejectCond: RejectCondition,
-		kind:       newRabbit4Kind,
+		// A quorum queue keeps the reason and description (annotations):
+		// a code to filter on, as Service Bus gives.
+		namedReasons: true,
+		kind:         newRabbit4Kind,
 	}
 }
 

@@ -77,11 +77,12 @@ func (k *rabbit4Kind) use(q rabbitQueue) error {
 	if q.typ == "classic" && s.cfg.maxDelivery > 0 {
 		return fmt.Errorf("%w: MaxDeliveryCount(%d) on classic queue %q: RabbitMQ counts no "+
 			"delivery attempts on a classic queue, so no delivery would ever reach the limit; use a quorum queue "+
-			"(its x-delivery-limit dead-letters too), or LocalRetry and then Reject, or leave MaxDeliveryCount off",
+			"(its x-delivery-limit dead-letters too), or leave MaxDeliveryCount off and count attempts in the handler (by message-id) to Reject",
 			ErrInvalidOption, s.cfg.maxDelivery, s.queue)
 	}
-	if s.debug() {
-		s.log.Debug("queue type read", zap.String("type", q.typ), zap.Int64("delivery_limit", q.limit))
+	if q.typ != "" {
+		// Once per attach, beside "attached": what a return costs here.
+		s.log.Info("queue type read", zap.String("type", q.typ), zap.Int64("delivery_limit", q.limit))
 	}
 	return nil
 }

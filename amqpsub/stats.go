@@ -99,8 +99,8 @@ type Stats struct {
 type Settlements struct {
 	Accepted uint64 // accepted: handled
 	Released uint64 // released: Release(), a stop, Retry under RabbitMQ3
-	Modified uint64 // modified: Retry on Artemis, Generic and RabbitMQ4, abandon (Retry) on Service Bus, Reject on a RabbitMQ 4 quorum queue
-	Rejected uint64 // rejected: Reject, RejectWith, MaxDeliveryCount, MaxMessageSize (not a DeadLetterCopy: accepted)
+	Modified uint64 // modified: Retry on Artemis, Generic and RabbitMQ4, abandon (Retry) on Service Bus, Reject, MaxDeliveryCount and MaxMessageSize on a RabbitMQ 4 quorum queue
+	Rejected uint64 // rejected: Reject, RejectWith, MaxDeliveryCount, MaxMessageSize (not a DeadLetterCopy: accepted; on a RabbitMQ 4 quorum queue: modified)
 }
 
 // LaneStats are one lane's figures.

@@ -47,7 +47,7 @@ func TestRabbitMQ4QuorumMaxDeliveryCount(t *testing.T) {
 		if got := fmt.Sprint(counts); got != "[0 true 1 false 2 false 3 false 4 false 5 false]" {
 			t.Fatalf("handler saw count, first-acquirer %s", got)
 		}
-		const reason = "amqpsub: delivery count 6 is past the limit 5"
+		const reason, description = "MaxDeliveryCountExceeded", "amqpsub: delivery 7 is past MaxDeliveryCount 5"
 		want := "#0: 0 modified{delivery-failed}, 1 modified{delivery-failed}, 2 modified{delivery-failed}, " +
 			"3 modified{delivery-failed}, 4 modified{delivery-failed}, 5 modified{delivery-failed}, " +
 			`6 modified{delivery-failed, undeliverable-here} "` + reason + `" → dead-lettered`
@@ -55,8 +55,9 @@ func TestRabbitMQ4QuorumMaxDeliveryCount(t *testing.T) {
 		if r.String() != want {
 			t.Fatalf("got  %s\nwant %s", r, want)
 		}
-		if r.Reason() != reason || r.Annotations[amqpsub.AnnotationDeadLetterReason] != reason {
-			t.Fatalf("dead letter's reason %q, annotations %v", r.Reason(), r.Annotations)
+		if r.Reason() != reason || r.Annotations[amqpsub.AnnotationDeadLetterReason] != reason ||
+			r.Description() != description || r.Annotations[amqpsub.AnnotationDeadLetterDescription] != description {
+			t.Fatalf("dead letter's reason %q, description %q, annotations %v", r.Reason(), r.Description(), r.Annotations)
 		}
 		if st := sub.Stats(); st.Results.Poisoned != 1 {
 			t.Fatal(st)

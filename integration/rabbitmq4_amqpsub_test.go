@@ -287,8 +287,9 @@ func TestRabbitMQ4Outcomes(t *testing.T) {
 		if len(dead) != 1 || dead[0].ApplicationProperties["seq"] != int64(7) {
 			t.Fatalf("dead letters %d, want the retried message", len(dead))
 		}
-		if r, _ := dead[0].Annotations[amqpsub.AnnotationDeadLetterReason].(string); !strings.Contains(r, "delivery count") {
-			t.Fatalf("dead letter annotations %v: no reason naming the delivery count", dead[0].Annotations)
+		a := dead[0].Annotations
+		if a[amqpsub.AnnotationDeadLetterReason] != "MaxDeliveryCountExceeded" || a[amqpsub.AnnotationDeadLetterDescription] != "amqpsub: delivery 5 is past MaxDeliveryCount 3" {
+			t.Fatalf("dead letter annotations %v: want reason MaxDeliveryCountExceeded and the delivery's number", a)
 		}
 	})
 

@@ -17,6 +17,9 @@
 //   - on Artemis the target capability "queue", so that the address names
 //     an anycast queue (created on first use when the broker auto-creates
 //     queues), and not a multicast address whose messages nobody reads;
+//   - on RabbitMQ 4 the address /queues/<name> (the name percent-encoded:
+//     see amqpsub.RabbitMQ4): Send uses queue as it is given, and a bare
+//     name is RabbitMQ's deprecated address form;
 //   - unsettled sends, each confirmed by the broker's disposition: a
 //     message counts as sent once the broker accepted it. Send keeps up to
 //     Window sends in flight with [amqp.Sender.SendWithReceipt] and waits
@@ -63,7 +66,8 @@ type Options struct {
 // accept; the error says the message's index and the broker's outcome.
 var ErrNotAccepted = errors.New("producer: the broker did not accept a message")
 
-// Send sends msg(0) … msg(n-1), in that order, to queue on a sender of its
+// Send sends msg(0) … msg(n-1), in that order, to queue (the target
+// address, as it is: "/queues/orders" on RabbitMQ 4) on a sender of its
 // own on conn, and returns once the broker has accepted every one. It
 // returns the first error: a send or a receipt that failed (the link or
 // connection is lost), a message the broker did not accept (wrapping

@@ -73,7 +73,8 @@ type dialer struct {
 // amqps://host:port, with user:password@ for SASL PLAIN; the port defaults
 // to 5672 and 5671) with go-amqp's options (nil for the defaults; for
 // amqps, TLSConfig's ServerName defaults to the host). A URL without
-// credentials offers SASL ANONYMOUS, unless opts sets a SASLType.
+// credentials offers SASL ANONYMOUS, unless opts sets a SASLType ([NoSASL]
+// for a broker without SASL).
 //
 // The subscriber owns the connections it dials and closes them when it
 // stops; after a lost connection it dials a new one. Errors and logs name
@@ -142,6 +143,12 @@ func (d *dialer) dial(ctx context.Context, idle time.Duration) (*connection, err
 	return c, nil
 }
 
+// NoSASL returns a go-amqp SASLType that offers no mechanism: as the
+// SASLType of [Dial]'s options, the connection opens without SASL, for a
+// broker that has no SASL layer. Dial otherwise offers SASL ANONYMOUS for a
+// URL without credentials.
+func NoSASL() amqp.SASLType { return func(*amqp.Conn) error { return nil } }
+
 // handshakeHint adds what to do to go-amqp's errors for a protocol header
 // or SASL mechanism the broker does not take; anonymous says that Dial
 // offered SASL ANONYMOUS for want of credentials.
@@ -151,7 +158,7 @@ func handshakeHint(err error, anonymous bool) error {
 	case strings.Contains(msg, "unexpected protocol header 0x3, expected 0x0"):
 		return fmt.Errorf("%w (the broker requires SASL: give user:password@ in the URL, or a SASLType in the go-amqp options)", err)
 	case strings.Contains(msg, "unexpected protocol header 0x0, expected 0x3"):
-		return fmt.Errorf("%w (the broker does not do SASL: pass a go-amqp connection made without SASLType to amqpsub.Conn)", err)
+		return fmt.Errorf("%w (the broker does not do SASL: give Dial the go-amqp options &amqp.ConnOptions{SASLType: amqpsub.NoSASL()})", err)
 	case anonymous && strings.Contains(msg, "no supported auth mechanism"):
 		return fmt.Errorf("%w (the URL has no credentials, so SASL ANONYMOUS was offered, which the broker does not take: give user:password@ in the URL)", err)
 	}

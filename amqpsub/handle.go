@@ -23,6 +23,7 @@ func (s *Subscriber) laneConfig(ctx context.Context, p *pipe) lanes.Config[pump.
 		Balanced: s.cfg.balanced,
 		Gauge:    p.gauge,
 		Stop:     p.pump.Stopping(),
+		Flush:    p.pump.Holding(),
 		Take:     pump.Ticket.Begin,
 		Drop: func(t pump.Ticket) {
 			kind := pump.Release

@@ -104,11 +104,15 @@ const (
 	// OutcomeReleased settles as released: Release, a stop, or [Retry] under
 	// [RabbitMQ3].
 	OutcomeReleased
-	// OutcomeModified settles as modified: Retry on Artemis, [Generic] and
-	// Service Bus (an abandon).
+	// OutcomeModified settles as modified: Retry on Artemis, [Generic],
+	// [RabbitMQ4] and Service Bus (an abandon); and on a RabbitMQ 4 quorum
+	// queue also Reject, [MaxDeliveryCount] and [MaxMessageSize], which
+	// dead-letter there as modified{undeliverable-here} (count dead letters
+	// by the handler's Result, or Stats().Results, on that broker).
 	OutcomeModified
 	// OutcomeRejected settles as rejected: Reject, [MaxDeliveryCount],
-	// [MaxMessageSize] (a dead-lettering on Service Bus).
+	// [MaxMessageSize] (a dead-lettering on Service Bus; on a RabbitMQ 4
+	// quorum queue, modified: see OutcomeModified).
 	OutcomeRejected
 )
 

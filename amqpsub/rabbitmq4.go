@@ -62,6 +62,11 @@ func (k *rabbit4Kind) attached(ctx context.Context, l *link) (pump.Source, strin
 				zap.Error(err))
 		}
 		q = rabbitQueue{}
+		if last := k.queue.Load(); last != nil {
+			// What an earlier attach read still holds: a queue keeps its
+			// type while it exists.
+			q = *last
+		}
 	}
 	if err := k.use(q); err != nil {
 		return nil, "check the queue", err

@@ -234,8 +234,15 @@ ensure_root() {
     mkdir -p "$tmp"
     if [ -s "$TARBALL" ]; then
       log "restoring the root from $TARBALL"
-      tar -xzf "$TARBALL" -C "$tmp" || die "could not unpack $TARBALL (delete it to build the root anew)"
-      [ -f "$tmp/.amqpsub-root" ] || die "$TARBALL holds no finished root (delete it to build the root anew)"
+      if ! tar -xzf "$TARBALL" -C "$tmp" || [ ! -f "$tmp/.amqpsub-root" ]; then
+        # A damaged cache must not block every later start: set it aside
+        # and build the root anew.
+        log "$TARBALL is damaged or holds no finished root; moving it to $TARBALL.bad and building the root anew"
+        mv -f "$TARBALL" "$TARBALL.bad"
+        remove_tree "$tmp"
+        mkdir -p "$tmp"
+        build_root "$tmp"
+      fi
     else
       build_root "$tmp"
     fi

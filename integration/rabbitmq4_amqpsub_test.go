@@ -375,7 +375,9 @@ func TestRabbitMQ4Outcomes(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		err = s.Run(context.Background())
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		err = s.Run(ctx)
 		if !errors.Is(err, amqpsub.ErrInvalidOption) || !strings.Contains(err.Error(), "classic queue") {
 			t.Fatalf("Run = %v; want ErrInvalidOption naming the classic queue", err)
 		}
@@ -388,8 +390,10 @@ func TestRabbitMQ4Outcomes(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
 		var ae *amqp.Error
-		if err := s.Run(context.Background()); !errors.As(err, &ae) || ae.Condition != amqp.ErrCondNotFound {
+		if err := s.Run(ctx); !errors.As(err, &ae) || ae.Condition != amqp.ErrCondNotFound {
 			t.Fatalf("Run = %v; want amqp:not-found", err)
 		}
 	})

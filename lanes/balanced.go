@@ -313,7 +313,7 @@ func (f *poolFeed[T]) take() (T, status) {
 
 // wait takes the next item for this lane, waiting on the idle list while
 // there is none; the lane leaves the list whenever wait returns.
-func (f *poolFeed[T]) wait(fire <-chan time.Time, stop <-chan struct{}) (T, status) {
+func (f *poolFeed[T]) wait(fire <-chan time.Time, flush, stop <-chan struct{}) (T, status) {
 	closed := f.p.closed
 	for {
 		v, st := f.take()
@@ -334,6 +334,9 @@ func (f *poolFeed[T]) wait(fire <-chan time.Time, stop <-chan struct{}) (T, stat
 		case <-fire:
 			f.leaveIdle()
 			return v, timedOut
+		case <-flush:
+			f.leaveIdle()
+			return v, timedOut
 		case <-stop:
 			f.leaveIdle()
 			return v, stopping
@@ -350,7 +353,7 @@ func (f *poolFeed[T]) leaveIdle() {
 
 // next takes the next item, waiting for one; false once nothing is left.
 func (f *poolFeed[T]) next() (T, bool) {
-	v, st := f.wait(nil, nil)
+	v, st := f.wait(nil, nil, nil)
 	return v, st == got
 }
 

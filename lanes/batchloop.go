@@ -8,8 +8,9 @@ import (
 
 // batchLoop assembles the items of one lane or worker into batches and
 // hands them to HandleBatch: a batch closes when it is full, when
-// BatchWait has passed since its first item, or, with no wait, as soon as
-// nothing more is waiting. At a stop the open batch is dropped.
+// BatchWait has passed since its first item, or, with no wait (or once
+// Flush is closed), as soon as nothing more is waiting. At a stop the open
+// batch is dropped.
 func (r *runner[T]) batchLoop(lane int, f feed[T]) {
 	// The dispatcher counted a hash lane's items already.
 	_, counted := f.(*queue[T])
@@ -51,12 +52,14 @@ func (r *runner[T]) batchLoop(lane int, f feed[T]) {
 			}
 			add(item)
 		}
-		if b.Len() >= cfg.BatchSize || b.Len() > 0 && (cfg.BatchWait == 0 || r.stopped()) {
+		if b.Len() >= cfg.BatchSize || b.Len() > 0 && (cfg.BatchWait == 0 || r.stopped() || r.flushing()) {
 			flush()
 			continue
 		}
 		var fire <-chan time.Time
+		var flushing <-chan struct{}
 		if b.Len() > 0 {
+			flushing = cfg.Flush
 			if !armed {
 				d, _ := b.UntilNext(time.Now())
 				if d <= 0 {
@@ -68,7 +71,7 @@ func (r *runner[T]) batchLoop(lane int, f feed[T]) {
 			}
 			fire = timer.C
 		}
-		item, st := f.wait(fire, stop)
+		item, st := f.wait(fire, flushing, stop)
 		switch st {
 		case got:
 			add(item)

@@ -44,6 +44,11 @@ type Config[T any] struct {
 	// Stop, when closed, makes lanes pass every item not yet given to a
 	// handler to Drop instead. nil never closes.
 	Stop <-chan struct{}
+	// Flush, when closed, closes each open batch as soon as nothing more
+	// is waiting, as a BatchWait of 0 does: the first part of a stop that
+	// hands what is held to the handlers (pump.Hold) has no more to wait
+	// for. nil never closes.
+	Flush <-chan struct{}
 	// Take, when set, is called for each item just before it goes to a
 	// handler (or into a batch handed over); false passes it to Drop
 	// instead, such as a delivery of a lost link.
@@ -178,6 +183,16 @@ func (r *runner[T]) runPool(in <-chan T) {
 	close(inDone)
 	r.pool.close()
 	wg.Wait()
+}
+
+// flushing reports whether Flush is closed.
+func (r *runner[T]) flushing() bool {
+	select {
+	case <-r.cfg.Flush:
+		return true
+	default:
+		return false
+	}
 }
 
 // stopped reports whether Stop is closed. A non-blocking receive from an

@@ -22,9 +22,9 @@ type feed[T any] interface {
 	// poll takes the next item without waiting: got, empty or closed.
 	poll() (T, status)
 	// wait takes the next item, waiting until one comes (got), the feed is
-	// closed, fire fires (timedOut) or stop is closed (stopping). nil
-	// channels never fire.
-	wait(fire <-chan time.Time, stop <-chan struct{}) (T, status)
+	// closed, fire fires or flush is closed (timedOut), or stop is closed
+	// (stopping). nil channels never fire.
+	wait(fire <-chan time.Time, flush, stop <-chan struct{}) (T, status)
 }
 
 // queue is a keyed lane's queue: a ring buffer that the dispatcher appends
@@ -95,7 +95,7 @@ func (q *queue[T]) poll() (T, status) {
 	return zero, empty
 }
 
-func (q *queue[T]) wait(fire <-chan time.Time, stop <-chan struct{}) (T, status) {
+func (q *queue[T]) wait(fire <-chan time.Time, flush, stop <-chan struct{}) (T, status) {
 	for {
 		v, st := q.poll()
 		if st != empty {
@@ -104,6 +104,8 @@ func (q *queue[T]) wait(fire <-chan time.Time, stop <-chan struct{}) (T, status)
 		select {
 		case <-q.wake:
 		case <-fire:
+			return v, timedOut
+		case <-flush:
 			return v, timedOut
 		case <-stop:
 			return v, stopping
@@ -114,7 +116,7 @@ func (q *queue[T]) wait(fire <-chan time.Time, stop <-chan struct{}) (T, status)
 // next takes the next item, waiting for one; false once the queue is
 // closed and empty.
 func (q *queue[T]) next() (T, bool) {
-	v, st := q.wait(nil, nil)
+	v, st := q.wait(nil, nil, nil)
 	return v, st == got
 }
 
@@ -161,7 +163,7 @@ func (c chanFeed[T]) poll() (T, status) {
 	}
 }
 
-func (c chanFeed[T]) wait(fire <-chan time.Time, stop <-chan struct{}) (T, status) {
+func (c chanFeed[T]) wait(fire <-chan time.Time, flush, stop <-chan struct{}) (T, status) {
 	select {
 	case v, ok := <-c.in:
 		if !ok {
@@ -169,6 +171,9 @@ func (c chanFeed[T]) wait(fire <-chan time.Time, stop <-chan struct{}) (T, statu
 		}
 		return v, got
 	case <-fire:
+		var zero T
+		return zero, timedOut
+	case <-flush:
 		var zero T
 		return zero, timedOut
 	case <-stop:

@@ -24,8 +24,13 @@ func (p *Pump) attach(ctx context.Context, attach AttachFunc, lost error) (Sourc
 		res <- result{src, err}
 	})
 	defer wg.Wait()
-	stop := p.stop
+	stop, hold := p.stop, p.hold
 	for {
+		// Without a link nothing more arrives: Hold's wait is for what is
+		// held to be settled (or, stale, dropped) only.
+		if hold == nil && p.acct.Held() == 0 {
+			p.markEmptied()
+		}
 		select {
 		case r := <-res:
 			if r.err != nil {
@@ -41,6 +46,8 @@ func (p *Pump) attach(ctx context.Context, attach AttachFunc, lost error) (Sourc
 			return r.src, nil
 		case <-p.settle.wake:
 			p.applyQueued(ctx)
+		case <-hold:
+			hold = nil
 		case <-stop:
 			// Without a link there is nothing to release: what Out holds
 			// is stale, and is dropped by waitIdle (under KeepAcrossLinks,

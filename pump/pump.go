@@ -283,6 +283,11 @@ func (p *Pump) Held() int { return int(p.stats.held.Load()) }
 // than once and from any goroutine. To stop at once, cancel Run's ctx.
 func (p *Pump) Stop() { p.stopOnce.Do(func() { close(p.stop) }) }
 
+// Holding returns a channel closed by [Hold]: consumers that gather
+// deliveries (an open batch) hand them on at once from then on, since
+// nothing more will come.
+func (p *Pump) Holding() <-chan struct{} { return p.hold }
+
 // Hold starts the first part of a stop on a broker that counts every
 // return of a delivery as an attempt (a RabbitMQ quorum queue counts a
 // release toward its delivery-limit): the pump grants no more credit and
@@ -451,17 +456,23 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 		p.drainThenRelease(ctx, rctx, src, &wg)
 	}
 	// A link attached while holding was never given credit: nothing to
-	// take back.
+	// take back, nothing on its way. Otherwise Emptied waits for the
+	// drain's answer (or drainWait, for a broker that does not answer),
+	// after which nothing more arrives, so that what was on its way is
+	// handed on too rather than released.
 	hold := p.hold
 	holding := wait.Closed(hold)
+	holdSettled := holding
 	if holding {
 		hold = nil
 	}
+	var drained <-chan struct{}
+	var drainTimer <-chan time.Time
 	for {
 		if stopping {
 			p.checkQuiet()
 		}
-		if holding && p.acct.Held() == 0 {
+		if holdSettled && p.acct.Held() == 0 {
 			p.markEmptied()
 		}
 		if !stopping && !holding {
@@ -475,7 +486,7 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 				p.stats.granted.Add(uint64(n))
 			}
 			p.noteCredit()
-		} else if p.acct.Held() == 0 {
+		} else if stopping && p.acct.Held() == 0 {
 			return ErrStopped
 		}
 		var head Ticket
@@ -513,8 +524,19 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 		case <-hold:
 			hold, holding = nil, true
 			if _, ok := src.(drainer); ok {
-				wg.Go(func() { drainCredit(rctx, src) })
+				d := make(chan struct{})
+				drained, drainTimer = d, time.After(drainWait)
+				wg.Go(func() {
+					defer close(d)
+					drainCredit(rctx, src)
+				})
+			} else {
+				holdSettled = true
 			}
+		case <-drained:
+			drained, drainTimer, holdSettled = nil, nil, true
+		case <-drainTimer:
+			drained, drainTimer, holdSettled = nil, nil, true
 		case <-stop:
 			stop, stopping = nil, true
 			p.drainThenRelease(ctx, rctx, src, &wg)

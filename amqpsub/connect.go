@@ -125,7 +125,7 @@ func (d *dialer) dial(ctx context.Context, idle time.Duration) (*connection, err
 	default:
 		return nil, fmt.Errorf("unsupported scheme %q", u.Scheme)
 	}
-	anonymous := false
+	anonymous, credentials := false, u.User != nil
 	switch {
 	case u.User != nil:
 		pw, _ := u.User.Password()
@@ -138,7 +138,7 @@ func (d *dialer) dial(ctx context.Context, idle time.Duration) (*connection, err
 	}
 	c, err := dialAMQP(ctx, host, port, secure, &opts, d.wire)
 	if err != nil {
-		return nil, handshakeHint(err, anonymous)
+		return nil, handshakeHint(err, anonymous, credentials)
 	}
 	return c, nil
 }
@@ -151,12 +151,15 @@ func NoSASL() amqp.SASLType { return func(*amqp.Conn) error { return nil } }
 
 // handshakeHint adds what to do to go-amqp's errors for a protocol header
 // or SASL mechanism the broker does not take; anonymous says that Dial
-// offered SASL ANONYMOUS for want of credentials.
-func handshakeHint(err error, anonymous bool) error {
+// offered SASL ANONYMOUS for want of credentials, credentials that the URL
+// has some (they choose SASL PLAIN, whatever opts says).
+func handshakeHint(err error, anonymous, credentials bool) error {
 	msg := err.Error()
 	switch {
 	case strings.Contains(msg, "unexpected protocol header 0x3, expected 0x0"):
 		return fmt.Errorf("%w (the broker requires SASL: give user:password@ in the URL, or a SASLType in the go-amqp options)", err)
+	case credentials && strings.Contains(msg, "unexpected protocol header 0x0, expected 0x3"):
+		return fmt.Errorf("%w (the broker does not do SASL: take the credentials out of the URL, and give Dial the go-amqp options &amqp.ConnOptions{SASLType: amqpsub.NoSASL()})", err)
 	case strings.Contains(msg, "unexpected protocol header 0x0, expected 0x3"):
 		return fmt.Errorf("%w (the broker does not do SASL: give Dial the go-amqp options &amqp.ConnOptions{SASLType: amqpsub.NoSASL()})", err)
 	case anonymous && strings.Contains(msg, "no supported auth mechanism"):

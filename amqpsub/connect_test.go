@@ -482,17 +482,17 @@ func TestHandshakeErrorsSayWhatToDo(t *testing.T) {
 		c.Close()
 		t.Fatal("a dial without SASL succeeded")
 	}
-	if got := amqpsub.HandshakeHint(err, false).Error(); !strings.Contains(got, "the broker requires SASL: give user:password@ in the URL") {
+	if got := amqpsub.HandshakeHint(err, false, false).Error(); !strings.Contains(got, "the broker requires SASL: give user:password@ in the URL") {
 		t.Fatalf("error %q says nothing of SASL", got)
 	}
-	if !errors.Is(amqpsub.HandshakeHint(err, false), err) {
+	if !errors.Is(amqpsub.HandshakeHint(err, false, false), err) {
 		t.Fatal("the hint does not wrap go-amqp's error")
 	}
 	none := errors.New("no supported auth mechanism ([PLAIN])") // go-amqp's words
-	if got := amqpsub.HandshakeHint(none, true).Error(); !strings.Contains(got, "SASL ANONYMOUS was offered, which the broker does not take") {
+	if got := amqpsub.HandshakeHint(none, true, false).Error(); !strings.Contains(got, "SASL ANONYMOUS was offered, which the broker does not take") {
 		t.Fatalf("error %q does not say that ANONYMOUS was refused", got)
 	}
-	if got := amqpsub.HandshakeHint(none, false); got != none {
+	if got := amqpsub.HandshakeHint(none, false, true); got != none {
 		t.Fatalf("with credentials given, the error is changed: %v", got)
 	}
 }

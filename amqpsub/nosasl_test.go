@@ -106,3 +106,21 @@ func TestShutdownWhileConnecting(t *testing.T) {
 		}
 	}
 }
+
+// NoSASL with credentials in the URL: the credentials choose SASL PLAIN
+// (as they always did), and a broker without SASL gets an error that says
+// to take them out of the URL.
+func TestNoSASLWithCredentials(t *testing.T) {
+	addr, ids := noSASLPeer(t)
+	s, err := amqpsub.New(amqpsub.Dial("amqp://guest:guest@"+addr, &amqp.ConnOptions{SASLType: amqpsub.NoSASL()}), "q", nop,
+		amqpsub.DialTimeout(2*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	err = s.Run(ctx)
+	if id := <-ids; id != 3 || err == nil || !strings.Contains(err.Error(), "take the credentials out of the URL") {
+		t.Fatalf("protocol id %d, Run = %v; want SASL (PLAIN), and an error saying to take the credentials out", id, err)
+	}
+}

@@ -202,7 +202,13 @@ func plain(p *pipe, _ string) brokerKind { return plainKind{p: p} }
 // profile's).
 func (p Profile) unhandledReject(reason, detail string, cond amqp.ErrCond) *OutcomeError {
 	if p.namedReasons {
-		return &OutcomeError{kind: ResultReject, poisoned: true, reason: reason, description: detail}
+		oe := &OutcomeError{kind: ResultReject, poisoned: true, reason: reason, description: detail}
+		if !p.peekLock {
+			// Service Bus dead-letters by its own condition; elsewhere
+			// the condition says what happened.
+			oe.cond = cond
+		}
+		return oe
 	}
 	return &OutcomeError{kind: ResultReject, poisoned: true, reason: detail, cond: cond}
 }

@@ -48,6 +48,9 @@ type rabbitQueue struct {
 	// limit is the queue's x-delivery-limit argument, 0 when it has none
 	// (a quorum queue's default is 20, and a policy may set another).
 	limit int64
+	// reused: this attach could not read the queue, and goes on with what
+	// an earlier one read.
+	reused bool
 }
 
 func (k *rabbit4Kind) attached(ctx context.Context, l *link) (pump.Source, string, error) {
@@ -58,7 +61,7 @@ func (k *rabbit4Kind) attached(ctx context.Context, l *link) (pump.Source, strin
 			return nil, "read the queue's type", err
 		}
 		if !k.warn.Swap(true) {
-			s.log.Warn("could not read the queue's type from RabbitMQ's management node; treating it as a quorum queue, and rejecting without the reason",
+			s.log.Warn("could not read the queue's type from RabbitMQ's management node; going on with the type an earlier attach read, or else as on a quorum queue, rejecting without the reason",
 				zap.Error(err))
 		}
 		q = rabbitQueue{}
@@ -66,6 +69,7 @@ func (k *rabbit4Kind) attached(ctx context.Context, l *link) (pump.Source, strin
 			// What an earlier attach read still holds: a queue keeps its
 			// type while it exists.
 			q = *last
+			q.reused = true
 		}
 	}
 	if err := k.use(q); err != nil {
@@ -73,6 +77,10 @@ func (k *rabbit4Kind) attached(ctx context.Context, l *link) (pump.Source, strin
 	}
 	return l.rcv, "", nil
 }
+
+// errQueueMismatch wraps ErrInvalidOption for a queue that does not fit an
+// option (MaxDeliveryCount on a classic queue), found at an attach.
+var errQueueMismatch = fmt.Errorf("%w for this queue", ErrInvalidOption)
 
 // use keeps q, what an attach read of the queue, for the settlements and
 // the stop, and refuses MaxDeliveryCount on a classic queue.
@@ -83,9 +91,9 @@ func (k *rabbit4Kind) use(q rabbitQueue) error {
 		return fmt.Errorf("%w: MaxDeliveryCount(%d) on classic queue %q: RabbitMQ counts no "+
 			"delivery attempts on a classic queue, so no delivery would ever reach the limit; use a quorum queue "+
 			"(its x-delivery-limit dead-letters too), or leave MaxDeliveryCount off and count attempts in the handler (by message-id) to Reject",
-			ErrInvalidOption, s.cfg.maxDelivery, s.queue)
+			errQueueMismatch, s.cfg.maxDelivery, s.queue)
 	}
-	if q.typ != "" {
+	if q.typ != "" && !q.reused {
 		// Once per attach, beside "attached": what a return costs here.
 		s.log.Info("queue type read", zap.String("type", q.typ), zap.Int64("delivery_limit", q.limit))
 	}

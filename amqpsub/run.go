@@ -106,10 +106,11 @@ func (s *Subscriber) Run(ctx context.Context) error {
 		attached += p.pump.Stats().Links
 	}
 	switch {
-	case fatal != nil && attached == 0 && errors.Is(fatal, ErrInvalidOption):
+	case fatal != nil && attached == 0 && errors.Is(fatal, errQueueMismatch):
 		// Connected, but the queue does not fit an option (MaxDeliveryCount
 		// on a RabbitMQ classic queue).
-		s.log.Error("an option does not fit the queue; stopping", zap.Error(fatal))
+		s.log.Error("an option does not fit the queue; stopping", zap.Error(fatal),
+			zap.Duration("grace", s.cfg.grace), zap.Duration("close_timeout", s.cfg.closeTimeout))
 	case fatal != nil && attached == 0:
 		// Not fatal in itself (a refused connection may be), but Run does
 		// not wait for a broker it never reached: see Backoff.

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
+
+	"github.com/amqpsub/amqpsub/pump"
 )
 
 // link is one attach of a subscriber to a Queue: the pump.Source it
@@ -74,6 +76,9 @@ func (l *link) Receive(ctx context.Context, _ *amqp.ReceiveOptions) (*amqp.Messa
 		case <-l.wake:
 		case <-expiry:
 		case <-ctx.Done():
+			if errors.Is(context.Cause(ctx), pump.ErrDrainAnswered) {
+				return nil, ctx.Err()
+			}
 			q.mu.Lock()
 			q.end(l, errClosed)
 			q.mu.Unlock()

@@ -314,6 +314,11 @@ func (p *Pump) markReleased() { p.releasedOnce.Do(func() { close(p.released) }) 
 // ctx; it may be called from any goroutine.
 func (p *Pump) FlushBy(t time.Time) { p.flushBy.Store(t.UnixNano()) }
 
+// ErrDrainAnswered is the cause of the end of a Receive's ctx when a
+// Hold's drain was answered: the receive loop takes what is prefetched and
+// goes on; a source must not take it as the end of the link.
+var ErrDrainAnswered = errors.New("pump: drain answered")
+
 // ErrStopped is returned by Run after Stop once every held delivery was
 // settled.
 var ErrStopped = errors.New("pump: stopped")
@@ -419,7 +424,10 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 	rctx, cancelReceive := context.WithCancel(ctx)
 	in := newBurst[*amqp.Message](min(p.cfg.Credit, 1024))
 	var wg sync.WaitGroup
-	wg.Go(func() { receiveLoop(rctx, src, in) })
+	dctx, answered := context.WithCancelCause(rctx)
+	drainAnswered := func() { answered(ErrDrainAnswered) }
+	defer drainAnswered()
+	wg.Go(func() { receiveLoop(rctx, dctx, src, in) })
 	defer func() {
 		cancelReceive()
 		wg.Wait()
@@ -431,6 +439,9 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 		msgs, _ := in.take()
 		lost := p.cfg.KeepAcrossLinks && err != nil && !errors.Is(err, ErrStopped) && ctx.Err() == nil
 		for _, m := range msgs {
+			if m == nil {
+				continue
+			}
 			if lost {
 				p.dropUnheld()
 				continue
@@ -466,7 +477,6 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 	if holding {
 		hold = nil
 	}
-	var drained <-chan struct{}
 	var drainTimer <-chan time.Time
 	for {
 		if stopping {
@@ -504,6 +514,10 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 		case <-in.wake:
 			msgs, err := in.take()
 			for _, m := range msgs {
+				if m == nil { // the drain's answer: nothing more comes
+					drainTimer, holdSettled = nil, true
+					continue
+				}
 				p.received(p.take(m, src, gen), stopping)
 			}
 			in.recycle(msgs)
@@ -524,19 +538,16 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 		case <-hold:
 			hold, holding = nil, true
 			if _, ok := src.(drainer); ok {
-				d := make(chan struct{})
-				drained, drainTimer = d, time.After(drainWait)
+				drainTimer = time.After(holdDrainWait)
 				wg.Go(func() {
-					defer close(d)
 					drainCredit(rctx, src)
+					drainAnswered()
 				})
 			} else {
 				holdSettled = true
 			}
-		case <-drained:
-			drained, drainTimer, holdSettled = nil, nil, true
 		case <-drainTimer:
-			drained, drainTimer, holdSettled = nil, nil, true
+			drainTimer, holdSettled = nil, true
 		case <-stop:
 			stop, stopping = nil, true
 			p.drainThenRelease(ctx, rctx, src, &wg)
@@ -564,6 +575,12 @@ const adaptTick = 10 * time.Millisecond
 // anyway, the broker sends that delivery once more to the stopping link,
 // which releases it again.
 const drainWait = 20 * time.Millisecond
+
+// holdDrainWait bounds how long Hold waits for the drain's answer before
+// Emptied may close: only brokers that answer drains (RabbitMQ) are held,
+// and their answer, through a quorum queue's log, may take longer than a
+// stop's drainWait; the caller bounds the whole hold anyway.
+const holdDrainWait = time.Second
 
 // drainThenRelease, on Stop, drains the link's credit and releases the
 // buffered deliveries once the broker has answered the drain (or drainWait

@@ -80,7 +80,9 @@ artemistest: prereqs
 demo: artemis
 	$(GO) run ./examples/orders -url $(AMQPSUB_ARTEMIS_URL)
 
-## bench: the benchmark program against both brokers
+## bench: the benchmark program against every broker: Artemis, RabbitMQ 3.10,
+## then RabbitMQ 4 on a classic and on a quorum queue (`brokers` starts all
+## three; INTEGRATION_ENV gives the program their URLs and scripts)
 bench: brokers
 	bash integration/prereqs.sh bench
 	$(INTEGRATION_ENV) $(GO) run ./integration/bench

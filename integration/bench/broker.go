@@ -20,9 +20,13 @@ import (
 // broker is one broker under test and what differs between brokers on the
 // wire.
 type broker struct {
-	name    string // "artemis" or "rabbitmq"
-	url     string
-	profile amqpsub.Profile
+	name string // "artemis", "rabbitmq" (3.10), "rabbitmq4-classic" or "rabbitmq4-quorum"
+	url  string
+	// queueKind is the kind of queue integration/rabbitmq4.sh declares
+	// before the preload, "classic" or "quorum"; "" for the brokers whose
+	// queue the preload creates.
+	queueKind string
+	profile   amqpsub.Profile
 	// windowed: grant credit only once the previous window has arrived
 	// (RabbitMQ 3.10 sends past its credit and miscounts a flow frame that
 	// arrives while transfers are in flight).
@@ -39,6 +43,10 @@ type broker struct {
 // hand-written loop attaches to; amqpsub is given the bare queue name and
 // maps it through its profile.
 func (b *broker) sendAddress(q string) string {
+	if b.queueKind != "" {
+		// RabbitMQ 4's v2 address of a queue declared beforehand.
+		return "/queues/" + q
+	}
 	if b.name == "rabbitmq" {
 		// Creates the queue; with a durable target terminus it is a durable
 		// queue (without, RabbitMQ 3.10 makes it non-durable).
@@ -48,6 +56,9 @@ func (b *broker) sendAddress(q string) string {
 }
 
 func (b *broker) receiveAddress(q string) string {
+	if b.queueKind != "" {
+		return "/queues/" + q
+	}
 	if b.name == "rabbitmq" {
 		return "/amq/queue/" + q
 	}
@@ -85,17 +96,32 @@ func (b *broker) closeLink(rcv *amqp.Receiver, sess *amqp.Session) {
 	}
 }
 
-// newBroker describes the broker at url, finds its process and reads its
-// version from the open frame.
-func newBroker(ctx context.Context, name, url string, pidFlag int) (*broker, error) {
+// describe returns the broker called name (one of brokerNames) at url, with
+// what differs on the wire.
+func describe(name, url string) (*broker, error) {
 	b := &broker{name: name, url: url}
 	switch name {
 	case "artemis":
 		b.profile, b.detach = amqpsub.Artemis, true
 	case "rabbitmq":
 		b.profile, b.windowed = amqpsub.RabbitMQ3, true
+	case "rabbitmq4-classic", "rabbitmq4-quorum":
+		// Native AMQP 1.0: credit as on Artemis (the broker keeps to it),
+		// and it answers a detach.
+		b.profile, b.detach = amqpsub.RabbitMQ4, true
+		b.queueKind = strings.TrimPrefix(name, "rabbitmq4-")
 	default:
 		return nil, fmt.Errorf("unknown broker %q", name)
+	}
+	return b, nil
+}
+
+// newBroker describes the broker at url, finds its process and reads its
+// version from the open frame.
+func newBroker(ctx context.Context, name, url string, pidFlag int) (*broker, error) {
+	b, err := describe(name, url)
+	if err != nil {
+		return nil, err
 	}
 	c, err := b.dial(ctx)
 	if err != nil {
@@ -103,13 +129,19 @@ func newBroker(ctx context.Context, name, url string, pidFlag int) (*broker, err
 	}
 	props := c.Properties()
 	b.label = strings.TrimSpace(fmt.Sprintf("%v %v", props["product"], props["version"]))
+	if b.queueKind != "" {
+		b.label += ", " + b.queueKind + " queue"
+	}
 	_ = c.Close()
-	if pidFlag > 0 {
+	switch {
+	case pidFlag > 0:
 		b.pid = pidFlag
-	} else if name == "artemis" {
+	case name == "artemis":
 		b.pid, err = artemisPID()
-	} else {
-		b.pid, err = rabbitPID()
+	case name == "rabbitmq":
+		b.pid, err = beamPID("RabbitMQ", "rabbitmq")
+	default:
+		b.pid, err = beamPID("RabbitMQ 4", "rabbitmq4", "state")
 	}
 	if b.pid > 0 {
 		if _, _, err2 := procCPU(b.pid); err2 != nil {
@@ -146,22 +178,34 @@ func artemisPID() (int, error) {
 	return pid, nil
 }
 
-// rabbitPID reads the Erlang VM's PID from the file integration/rabbitmq.sh
-// has RabbitMQ write ($AMQPSUB_CACHE/rabbitmq/rabbitmq.pid) and checks that
-// it is a beam process.
-func rabbitPID() (int, error) {
+// beamPIDFile returns the path of the PID file a broker script has the
+// Erlang VM write, under $AMQPSUB_CACHE (default ~/.cache/amqpsub):
+// rabbitmq/rabbitmq.pid for integration/rabbitmq.sh,
+// rabbitmq4/state/rabbitmq.pid for integration/rabbitmq4.sh.
+func beamPIDFile(dir ...string) (string, error) {
 	cache := os.Getenv("AMQPSUB_CACHE")
 	if cache == "" {
 		home, err := os.UserHomeDir()
 		if err != nil {
-			return 0, fmt.Errorf("no AMQPSUB_CACHE and no home: %w", err)
+			return "", fmt.Errorf("no AMQPSUB_CACHE and no home: %w", err)
 		}
 		cache = filepath.Join(home, ".cache", "amqpsub")
 	}
-	file := filepath.Join(cache, "rabbitmq", "rabbitmq.pid")
+	return filepath.Join(append(append([]string{cache}, dir...), "rabbitmq.pid")...), nil
+}
+
+// beamPID reads the Erlang VM's PID from the file beamPIDFile(dir...)
+// names and checks that it is a beam process. integration/rabbitmq4.sh runs
+// its VM chrooted but in the host's PID namespace, so the PID it writes is
+// the host's.
+func beamPID(what string, dir ...string) (int, error) {
+	file, err := beamPIDFile(dir...)
+	if err != nil {
+		return 0, err
+	}
 	raw, err := os.ReadFile(file)
 	if err != nil {
-		return 0, fmt.Errorf("read RabbitMQ PID file: %w", err)
+		return 0, fmt.Errorf("read %s PID file (set AMQPSUB_CACHE as for the broker script): %w", what, err)
 	}
 	pid, err := strconv.Atoi(strings.TrimSpace(string(raw)))
 	if err != nil {
@@ -169,7 +213,7 @@ func rabbitPID() (int, error) {
 	}
 	cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
 	if err != nil {
-		return 0, fmt.Errorf("RabbitMQ PID %d: %w", pid, err)
+		return 0, fmt.Errorf("%s PID %d: %w", what, pid, err)
 	}
 	if !strings.Contains(string(cmd), "beam") {
 		return 0, fmt.Errorf("PID %d from %s is not a beam process", pid, file)
@@ -206,9 +250,10 @@ func preload(ctx context.Context, b *broker, queue string, n, links int, p paylo
 		body[i] = byte('a' + i%26)
 	}
 	target := publish.Target{Address: b.sendAddress(queue)}
-	if b.name == "artemis" {
+	switch {
+	case b.name == "artemis":
 		target.Capabilities = []string{"queue"}
-	} else {
+	case b.queueKind == "":
 		target.Durability = amqp.DurabilityUnsettledState
 	}
 	start := time.Now()
@@ -273,19 +318,55 @@ func probeEmpty(ctx context.Context, b *broker, queue string, wait time.Duration
 	return nil
 }
 
-// deleteQueue removes a RabbitMQ queue the preload declared durable, through
-// integration/rabbitmq.sh (AMQPSUB_RABBITMQ_CTL). Artemis deletes its
-// auto-created queues itself once they are empty and unused.
-func deleteQueue(b *broker, queue string) error {
-	if b.name != "rabbitmq" {
-		return nil
-	}
-	ctl := os.Getenv("AMQPSUB_RABBITMQ_CTL")
+// script returns the path of a broker script: $env, or the script relative
+// to the module root.
+func script(env, name string) (string, error) {
+	ctl := os.Getenv(env)
 	if ctl == "" {
-		ctl = filepath.Join("integration", "rabbitmq.sh")
+		ctl = filepath.Join("integration", name)
 	}
 	if _, err := os.Stat(ctl); err != nil {
-		return fmt.Errorf("rabbitmq.sh not found; delete queue %s by hand: %w", queue, err)
+		return "", fmt.Errorf("%s not found (set %s): %w", name, env, err)
+	}
+	return ctl, nil
+}
+
+// declareQueue declares the queue the preloads fill where the preload
+// cannot: on RabbitMQ 4, whose v2 addresses need an existing queue,
+// through `integration/rabbitmq4.sh declare Q classic|quorum`
+// (AMQPSUB_RABBITMQ4_CTL), a durable queue that dead-letters to Q.dlq. On
+// Artemis and RabbitMQ 3.10 the preload's sender creates it.
+func declareQueue(b *broker, queue string) error {
+	if b.queueKind == "" {
+		return nil
+	}
+	ctl, err := script("AMQPSUB_RABBITMQ4_CTL", "rabbitmq4.sh")
+	if err != nil {
+		return err
+	}
+	out, err := exec.Command("bash", ctl, "declare", queue, b.queueKind).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("declare %s queue %s: %w: %s", b.queueKind, queue, err, strings.TrimSpace(string(out)))
+	}
+	return nil
+}
+
+// deleteQueue removes a RabbitMQ queue the preload declared durable,
+// through integration/rabbitmq.sh (AMQPSUB_RABBITMQ_CTL), or the RabbitMQ 4
+// queue declareQueue made and its Q.dlq, through integration/rabbitmq4.sh.
+// Artemis deletes its auto-created queues itself once they are empty and
+// unused.
+func deleteQueue(b *broker, queue string) error {
+	env, name := "AMQPSUB_RABBITMQ_CTL", "rabbitmq.sh"
+	switch {
+	case b.queueKind != "":
+		env, name = "AMQPSUB_RABBITMQ4_CTL", "rabbitmq4.sh"
+	case b.name != "rabbitmq":
+		return nil
+	}
+	ctl, err := script(env, name)
+	if err != nil {
+		return fmt.Errorf("delete queue %s by hand: %w", queue, err)
 	}
 	out, err := exec.Command("bash", ctl, "delete", queue).CombinedOutput()
 	if err != nil {

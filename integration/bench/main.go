@@ -1,7 +1,8 @@
 // Command bench measures amqpsub against a hand-written go-amqp loop on real
 // brokers (docs/performance.md).
 //
-// For each broker and payload it preloads a queue, then drains it with each
+// For each broker (Artemis, RabbitMQ 3.10, RabbitMQ 4 on a classic queue
+// and on a quorum queue) and payload it preloads a queue, then drains it with each
 // scenario in turn: (a) the best plain go-amqp loop, the reference; (b)
 // amqpsub with a no-op handler under Workers(1), Workers(8),
 // WorkersByKey(8) and NewBatch; (c) amqpsub with a 1 ms handler under
@@ -21,7 +22,8 @@
 // drain a probe checks that the queue is empty.
 //
 // "all" includes the reference consumers on Artemis, not on RabbitMQ 3.10
-// (name them in -scenarios to run them there: see refOnRabbit). They need
+// or 4 (name them in -scenarios to run them there: see refOnRabbit and
+// refOnRabbit4). They need
 // Java, Maven, gcc and Debian's Proton packages (`bash
 // integration/prereqs.sh bench`, which `make bench` runs); they are built
 // before any queue is touched, and a missing prerequisite stops the bench
@@ -30,7 +32,8 @@
 //	go run ./integration/bench -n 10000 -runs 1            # quick
 //	go run ./integration/bench -brokers artemis -scenarios loop,w1,key8
 //	go run ./integration/bench -brokers artemis -scenarios loop,jms,protonc,pyproton
-//	make bench                                             # the full set on both brokers
+//	go run ./integration/bench -brokers rabbitmq4-classic,rabbitmq4-quorum -payloads p100 -scenarios loop,w1,w8,key8,batch
+//	make bench                                             # the full set on every broker
 package main
 
 import (
@@ -54,8 +57,14 @@ import (
 	"go.uber.org/zap/zapcore"
 )
 
+// brokerNames are the brokers -brokers takes, in the order they run by
+// default. The two RabbitMQ 4 ones are one broker (-rabbitmq4) with a
+// queue of each kind.
+var brokerNames = []string{"artemis", "rabbitmq", "rabbitmq4-classic", "rabbitmq4-quorum"}
+
 type options struct {
 	artemisURL, rabbitURL string
+	rabbit4URL            string
 	brokers               []string
 	scenarios             []string
 	allScenarios          bool // -scenarios all
@@ -67,6 +76,7 @@ type options struct {
 	stall, timeout, probe time.Duration
 	out, profileDir       string
 	artemisPID, rabbitPID int
+	rabbit4PID            int
 	verbose               bool
 }
 
@@ -99,7 +109,9 @@ func parseFlags() (*options, error) {
 	var brokers, scens, pays string
 	flag.StringVar(&o.artemisURL, "artemis", envOr("AMQPSUB_ARTEMIS_URL", "amqp://127.0.0.1:5672"), "Artemis URL (default $AMQPSUB_ARTEMIS_URL)")
 	flag.StringVar(&o.rabbitURL, "rabbitmq", envOr("AMQPSUB_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5682"), "RabbitMQ 3.10 URL (default $AMQPSUB_RABBITMQ_URL)")
-	flag.StringVar(&brokers, "brokers", "artemis,rabbitmq", "brokers to run, in order: artemis, rabbitmq")
+	flag.StringVar(&o.rabbit4URL, "rabbitmq4", envOr("AMQPSUB_RABBITMQ4_URL", "amqp://guest:guest@127.0.0.1:5692"), "RabbitMQ 4 URL, for rabbitmq4-classic and rabbitmq4-quorum (default $AMQPSUB_RABBITMQ4_URL)")
+	flag.StringVar(&brokers, "brokers", strings.Join(brokerNames, ","), "brokers to run, in order: "+strings.Join(brokerNames, ", ")+
+		" (RabbitMQ 4 on a classic and on a quorum queue, each declared with $AMQPSUB_RABBITMQ4_CTL or integration/rabbitmq4.sh)")
 	flag.StringVar(&scens, "scenarios", "all", "scenarios to run: all, or a list of loop, w1, w1plain, w8, key8, batch (each of these but w1plain also as w1fixed..., with FixedCredit), slow1, slow4, slow8, slow16, slow64, bal8, bal16, bal64, w1nomerge, key8nomerge, batchnomerge, jms, protonc, pyproton")
 	flag.StringVar(&pays, "payloads", "p100,t1k", "payloads: p100 (100 B persistent), t1k (1 KiB non-persistent)")
 	flag.IntVar(&o.n, "n", 100000, "messages preloaded per drain (plus one barrier)")
@@ -116,6 +128,7 @@ func parseFlags() (*options, error) {
 	flag.StringVar(&o.profileDir, "profile-dir", "", "write a CPU profile of each drain into this directory")
 	flag.IntVar(&o.artemisPID, "artemis-pid", 0, "Artemis PID for its CPU (default: from $AMQPSUB_ARTEMIS_CTL pid)")
 	flag.IntVar(&o.rabbitPID, "rabbitmq-pid", 0, "RabbitMQ beam PID for its CPU (default: from the PID file rabbitmq.sh has it write)")
+	flag.IntVar(&o.rabbit4PID, "rabbitmq4-pid", 0, "RabbitMQ 4 beam PID for its CPU (default: from the PID file rabbitmq4.sh has it write, under $AMQPSUB_CACHE/rabbitmq4/state)")
 	flag.BoolVar(&o.verbose, "v", false, "log amqpsub's warnings to stderr")
 	flag.Parse()
 	if flag.NArg() > 0 {
@@ -123,8 +136,8 @@ func parseFlags() (*options, error) {
 	}
 	o.brokers = list(brokers)
 	for _, b := range o.brokers {
-		if b != "artemis" && b != "rabbitmq" {
-			return nil, fmt.Errorf("-brokers: unknown broker %q", b)
+		if !slices.Contains(brokerNames, b) {
+			return nil, fmt.Errorf("-brokers: unknown broker %q (want %s)", b, strings.Join(brokerNames, ", "))
 		}
 	}
 	all := scenarios(o.groups)
@@ -311,20 +324,26 @@ func bench(ctx context.Context, o *options, log *zap.Logger, rep *report) error 
 	}
 	rep.add("\n")
 	for _, name := range o.brokers {
-		addr := o.artemisURL
-		pid := o.artemisPID
-		if name == "rabbitmq" {
+		addr, pid := o.artemisURL, o.artemisPID
+		switch name {
+		case "rabbitmq":
 			addr, pid = o.rabbitURL, o.rabbitPID
+		case "rabbitmq4-classic", "rabbitmq4-quorum":
+			addr, pid = o.rabbit4URL, o.rabbit4PID
 		}
 		b, err := newBroker(ctx, name, addr, pid)
 		if err != nil {
 			return err
 		}
 		use := chosen
-		if o.allScenarios && name == "rabbitmq" {
+		if o.allScenarios && name != "artemis" {
 			use = slices.DeleteFunc(slices.Clone(chosen), func(s scenario) bool { return s.ref != "" })
 			if len(use) < len(chosen) {
-				rep.add("On RabbitMQ, \"all\" leaves the reference consumers out: " + refOnRabbit + "\n\n")
+				why := refOnRabbit
+				if b.queueKind != "" {
+					why = refOnRabbit4
+				}
+				rep.add(fmt.Sprintf("On %s, \"all\" leaves the reference consumers out: %s\n\n", b.label, why))
 			}
 		}
 		// A reference consumer that cannot run against this broker fails
@@ -376,6 +395,11 @@ func benchPayload(ctx context.Context, o *options, log *zap.Logger, rep *report,
 		}
 	}()
 
+	// RabbitMQ 4's queue is declared once, before the first preload, and
+	// deleted (above) after the last drain.
+	if err := declareQueue(b, queue); err != nil {
+		return err
+	}
 	for r := 1; r <= o.runs; r++ {
 		for _, s := range set {
 			n := s.sc.messages(o.n, o.perLane)

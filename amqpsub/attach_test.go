@@ -4,34 +4,59 @@ import (
 	"context"
 	"errors"
 	"net"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
 )
 
-// A broker that accepts the TCP connection but never answers: Run gives up
-// at DialTimeout, with an error that says so.
-func TestDialTimeoutBoundsASilentBroker(t *testing.T) {
+// silentBroker accepts TCP connections on 127.0.0.1, holds them open and
+// says nothing, until the test ends; each one is also sent on accepted
+// (when there is room).
+func silentBroker(t *testing.T) (addr string, accepted <-chan net.Conn) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	go func() {
+	ch := make(chan net.Conn, 16)
+	var mu sync.Mutex
+	var conns []net.Conn
+	var wg sync.WaitGroup
+	wg.Go(func() {
 		for {
 			c, err := ln.Accept()
 			if err != nil {
 				return
 			}
-			defer c.Close() // hold it open, say nothing
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			select {
+			case ch <- c:
+			default:
+			}
 		}
-	}()
-	s, _ := amqpsub.New(amqpsub.Dial("amqp://"+ln.Addr().String(), nil), "q",
+	})
+	t.Cleanup(func() {
+		ln.Close()
+		wg.Wait()
+		for _, c := range conns {
+			c.Close()
+		}
+	})
+	return ln.Addr().String(), ch
+}
+
+// A broker that accepts the TCP connection but never answers: Run gives up
+// at DialTimeout, with an error that says so.
+func TestDialTimeoutBoundsASilentBroker(t *testing.T) {
+	addr, _ := silentBroker(t)
+	s, _ := amqpsub.New(amqpsub.Dial("amqp://"+addr, nil), "q",
 		amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
 		amqpsub.DialTimeout(200*time.Millisecond))
 	start := time.Now()
-	err = s.Run(context.Background())
+	err := s.Run(context.Background())
 	if !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("Run = %v, want DeadlineExceeded", err)
 	}

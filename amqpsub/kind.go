@@ -18,7 +18,8 @@ import (
 //
 // plainKind, for Artemis, RabbitMQ 3 and any other AMQP 1.0 broker, adds
 // nothing. RabbitMQ 4's kind (rabbitmq4.go) reads the queue's type at each
-// attach, and settles a Reject on a quorum queue as modified. Service Bus's kind (sbkind.go) adds peek-lock: the lease book
+// attach, and settles a Reject on a quorum queue as modified. Service
+// Bus's kind (sbkind.go) adds peek-lock: the lease book
 // (servicebus.Book) that renews locks, settlements sent concurrently in
 // each group's order and by lock token once a link is gone, the
 // $management node beside each link, and sessions.

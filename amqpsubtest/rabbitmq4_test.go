@@ -10,6 +10,10 @@ import (
 	"testing/synctest"
 	"time"
 
+	"github.com/Azure/go-amqp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/amqpsubtest"
 )
@@ -403,6 +407,114 @@ func TestRabbitMQ4ClassicStopReleasesTheBuffered(t *testing.T) {
 		for _, r := range q.Records()[3:] {
 			if r.State != amqpsubtest.Queued || r.String() != fmt.Sprintf("#%d: 0 released → queued", r.Index) {
 				t.Fatal(r)
+			}
+		}
+	})
+}
+
+// A graceful stop while the link is down (the broker went away and every
+// reconnect is refused) returns at once on either queue type: there is
+// nothing buffered to finish, and no link to finish it on.
+func TestRabbitMQ4ShutdownDuringOutageIsQuick(t *testing.T) {
+	for _, typ := range []amqpsubtest.QueueType{amqpsubtest.Classic, amqpsubtest.Quorum} {
+		t.Run(typ.String(), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				q := rabbit4Queue(amqpsubtest.WithQueueType(typ))
+				q.Publish(amqpsubtest.Message("", "a"))
+				sub := rabbit4Sub(t, q, func(context.Context, *amqpsub.Delivery) error { return nil })
+				ran := make(chan error, 1)
+				go func() { ran <- sub.Run(context.Background()) }()
+				if err := q.Wait(t.Context()); err != nil {
+					t.Fatal(err)
+				}
+				q.RefuseAttach(&amqp.ConnError{}) // not fatal: retried with backoff
+				q.LoseLinks(nil)
+				time.Sleep(time.Second)
+				began := time.Now()
+				if err := sub.Shutdown(t.Context()); err != nil {
+					t.Fatal(err)
+				}
+				err := <-ran
+				if took := time.Since(began); took > time.Second {
+					t.Errorf("%s queue: Shutdown with no link took %v (Run = %v); want it at once", typ, took, err)
+				}
+			})
+		})
+	}
+}
+
+// A batch consumer whose BatchWait is longer than half the grace period: at
+// a graceful stop on a quorum queue nothing more comes (Hold), so the open
+// batch is handed over at once rather than wait for its BatchWait and be
+// released, every one of its deliveries a counted return.
+func TestRabbitMQ4StopHandsOverTheOpenBatch(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		q := rabbit4Queue()
+		for i := range 5 {
+			q.Publish(amqpsubtest.Message("", fmt.Sprint(i)))
+		}
+		handled := 0
+		sub, err := amqpsub.NewBatch(q.Connector(), "orders", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
+			handled += len(b)
+			return make([]error, len(b))
+		}), amqpsub.WithProfile(amqpsub.RabbitMQ4), amqpsub.Batch(100, 20*time.Second), amqpsub.GracePeriod(30*time.Second))
+		if err != nil {
+			t.Fatal(err)
+		}
+		stop := start(sub)
+		time.Sleep(time.Second) // 5 wait in the open batch
+		if err := stop(); err != nil {
+			t.Fatal(err)
+		}
+		st := sub.Stats()
+		if handled != 5 || st.Settled.Released != 0 {
+			t.Errorf("%d handled, %d released (%s); want the open batch handled at the stop rather than released", handled, st.Settled.Released, history(q.Records()))
+		}
+	})
+}
+
+// MaxMessageSize under RabbitMQ4 rejects with the reason code
+// MaxMessageSizeExceeded and keeps its condition,
+// amqp:link:message-size-exceeded, as elsewhere but on Service Bus.
+func TestRabbitMQ4OversizeKeepsItsCondition(t *testing.T) {
+	for _, typ := range []amqpsubtest.QueueType{amqpsubtest.Quorum, amqpsubtest.Classic} {
+		t.Run(typ.String(), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				q := rabbit4Queue(amqpsubtest.WithQueueType(typ))
+				q.Publish(amqpsubtest.Message("", "a body much longer than ten bytes"))
+				sub := rabbit4Sub(t, q, func(context.Context, *amqpsub.Delivery) error { return nil }, amqpsub.MaxMessageSize(10))
+				drain(t, q, sub)
+				r := q.Records()[0]
+				cond := fmt.Sprint(r.Annotations[amqpsub.AnnotationDeadLetterCondition])
+				if e := r.Deliveries[len(r.Deliveries)-1].Error; e != nil {
+					cond = string(e.Condition)
+				}
+				t.Logf("%s: %s; condition %q reason %q", typ, r, cond, r.Reason())
+				if cond != "amqp:link:message-size-exceeded" {
+					t.Errorf("%s queue: oversize dead letter's condition %q, want amqp:link:message-size-exceeded as documented", typ, cond)
+				}
+			})
+		})
+	}
+}
+
+// "an option does not fit the queue" is logged for a queue found at odds
+// with an option at the first attach only, not for every ErrInvalidOption
+// (a Service Bus TokenProvider's token without Expiry wraps it too).
+func TestOnlyAQueueMismatchIsLoggedAsOne(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		q := amqpsubtest.NewQueue()
+		q.RefuseAttach(fmt.Errorf("the TokenProvider gave a \"jwt\" token with no Expiry: %w", amqpsub.ErrInvalidOption))
+		core, logs := observer.New(zap.InfoLevel)
+		sub := newSub(t, q, func(context.Context, *amqpsub.Delivery) error { return nil }, amqpsub.Logger(zap.New(core)))
+		err := sub.Run(t.Context())
+		if !errors.Is(err, amqpsub.ErrInvalidOption) {
+			t.Fatalf("Run = %v", err)
+		}
+		for _, e := range logs.All() {
+			t.Logf("%s %q %v", e.Level, e.Message, e.ContextMap())
+			if e.Message == "an option does not fit the queue; stopping" {
+				t.Errorf("a token without Expiry logged as %q", e.Message)
 			}
 		}
 	})

@@ -196,3 +196,21 @@ cached_or_lock() {
     exit 0
   fi
 }
+
+# await_rabbit LOGDIR: wait until the calling script's RabbitMQ node accepts
+# on $HOST:$PORT and has booted, within $START_TIMEOUT each, or fail the
+# start; then log it, if the caller started it (its local t0). It uses the
+# caller's node_alive, fail_start, ctl and beam_pid (rabbitmq.sh and
+# rabbitmq4.sh both define them).
+await_rabbit() {
+  local rc=0
+  wait_port "$HOST" "$PORT" "$START_TIMEOUT" node_alive || rc=$?
+  case $rc in
+    1) fail_start "RabbitMQ exited during start-up" ;;
+    2) fail_start "RabbitMQ did not accept on $HOST:$PORT within ${START_TIMEOUT}s" ;;
+  esac
+  ctl -q await_startup --timeout "$START_TIMEOUT" </dev/null >/dev/null 2>&1 \
+    || fail_start "rabbitmqctl await_startup failed"
+  [ -n "${t0:-}" ] && log "started (vm pid $(beam_pid)) on $HOST:$PORT in $((SECONDS - t0))s; logs: $1"
+  return 0
+}

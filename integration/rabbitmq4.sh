@@ -329,16 +329,7 @@ cmd_start() {
     [ -z "$b" ] || echo "$b" >"$BEAM_PIDFILE"
     log "already running (wrapper pid ${w:-?}, vm pid ${b:-?})"
   fi
-  local rc=0
-  wait_port "$HOST" "$PORT" "$START_TIMEOUT" node_alive || rc=$?
-  case $rc in
-    1) fail_start "RabbitMQ exited during start-up" ;;
-    2) fail_start "RabbitMQ did not accept on $HOST:$PORT within ${START_TIMEOUT}s" ;;
-  esac
-  ctl -q await_startup --timeout "$START_TIMEOUT" </dev/null >/dev/null 2>&1 \
-    || fail_start "rabbitmqctl await_startup failed"
-  [ -n "${t0:-}" ] && log "started (vm pid $(beam_pid)) on $HOST:$PORT in $((SECONDS - t0))s; logs: $STATE/log"
-  return 0
+  await_rabbit "$STATE/log"
 }
 
 # leftovers: PIDs of processes still running in our root (after the VM and

@@ -120,10 +120,7 @@ func TestRabbitMQ4Replicas(t *testing.T) {
 				}
 				return true
 			})
-			specs := make([]msgSpec, n)
-			for i := range specs {
-				specs[i] = msgSpec{seq: i}
-			}
+			specs := uniqueSeqs(n, 0)
 			r4publish(t, conn, q, specs)
 			waitFor(t, 2*time.Minute, "6,000 deliveries", func() bool {
 				mu.Lock()
@@ -165,10 +162,7 @@ func TestRabbitMQ4ConnectionClosedMidRun(t *testing.T) {
 			q := declareRabbit4(t, kind)
 			conn := dial(t, url)
 			const n = 4000
-			specs := make([]msgSpec, n)
-			for i := range specs {
-				specs[i] = msgSpec{seq: i}
-			}
+			specs := uniqueSeqs(n, 0)
 			r4publish(t, conn, q, specs)
 			var mu sync.Mutex
 			seen := map[int]int{}
@@ -444,10 +438,7 @@ type stopRound struct {
 // holds, and which of those no handler saw.
 func repeatedStops(t *testing.T, url, q, addr string, n, stops int, opts ...amqpsub.Option) stopRound {
 	conn := dial(t, url)
-	specs := make([]msgSpec, n)
-	for i := range specs {
-		specs[i] = msgSpec{seq: i}
-	}
+	specs := uniqueSeqs(n, 0)
 	r4publish(t, conn, q, specs)
 	var mu sync.Mutex
 	seen := map[int]bool{}

@@ -17,7 +17,8 @@ type Kind uint8
 const (
 	// Accept settles the delivery as accepted.
 	Accept Kind = iota
-	// Release returns the delivery to the queue, not counted as a failure.
+	// Release returns the delivery to the queue as released, not as a
+	// failed attempt; a broker may still count it toward a delivery limit.
 	Release
 	// Modify returns the delivery to the queue as modified (see [Outcome]).
 	Modify

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"sync"
 	"time"
@@ -219,11 +220,11 @@ func (q *Queue) FailIssueCredit(n int) {
 func (q *Queue) Credit() int {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	n := 0
+	var n uint64
 	for _, l := range q.links {
-		n += int(l.credit)
+		n += l.credit
 	}
-	return n
+	return int(min(n, math.MaxInt32)) // go-amqp's credit is a uint32
 }
 
 // Wait waits until every message published so far is settled for good:

@@ -480,7 +480,7 @@ func (a *Account) issue(want, outstanding int64) uint32 {
 		}
 		ad.grants = append(ad.grants, g)
 	}
-	return uint32(want)
+	return uint32(want) //nolint:gosec // G115: 0 < want ≤ 2³¹, clamped above
 }
 
 // FlowOwed reports whether a flow frame is owed after the last

@@ -67,18 +67,26 @@ func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
 		AdaptiveFloor: s.cfg.floor,
 	}
 	if s.cfg.floor > 0 {
-		// What waits behind an earlier delivery of its own group is held on
-		// top of the floor, so that the free lanes still get credit. Where
-		// the broker pins a group to its consumer (pinsGroups), the whole
-		// of it: the group's backlog can go to no other consumer, and the
-		// broker's dispatch stops at a group whose consumer has no credit.
-		// Elsewhere a held backlog only hoards what other replicas could
-		// take, so at most the floor more: a delivery (or a batch) per lane.
+		// What waits behind a stalled call, or behind an earlier delivery
+		// of its own group, is held on top of the floor, so that the free
+		// lanes still get credit. What a stalled call holds up, all of it:
+		// a stall ends (the call returns, or its ctx ends), and riding it
+		// out keeps the lanes busy and the groups in order. A group's
+		// backlog behind a call of normal pace (a hot group) all of it
+		// where the broker pins a group to its consumer (pinsGroups, and a
+		// Service Bus session): nobody else can take it, and the broker's
+		// dispatch stops at a group whose consumer has no credit.
+		// Elsewhere a hot group's backlog only hoards what other replicas
+		// could take, so at most the floor more: a delivery (or a batch)
+		// per lane.
 		g, most := p.gauge, math.MaxInt
 		if !s.cfg.profile.pinsGroups && !s.cfg.sessions() {
 			most = s.cfg.floor
 		}
-		pc.Parked = func() int { return min(g.Parked(time.Now()), most) }
+		pc.Parked = func() int {
+			group, stalled := g.Parked(time.Now())
+			return stalled + min(group, most)
+		}
 	}
 	if s.rec != nil {
 		pc.Meter = meter{s.rec}

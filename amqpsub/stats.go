@@ -52,13 +52,14 @@ type Stats struct {
 	// lanes now, under [BalanceKeys]; 0 otherwise.
 	GroupsHeld int
 	// Parked is the number of held deliveries that wait behind an earlier
-	// delivery of their own group: in their lane under [WorkersByKey]
-	// (queued, in the handler, or in the same batch), for the lane that
-	// holds their group under [BalanceKeys]; 0 under [Workers]. A hot or
-	// slow group shows here. The adaptive credit holds them on top of what
-	// the lanes need (all of them where the broker pins a group to its
-	// consumer, as Artemis does, and on Service Bus sessions; at most the
-	// floor more elsewhere: see docs/design.md).
+	// delivery of their own group (in their lane under [WorkersByKey],
+	// queued, in the handler or in the same batch; for the lane that holds
+	// their group under [BalanceKeys]), or behind a handler call that has
+	// run for over four times the mean and at least 1 ms (under
+	// WorkersByKey, all that is queued in its lane); 0 under [Workers]. A
+	// hot, slow or stuck group shows here. The adaptive credit holds them
+	// on top of what the lanes need: see docs/design.md for how much on
+	// each broker.
 	Parked int
 
 	// Received counts deliveries received.
@@ -186,7 +187,8 @@ func (s *Subscriber) Stats() Stats {
 			lanesSt[i].Finished += g.Finished[i]
 		}
 		groups += g.Keys
-		parked += pp.gauge.Parked(now)
+		group, stalled := pp.gauge.Parked(now)
+		parked += group + stalled
 		q := pp.pump.Stats()
 		p.Held += q.Held
 		p.MaxHeld += q.MaxHeld

@@ -27,7 +27,6 @@ type pool[T any] struct {
 	spare   []*pkey[T]
 	ready   ring[pentry[T]] // keys with items waiting and none taken; keyless items
 	waiting int             // items in the pool, not taken
-	parked  int             // of those, the items of keys a lane holds: they wait for that lane
 	done    bool            // no more pushes: lanes end once nothing is left for them
 	stopped bool            // Stop: pushes are refused
 	idle    []*poolFeed[T]  // lanes that found nothing and wait on their wake
@@ -136,7 +135,7 @@ func (p *pool[T]) push(item T) bool {
 		pk.items.push(item)
 		switch {
 		case pk.taken > 0:
-			p.setParked(p.parked + 1)
+			p.park(pk.owner, 1)
 			wake = p.wakeOwner(pk.owner)
 		case !pk.queued:
 			pk.queued = true
@@ -178,18 +177,22 @@ func (p *pool[T]) stop(drop func(T)) {
 		}
 	}
 	p.waiting = 0
-	p.setParked(0)
+	if p.gauge != nil {
+		for i := range p.gauge.lanes {
+			p.gauge.lanes[i].parked.Store(0)
+		}
+	}
 	p.mu.Unlock()
 	for _, it := range items {
 		drop(it)
 	}
 }
 
-// setParked records the parked count, for Gauge.Parked. Under mu.
-func (p *pool[T]) setParked(n int) {
-	p.parked = n
+// park adds n to the items parked for lane f, for Gauge.Parked: the
+// items in the pool of the keys that lane holds. Under mu.
+func (p *pool[T]) park(f *poolFeed[T], n int) {
 	if p.gauge != nil {
-		p.gauge.parked.Store(int64(n))
+		p.gauge.lanes[f.lane].parked.Add(int64(n))
 	}
 }
 
@@ -224,7 +227,7 @@ func (p *pool[T]) finish(k string) {
 		p.mu.Unlock()
 		return
 	}
-	p.setParked(p.parked - pk.items.n) // any lane may take them now
+	p.park(pk.owner, -pk.items.n) // any lane may take them now
 	pk.queued = true
 	p.ready.push(pentry[T]{k: pk})
 	wake := p.wakeIdle()
@@ -236,13 +239,14 @@ func (p *pool[T]) finish(k string) {
 // key the lane holds, else the next ready entry.
 type poolFeed[T any] struct {
 	p      *pool[T]
+	lane   int
 	mine   []*pkey[T]    // keys this lane holds (taken > 0)
 	wake   chan struct{} // a token when the lane should look again
 	isIdle bool          // on p.idle; under p.mu
 }
 
-func newPoolFeed[T any](p *pool[T]) *poolFeed[T] {
-	return &poolFeed[T]{p: p, wake: make(chan struct{}, 1)}
+func newPoolFeed[T any](p *pool[T], lane int) *poolFeed[T] {
+	return &poolFeed[T]{p: p, lane: lane, wake: make(chan struct{}, 1)}
 }
 
 // poll takes the next item for this lane without waiting. A lane that
@@ -282,7 +286,7 @@ func (f *poolFeed[T]) take() (T, status) {
 		if pk.items.n > 0 {
 			pk.taken++
 			p.waiting--
-			p.setParked(p.parked - 1)
+			p.park(f, -1)
 			return pk.items.pop(), got
 		}
 	}
@@ -302,7 +306,7 @@ func (f *poolFeed[T]) take() (T, status) {
 		p.waiting--
 		f.mine = append(f.mine, pk)
 		item := pk.items.pop()
-		p.setParked(p.parked + pk.items.n) // the rest wait for this lane now
+		p.park(f, pk.items.n) // the rest wait for this lane now
 		return item, got
 	}
 	if p.done {

@@ -121,7 +121,7 @@ func (r *runner[T]) handOver(lane int, items []T, scratch *[]string) {
 			keys = append(keys, r.keyOf(it))
 		}
 		*scratch = keys
-		if r.keys != nil {
+		if r.keyed() {
 			r.gauge.begin(lane, len(keep), time.Now())
 			r.cfg.HandleBatch(lane, keep)
 			r.gauge.end(lane, time.Now())

@@ -8,25 +8,24 @@ import (
 // Gauge is what the lanes hold and have done, kept up to date by [Run] and
 // read from any goroutine.
 type Gauge struct {
-	lanes  []laneGauge
-	keys   atomic.Int64
-	parked atomic.Int64 // Balanced: items waiting for the lane that holds their key
-	// took is the handler calls' mean duration in nanoseconds (hash lanes:
-	// a moving average over about 16 calls), 0 before any.
+	lanes []laneGauge
+	keys  atomic.Int64
+	// took is the handler calls' mean duration in nanoseconds (under a
+	// key: a moving average over about 16 calls), 0 before any.
 	took atomic.Int64
 }
 
 type laneGauge struct {
 	load     atomic.Int64 // items queued or in the handler
 	finished atomic.Uint64
-	// Hash lanes only:
-	parked atomic.Int64 // items behind an earlier item of their key in the lane
+	// Under a key only:
+	parked atomic.Int64 // items behind an earlier item of their key, in the lane (hash) or waiting for it (Balanced)
 	inCall atomic.Int64 // items in the handler call now
 	since  atomic.Int64 // when that call began (Unix nanoseconds); 0: none
 	_      [24]byte     // a cache line each: lanes update their own
 }
 
-// StallAfter is the least time a hash lane's handler call must have run
+// StallAfter is the least time a lane's handler call must have run
 // for the lane to count as stalled (see [Gauge.Parked]); it is also at
 // least four times the calls' mean duration.
 const StallAfter = time.Millisecond
@@ -77,34 +76,36 @@ func (g *Gauge) Read() Reading {
 	return r
 }
 
-// Parked returns the items that wait behind an earlier item of their own
-// key, or behind a stalled lane, as of now:
+// Parked returns, as of now, the items that wait behind an earlier item of
+// their own key (group), and of those and the others, the items that wait
+// behind a stalled call (stalled):
 //
-//   - under the hash placement, the items with an earlier item of their
-//     key in their lane (queued, in the handler, or in the same batch);
-//     and all the items queued in a lane whose handler call has run for
-//     longer than four times the calls' mean duration, and at least
-//     [StallAfter] (a slow or stuck call: what waits behind it waits for
-//     that call, not for the lanes' pace);
-//   - under Balanced, the items waiting in the pool for the lane that
-//     holds their key;
+//   - under the hash placement, an item with an earlier item of its key in
+//     its lane (queued, in the handler, or in the same batch) waits behind
+//     its group; under Balanced, an item waiting in the pool for the lane
+//     that holds its key;
+//   - a lane's call is stalled once it has run for longer than four times
+//     the calls' mean duration, and at least [StallAfter] (a slow or stuck
+//     call): what waits for that lane is stalled, all that is queued in it
+//     under the hash placement, whatever its key;
 //   - unordered workers park nothing.
 //
 // A keyless item, or one with nothing earlier of its key in its lane,
 // waits behind a lane of normal pace only as long as the lanes' load
 // says: it is not parked, since an adaptive credit that held such waits
-// on top would feed on its own backlog. It does not allocate.
-func (g *Gauge) Parked(now time.Time) int {
-	n := int(g.parked.Load())
+// on top would feed on its own backlog. group counts the items not
+// stalled. It does not allocate.
+func (g *Gauge) Parked(now time.Time) (group, stalled int) {
 	stall := max(int64(StallAfter), 4*g.took.Load())
 	at := now.UnixNano()
 	for i := range g.lanes {
 		l := &g.lanes[i]
 		p := l.parked.Load()
 		if since := l.since.Load(); since != 0 && at-since > stall {
-			p = max(p, l.load.Load()-l.inCall.Load())
+			stalled += int(max(p, l.load.Load()-l.inCall.Load()))
+			continue
 		}
-		n += int(p)
+		group += int(p)
 	}
-	return n
+	return group, stalled
 }

@@ -185,7 +185,7 @@ func (r *runner[T]) runPool(in <-chan T) {
 	r.pool = newPool(cfg.Key, cfg.Lanes, r.gauge)
 	var wg sync.WaitGroup
 	for i := range cfg.Lanes {
-		f := newPoolFeed(r.pool)
+		f := newPoolFeed(r.pool, i)
 		wg.Go(func() {
 			if cfg.HandleBatch != nil {
 				r.batchLoop(i, f)
@@ -264,6 +264,10 @@ func (r *runner[T]) dispatch(in <-chan T) {
 	}
 }
 
+// keyed reports whether items run under a key (hash lanes or the pool):
+// then the lanes' calls are timed, for Gauge.Parked.
+func (r *runner[T]) keyed() bool { return r.keys != nil || r.pool != nil }
+
 // keyOf returns the item's key for finish, under a key (unordered
 // workers need none). Take it before the item is handled or dropped: the
 // item may change once it is (a settled delivery).
@@ -304,7 +308,7 @@ func (r *runner[T]) give(lane int, item T) {
 		return
 	}
 	k := r.keyOf(item)
-	if r.keys != nil {
+	if r.keyed() {
 		r.gauge.begin(lane, 1, time.Now())
 		r.cfg.Handle(lane, item)
 		r.gauge.end(lane, time.Now())

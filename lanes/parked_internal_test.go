@@ -13,21 +13,21 @@ import (
 func TestPoolParkedCount(t *testing.T) {
 	g := NewGauge(2)
 	p := newPool(func(s string) string { return s[:1] }, 2, g)
-	a, b := newPoolFeed(p), newPoolFeed(p)
+	a, b := newPoolFeed(p, 0), newPoolFeed(p, 1)
 	for _, it := range []string{"x1", "x2", "x3", "y1"} {
 		p.push(it)
 	}
-	if n := g.Parked(time.Now()); n != 0 {
+	if n := parkedNow(g); n != 0 {
 		t.Fatalf("parked %d before any lane took a key, want 0", n)
 	}
 	if it, st := a.poll(); st != got || it != "x1" {
 		t.Fatalf("lane a took %q, %v", it, st)
 	}
-	if n := g.Parked(time.Now()); n != 2 {
+	if n := parkedNow(g); n != 2 {
 		t.Fatalf("parked %d with x held by lane a and x2, x3 waiting, want 2", n)
 	}
 	p.push("x4")
-	if n := g.Parked(time.Now()); n != 3 {
+	if n := parkedNow(g); n != 3 {
 		t.Fatalf("parked %d after x4, want 3", n)
 	}
 	if it, st := b.poll(); st != got || it != "y1" {
@@ -36,22 +36,22 @@ func TestPoolParkedCount(t *testing.T) {
 	if it, _ := a.poll(); it != "x2" {
 		t.Fatalf("lane a took %q, want x2", it)
 	}
-	if n := g.Parked(time.Now()); n != 2 {
+	if n := parkedNow(g); n != 2 {
 		t.Fatalf("parked %d after lane a took x2, want 2", n)
 	}
 	p.finish("x")
 	p.finish("x") // lane a let x go: x3, x4 are ready for any lane
-	if n := g.Parked(time.Now()); n != 0 {
+	if n := parkedNow(g); n != 0 {
 		t.Fatalf("parked %d once no lane holds x, want 0", n)
 	}
 	if it, _ := b.poll(); it != "x3" {
 		t.Fatalf("lane b took %q, want x3", it)
 	}
-	if n := g.Parked(time.Now()); n != 1 {
+	if n := parkedNow(g); n != 1 {
 		t.Fatalf("parked %d with x4 behind lane b, want 1", n)
 	}
 	p.stop(func(string) {})
-	if n := g.Parked(time.Now()); n != 0 {
+	if n := parkedNow(g); n != 0 {
 		t.Fatalf("parked %d after a stop, want 0", n)
 	}
 }
@@ -84,17 +84,17 @@ func TestHashParkedCount(t *testing.T) {
 			in <- it
 		}
 		synctest.Wait()
-		if n := g.Parked(time.Now()); n != 2 {
+		if n := parkedNow(g); n != 2 {
 			t.Fatalf("parked %d with a1 in the handler and a2, b1, a keyless item and a3 queued, want 2 (a2, a3)", n)
 		}
 		time.Sleep(StallAfter + time.Microsecond)
-		if n := g.Parked(time.Now()); n != 4 {
+		if n := parkedNow(g); n != 4 {
 			t.Fatalf("parked %d once a1's call has run past StallAfter, want the 4 queued", n)
 		}
 		close(release)
 		close(in)
 		<-done
-		if n := g.Parked(time.Now()); n != 0 {
+		if n := parkedNow(g); n != 0 {
 			t.Fatalf("parked %d once the lane is empty, want 0", n)
 		}
 	})
@@ -110,12 +110,62 @@ func TestHashParkedStallFollowsTheMean(t *testing.T) {
 		g.lanes[0].load.Store(3)
 		g.begin(0, 1, time.Now())
 		time.Sleep(39 * time.Millisecond)
-		if n := g.Parked(time.Now()); n != 0 {
+		if n := parkedNow(g); n != 0 {
 			t.Fatalf("parked %d after 39 ms of a call, mean 10 ms: want 0", n)
 		}
 		time.Sleep(2 * time.Millisecond)
-		if n := g.Parked(time.Now()); n != 2 {
+		if n := parkedNow(g); n != 2 {
 			t.Fatalf("parked %d after 41 ms of a call, mean 10 ms: want the 2 queued", n)
+		}
+	})
+}
+
+// parkedNow is all that Gauge.Parked counts now.
+func parkedNow(g *Gauge) int {
+	group, stalled := g.Parked(time.Now())
+	return group + stalled
+}
+
+// What waits behind a stalled call is told apart from what waits behind
+// its group: under Balanced, the pool's items of the key a stalled lane
+// holds.
+func TestBalancedParkedBehindAStall(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		g := NewGauge(2)
+		in := make(chan string)
+		release := make(chan struct{})
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			Run(in, Config[string]{
+				Lanes:    2,
+				Key:      func(s string) string { return strings.TrimRight(s, "0123456789") },
+				Balanced: true,
+				Gauge:    g,
+				Handle: func(_ int, s string) {
+					if s == "a1" {
+						<-release
+					}
+				},
+				Drop: func(string) {},
+			})
+		}()
+		for _, it := range []string{"a1", "a2", "a3", "b1"} {
+			in <- it
+		}
+		synctest.Wait()
+		if group, stalled := g.Parked(time.Now()); group != 2 || stalled != 0 {
+			t.Fatalf("parked %d behind a group, %d behind a stall; want 2 (a2, a3), 0", group, stalled)
+		}
+		time.Sleep(StallAfter + time.Microsecond)
+		if group, stalled := g.Parked(time.Now()); group != 0 || stalled != 2 {
+			t.Fatalf("parked %d behind a group, %d behind a stall once a1's call has run past StallAfter; want 0, 2", group, stalled)
+		}
+		close(release)
+		close(in)
+		<-done
+		if n := parkedNow(g); n != 0 {
+			t.Fatalf("parked %d once the lanes are empty, want 0", n)
 		}
 	})
 }

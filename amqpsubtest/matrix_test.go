@@ -88,6 +88,36 @@ func creditBound(p shapes.Profile, l shapes.Lane, st amqpsub.Stats) (bound, inFl
 // their own group.
 func parked(st amqpsub.Stats) int { return 0 }
 
+// shapeSub returns a subscriber on q for profile p and lane mode l (with
+// opts after theirs): each handler call (of a delivery, or of a batch)
+// first sleeps for delay(), then runs h on each of its deliveries in turn.
+func shapeSub(t *testing.T, q *amqpsubtest.Queue, p shapes.Profile, l shapes.Lane, delay func() time.Duration,
+	h func(context.Context, *amqpsub.Delivery) error, opts ...amqpsub.Option) *amqpsub.Subscriber {
+	t.Helper()
+	opts = append(append(append([]amqpsub.Option(nil), p.Options...), l.Options()...), opts...)
+	var sub *amqpsub.Subscriber
+	var err error
+	if l.Batch > 0 {
+		sub, err = amqpsub.NewBatch(q.Connector(), "orders", amqpsub.BatchHandlerFunc(func(ctx context.Context, b []*amqpsub.Delivery) []error {
+			time.Sleep(delay())
+			r := make([]error, len(b))
+			for i, d := range b {
+				r[i] = h(ctx, d)
+			}
+			return r
+		}), opts...)
+	} else {
+		sub, err = amqpsub.New(q.Connector(), "orders", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+			time.Sleep(delay())
+			return h(ctx, d)
+		}), opts...)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sub
+}
+
 func runShape(t *testing.T, p shapes.Profile, l shapes.Lane, w shapes.Workload) {
 	rate := float64(l.Workers*l.Need()) / matrixHandling.Seconds()
 	n := int(rate * matrixRun.Seconds())
@@ -121,27 +151,8 @@ func runShape(t *testing.T, p shapes.Profile, l shapes.Lane, w shapes.Workload) 
 		}
 		return nil
 	}
-	opts := append(append([]amqpsub.Option{amqpsub.GracePeriod(0)}, p.Options...), l.Options()...)
-	var sub *amqpsub.Subscriber
-	var err error
-	if l.Batch > 0 {
-		sub, err = amqpsub.NewBatch(q.Connector(), "orders", amqpsub.BatchHandlerFunc(func(_ context.Context, b []*amqpsub.Delivery) []error {
-			time.Sleep(matrixHandling)
-			r := make([]error, len(b))
-			for i, d := range b {
-				r[i] = result(d)
-			}
-			return r
-		}), opts...)
-	} else {
-		sub, err = amqpsub.New(q.Connector(), "orders", amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
-			time.Sleep(matrixHandling)
-			return result(d)
-		}), opts...)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
+	sub := shapeSub(t, q, p, l, func() time.Duration { return matrixHandling }, func(_ context.Context, d *amqpsub.Delivery) error { return result(d) },
+		amqpsub.GracePeriod(0))
 
 	t0 := time.Now()
 	stop := start(sub)

@@ -184,6 +184,9 @@ type Workload struct {
 	// Repeats: a group has more than one message, so that its later
 	// messages can wait behind its earlier ones.
 	Repeats bool
+	// Skewed: one group has a large share of the messages, so that its
+	// backlog waits behind it on its lane whatever the lanes' pace.
+	Skewed bool
 }
 
 // Workloads returns the workloads: keyless; 100 groups taken in turn
@@ -207,7 +210,7 @@ func Workloads() []Workload {
 			}
 			return g
 		}},
-		{Name: "zipf100", Repeats: true, Groups: func(n int) []string {
+		{Name: "zipf100", Repeats: true, Skewed: true, Groups: func(n int) []string {
 			z := rand.NewZipf(rand.New(rand.NewPCG(1, 2)), 1.1, 1, 99)
 			g := make([]string, n)
 			for i := range g {

@@ -87,8 +87,13 @@ func (s *Subscriber) handle(ctx context.Context, d *Delivery) error {
 	for attempt := 1; isRetry(err) && r.allows(attempt) && !d.t.Stale(); attempt++ {
 		s.failed(d, err, attempt)
 		if !s.pause(ctx, d.p, r.wait(attempt)) {
-			// Stopping: the delivery goes back uncounted, since the stop
-			// and not the message ended its retries.
+			// Stopping: the delivery is released, since the stop and not
+			// the message ended its retries. Artemis, RabbitMQ 3.10 and
+			// Service Bus do not count a release; where the broker does
+			// (returnsCounted: a RabbitMQ 4 quorum queue, toward its
+			// delivery-limit), a graceful stop lets the retries go on
+			// for up to half the grace period (finishBuffered) before
+			// Stopping is closed.
 			return Release()
 		}
 		if d.t.Stale() {
@@ -129,7 +134,8 @@ func (s *Subscriber) handleBatch(ctx context.Context, lane int, batch []*Deliver
 		}
 		s.batchFailed(lane, failed, firstErr, attempt)
 		if !s.pause(ctx, batch[0].p, r.wait(attempt)) {
-			// Stopping: they go back uncounted (see handle).
+			// Stopping: they are released (see handle for what the
+			// broker counts).
 			for _, d := range failed {
 				s.settle(d, Release())
 			}

@@ -399,16 +399,24 @@ type RetryPolicy struct {
 // those already held: for that group, order is then lost. A handler whose
 // work depends on order must tell that case from an outage: when it finds
 // a delivery out of order (a gap in a sequence it keeps), it should return
-// [Release], which LocalRetry does not retry and the broker does not count,
-// so that the broker hands the group over again; a Retry there would be
-// retried in the lane, where the missing delivery can never arrive, until
-// the budget runs out.
+// [Release], which LocalRetry does not retry and the broker does not count
+// as a failed attempt (a RabbitMQ 4 quorum queue counts it toward its
+// delivery-limit all the same), so that the broker hands the group over
+// again; a Retry there would be retried in the lane, where the missing
+// delivery can never arrive, until the budget runs out.
 //
 // Retrying ends early:
 //
-//   - A stop or Close ends the waiting and releases the delivery: it goes
-//     back to the broker uncounted, since the stop, not the message, cut
-//     its retries short ([Results.Release] counts it).
+//   - A graceful stop ends the waiting and releases the delivery, since
+//     the stop, not the message, cut its retries short ([Results.Release]
+//     counts it). Artemis, RabbitMQ 3.10, a RabbitMQ 4 classic queue and
+//     Service Bus do not count a release as a delivery attempt; a
+//     RabbitMQ 4 quorum queue counts it toward its delivery-limit, so
+//     there the stop first hands what is buffered to the handlers, for up
+//     to half the [GracePeriod], and the retries go on meanwhile: the
+//     delivery is released only if they have not ended by then (see
+//     [RabbitMQ4]). A Close ends the waiting too, but sends nothing: the
+//     broker delivers the message again.
 //   - The loss of its Service Bus lock ends it too, and cancels the
 //     handler's context; nothing is sent then: the service delivers the
 //     message again.

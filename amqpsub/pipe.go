@@ -3,6 +3,7 @@ package amqpsub
 import (
 	"math"
 	"sync/atomic"
+	"time"
 
 	"github.com/amqpsub/amqpsub/internal/wait"
 	"github.com/amqpsub/amqpsub/lanes"
@@ -66,11 +67,18 @@ func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
 		AdaptiveFloor: s.cfg.floor,
 	}
 	if s.cfg.floor > 0 {
-		// A lane's own backlog (a slow group's deliveries behind its
-		// handler) is held on top of the floor, so the free lanes still get
-		// credit. need is what a lane takes at once: the floor per lane.
-		need, g := s.cfg.floorNeed, p.gauge
-		pc.Parked = func() int { return g.Parked(need) }
+		// What waits behind an earlier delivery of its own group is held on
+		// top of the floor, so that the free lanes still get credit. Where
+		// the broker pins a group to its consumer (pinsGroups), the whole
+		// of it: the group's backlog can go to no other consumer, and the
+		// broker's dispatch stops at a group whose consumer has no credit.
+		// Elsewhere a held backlog only hoards what other replicas could
+		// take, so at most the floor more: a delivery (or a batch) per lane.
+		g, most := p.gauge, math.MaxInt
+		if !s.cfg.profile.pinsGroups && !s.cfg.sessions() {
+			most = s.cfg.floor
+		}
+		pc.Parked = func() int { return min(g.Parked(time.Now()), most) }
 	}
 	if s.rec != nil {
 		pc.Meter = meter{s.rec}

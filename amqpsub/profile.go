@@ -43,6 +43,14 @@ type Profile struct {
 	// the reason, and an oversized delivery is rejected with
 	// amqp:link:message-size-exceeded.
 	namedReasons bool
+	// pinsGroups: the broker gives every delivery of a group-id to the
+	// consumer that took its first, and stops its dispatch at a group
+	// whose consumer has no credit, as Artemis does with message groups.
+	// The adaptive credit then holds a group's backlog behind its lane in
+	// full (see pipe.go); elsewhere it holds at most the floor of it.
+	// Service Bus sessions pin their session to its link whatever this
+	// says.
+	pinsGroups bool
 	// kind makes what the broker's kind adds to the links of a pipe
 	// (brokerKind); session is the Service Bus session the pipe asks for.
 	kind func(p *pipe, session string) brokerKind
@@ -147,6 +155,7 @@ func artemis() Profile {
 		creditMode: credit.Continuous,
 		detach:     true,
 		rejectCond: RejectCondition,
+		pinsGroups: true,
 		kind:       plain,
 	}
 }

@@ -51,6 +51,15 @@ type Stats struct {
 	// GroupsHeld is the number of groups (group-ids) with deliveries in the
 	// lanes now, under [BalanceKeys]; 0 otherwise.
 	GroupsHeld int
+	// Parked is the number of held deliveries that wait behind an earlier
+	// delivery of their own group: in their lane under [WorkersByKey]
+	// (queued, in the handler, or in the same batch), for the lane that
+	// holds their group under [BalanceKeys]; 0 under [Workers]. A hot or
+	// slow group shows here. The adaptive credit holds them on top of what
+	// the lanes need (all of them where the broker pins a group to its
+	// consumer, as Artemis does, and on Service Bus sessions; at most the
+	// floor more elsewhere: see docs/design.md).
+	Parked int
 
 	// Received counts deliveries received.
 	Received uint64
@@ -168,7 +177,8 @@ func (s *Subscriber) Stats() Stats {
 	var p pump.Stats
 	var locks Locks
 	lanesSt := make([]LaneStats, s.cfg.workers)
-	groups, creditLimit := 0, 0
+	groups, parked, creditLimit := 0, 0, 0
+	now := time.Now()
 	for _, pp := range s.pipes {
 		g := pp.gauge.Read()
 		for i := range lanesSt {
@@ -176,6 +186,7 @@ func (s *Subscriber) Stats() Stats {
 			lanesSt[i].Finished += g.Finished[i]
 		}
 		groups += g.Keys
+		parked += pp.gauge.Parked(now)
 		q := pp.pump.Stats()
 		p.Held += q.Held
 		p.MaxHeld += q.MaxHeld
@@ -208,6 +219,7 @@ func (s *Subscriber) Stats() Stats {
 	return Stats{
 		Lanes:        lanesSt,
 		GroupsHeld:   groups,
+		Parked:       parked,
 		Locks:        locks,
 		Held:         p.Held,
 		MaxHeld:      p.MaxHeld,
@@ -265,7 +277,7 @@ func (st Stats) String() string {
 		name string
 		n    uint64
 	}{
-		{"bytes_held", count(st.BytesHeld)}, {"groups_held", count(int64(st.GroupsHeld))}, {"panics", st.Results.Panics}, {"local_retries", st.Results.LocalRetries}, {"poisoned", st.Results.Poisoned}, {"oversize", st.Results.Oversize},
+		{"bytes_held", count(st.BytesHeld)}, {"groups_held", count(int64(st.GroupsHeld))}, {"parked", count(int64(st.Parked))}, {"panics", st.Results.Panics}, {"local_retries", st.Results.LocalRetries}, {"poisoned", st.Results.Poisoned}, {"oversize", st.Results.Oversize},
 		{"settle_errors", st.SettleErrors}, {"stale", st.Stale}, {"unsent", st.Unsent}, {"dropped", st.Dropped},
 		{"overshoot", count(st.Overshoot)}, {"links_lost", st.LinksLost}, {"reconnects", st.Reconnects},
 		{"locks_renewed", st.Locks.Renewed}, {"lock_renew_requests", st.Locks.RenewRequests},
@@ -295,6 +307,7 @@ func (st Stats) MarshalLogObject(enc zapcore.ObjectEncoder) error {
 	enc.AddInt("settling", st.Settling)
 	enc.AddInt("longest_lane", st.LongestLane())
 	enc.AddInt("groups_held", st.GroupsHeld)
+	enc.AddInt("parked", st.Parked)
 	enc.AddUint64("received", st.Received)
 	enc.AddUint64("accepted", st.Settled.Accepted)
 	enc.AddUint64("released", st.Settled.Released)

@@ -58,9 +58,10 @@
 // It follows Apache ActiveMQ Artemis 2.40 as docs/brokers.md records it:
 //
 //   - The queue hands out messages in publish order, only within the credit
-//     each link was given: it never sends past it. A drain (which amqpsub
-//     sends at a stop) takes the link's credit back at once, so what the
-//     stop releases is not sent back to the stopping link.
+//     each link was given: it never sends past it. [Queue.Credit] is what
+//     the attached links have left. A drain (which amqpsub sends at a
+//     stop) takes the link's credit back at once, so what the stop
+//     releases is not sent back to the stopping link.
 //   - Each delivery is a copy of the published message (group-id and every
 //     other property kept) with a header of its own: its delivery-count is
 //     the message's count of failed attempts; first-acquirer is the
@@ -84,7 +85,11 @@
 //     unsettled deliveries go back uncounted, recorded as [Unsettled] (Artemis
 //     closes an AMQP consumer as not failed), and settling them afterwards
 //     fails, as on a closed link (under Service Bus they stay locked: see
-//     below). RefuseAttach makes attaches fail.
+//     below). Credit granted on it afterwards is taken without an error
+//     and goes nowhere, as go-amqp's IssueCredit does on a lost link: the
+//     loss shows at the next Receive. RefuseAttach makes attaches fail;
+//     [Queue.FailIssueCredit] makes grants fail as go-amqp's do while a
+//     drain is pending on the link.
 //   - Message groups: the messages of a group-id go to the first link that
 //     got one of them, until that link ends; a group-sequence of 0xFFFFFFFF
 //     (-1 to Artemis) unbinds the group when it is delivered. A link's pass

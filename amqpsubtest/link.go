@@ -133,13 +133,28 @@ func (l *link) deliver(r *record) *amqp.Message {
 	return &m
 }
 
-// IssueCredit adds n to the link's credit.
+// errDraining is the error of go-amqp's creditor.IssueCredit
+// (creditor.go) while a DrainCredit is pending on the link, word for word.
+var errDraining = errors.New("link is currently draining, no credits can be added")
+
+// IssueCredit adds n to the link's credit, as go-amqp's
+// Receiver.IssueCredit does (receiver.go), which hands it to
+// creditor.IssueCredit (creditor.go): besides on a receiver with
+// automatic credit, which a pump never has, that fails only while a drain
+// is pending (errDraining, see [Queue.FailIssueCredit]), and neither looks
+// at the link itself. Once the link is lost it returns nil and no credit
+// flows: the receiver's mux has ended, and its deferred creditor.EndDrain
+// cleared any pending drain. The loss shows at the next Receive.
 func (l *link) IssueCredit(n uint32) error {
 	q := l.q
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	if l.err != nil {
-		return l.err
+		return nil
+	}
+	if q.failCredit > 0 {
+		q.failCredit--
+		return errDraining
 	}
 	l.credit += uint64(n)
 	select {

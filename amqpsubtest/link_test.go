@@ -172,8 +172,8 @@ func TestLostLinkRequeuesUncountedAndFailsLater(t *testing.T) {
 	if err := l.AcceptMessage(t.Context(), m0); !errors.As(err, &le) {
 		t.Fatalf("accept after the loss = %v", err)
 	}
-	if err := l.IssueCredit(1); !errors.As(err, &le) {
-		t.Fatalf("IssueCredit after the loss = %v", err)
+	if err := l.IssueCredit(1); err != nil {
+		t.Fatalf("IssueCredit after the loss = %v, want nil as from go-amqp", err)
 	}
 	l2 := open(t, q)
 	_ = l2.IssueCredit(2)
@@ -187,6 +187,91 @@ func TestLostLinkRequeuesUncountedAndFailsLater(t *testing.T) {
 	if fmt.Sprint(r.Deliveries) != "[0 unsettled 0 pending]" || r.Deliveries[0].Link != 1 || r.Deliveries[1].Link != 2 {
 		t.Fatalf("deliveries %v", r.Deliveries)
 	}
+}
+
+// go-amqp's IssueCredit never looks at the link: on a lost link, however
+// it ended, it returns nil, and the credit goes nowhere.
+func TestIssueCreditOnALostLinkReturnsNil(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		end  func(q *Queue, l *link)
+	}{
+		{"LoseLinks", func(q *Queue, _ *link) { q.LoseLinks(nil) }},
+		{"Close", func(_ *Queue, l *link) { _ = l.Close(context.Background()) }},
+		{"Receive's ctx", func(_ *Queue, l *link) {
+			ctx, cancel := context.WithCancel(context.Background())
+			cancel()
+			_, _ = l.Receive(ctx, nil)
+		}},
+		{"session ended", func(q *Queue, _ *link) { q.LoseLinks(&amqp.SessionError{}) }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			q := NewQueue()
+			q.Publish(Message("", "0"))
+			l := open(t, q)
+			c.end(q, l)
+			q.FailIssueCredit(1)
+			if err := l.IssueCredit(5); err != nil {
+				t.Fatalf("IssueCredit on the lost link = %v, want nil", err)
+			}
+			if got := q.Credit(); got != 0 {
+				t.Fatalf("Credit() = %d after credit on a lost link, want 0", got)
+			}
+			if _, err := l.Receive(t.Context(), nil); err == nil {
+				t.Fatal("Receive on the lost link succeeded")
+			}
+			// The fault is left for a link that is attached.
+			l2 := open(t, q)
+			if err := l2.IssueCredit(1); err == nil {
+				t.Fatal("FailIssueCredit(1) was used up by the lost link")
+			}
+		})
+	}
+}
+
+// FailIssueCredit fails the next n calls as a pending drain does in go-amqp:
+// same text, no credit added, the link still attached; then credit flows
+// again.
+func TestFailIssueCreditFailsAsAPendingDrain(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		q := NewQueue()
+		q.Publish(Message("", "0"), Message("", "1"), Message("", "2"))
+		l := open(t, q)
+		if err := l.IssueCredit(1); err != nil {
+			t.Fatal(err)
+		}
+		q.FailIssueCredit(2)
+		for range 2 {
+			err := l.IssueCredit(10)
+			if err == nil || err.Error() != "link is currently draining, no credits can be added" {
+				t.Fatalf("IssueCredit under the fault = %v", err)
+			}
+			var le *amqp.LinkError
+			if errors.As(err, &le) {
+				t.Fatalf("IssueCredit under the fault = %T, a link error: go-amqp's is a plain error", err)
+			}
+		}
+		if got := q.Credit(); got != 1 {
+			t.Fatalf("Credit() = %d after failed grants, want the 1 given before", got)
+		}
+		if m := receive(t, l); body(m) != "0" {
+			t.Fatalf("received %q on the link after the fault", body(m))
+		}
+		if err := l.IssueCredit(2); err != nil {
+			t.Fatalf("IssueCredit once the fault is used up = %v", err)
+		}
+		if m := receive(t, l); body(m) != "1" {
+			t.Fatalf("received %q", body(m))
+		}
+		q.FailIssueCredit(5)
+		q.FailIssueCredit(0)
+		if err := l.IssueCredit(1); err != nil {
+			t.Fatalf("IssueCredit after FailIssueCredit(0) = %v", err)
+		}
+		if got := q.Credit(); got != 2 {
+			t.Fatalf("Credit() = %d, want 2", got)
+		}
+	})
 }
 
 func TestReceiveCancelledEndsTheLink(t *testing.T) {

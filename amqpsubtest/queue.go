@@ -42,6 +42,8 @@ type Queue struct {
 	owners   map[string]*link // group-id → the link its messages go to
 	refuse   error            // RefuseAttach's
 	waiters  []chan struct{}  // closed at the next change
+	// FailIssueCredit's: how many IssueCredit calls are still to fail.
+	failCredit int
 	// Service Bus: the records whose delivery is locked now, by lock token.
 	locks     map[amqp.UUID]*record
 	lastToken uint64
@@ -191,6 +193,37 @@ func (q *Queue) RefuseAttach(err error) {
 	q.mu.Lock()
 	q.refuse = err
 	q.mu.Unlock()
+}
+
+// FailIssueCredit makes the next n calls of IssueCredit, on whichever
+// attached links make them, fail as go-amqp's Receiver.IssueCredit does
+// while a drain is pending on the link: with the error "link is currently
+// draining, no credits can be added", and no credit added. The link stays
+// attached, as in go-amqp; what a subscriber does then is its own choice.
+// A call on a lost link returns nil without using up n. n ≤ 0 ends the
+// fault. Default: 0, every IssueCredit succeeds.
+//
+// The queue answers every drain at once, so no drain of its own is ever
+// pending: this is how a test reaches a subscriber's handling of that
+// error.
+func (q *Queue) FailIssueCredit(n int) {
+	q.mu.Lock()
+	q.failCredit = max(0, n)
+	q.mu.Unlock()
+}
+
+// Credit returns the credit the queue holds for its subscribers now: the
+// sum, over the links attached now, of the credit each was given and has
+// not yet used on a delivery. A drain takes a link's credit back, and a
+// link that ends takes its own with it.
+func (q *Queue) Credit() int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	n := 0
+	for _, l := range q.links {
+		n += int(l.credit)
+	}
+	return n
 }
 
 // Wait waits until every message published so far is settled for good:

@@ -855,3 +855,236 @@ func TestStopDoesNotRedeliverToTheStoppingLink(t *testing.T) {
 		t.Fatalf("%d left on the queue, want the released one", n)
 	}
 }
+
+// eventLog records a subscriber's events, from whichever goroutine.
+type eventLog struct {
+	mu  sync.Mutex
+	evs []amqpsub.Event
+}
+
+func (e *eventLog) on(ev amqpsub.Event) {
+	e.mu.Lock()
+	e.evs = append(e.evs, ev)
+	e.mu.Unlock()
+}
+
+// of returns the events of kind k.
+func (e *eventLog) of(k amqpsub.EventKind) []amqpsub.Event {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	var out []amqpsub.Event
+	for _, ev := range e.evs {
+		if ev.Kind == k {
+			out = append(out, ev)
+		}
+	}
+	return out
+}
+
+// twoGates is a handler whose first call for body "0" waits for gate0 and
+// whose first call for "1" waits for gate1; it counts its calls per body.
+type twoGates struct {
+	gate0, gate1 chan struct{}
+	calls        calls
+}
+
+func newTwoGates() *twoGates {
+	return &twoGates{gate0: make(chan struct{}), gate1: make(chan struct{})}
+}
+
+func (g *twoGates) handle(_ context.Context, d *amqpsub.Delivery) error {
+	b := text(d)
+	if g.calls.add(b) == 1 {
+		switch b {
+		case "0":
+			<-g.gate0
+		case "1":
+			<-g.gate1
+		}
+	}
+	return nil
+}
+
+// lostLinkRun publishes 0, 1 and 2 to q and runs a subscriber with credit 2
+// and one worker: 0 waits in the handler and 1 behind it, on link 1. hit
+// is called then; gate0 opens (0's acceptance frees credit, which the
+// pump grants); once the subscriber has settled (attached again, if
+// anything made it lose the link), gate1 opens and the queue drains. It
+// returns the events, and checks that nothing was lost: 1 went back
+// unsettled from link 1 and came again on link 2, every message was
+// accepted, each handled once but 1 (handled again if its first call was
+// of the lost link), and Run went on to the stop.
+func lostLinkRun(t *testing.T, q *amqpsubtest.Queue, hit func(), opts ...amqpsub.Option) (*eventLog, amqpsub.Stats) {
+	t.Helper()
+	q.Publish(amqpsubtest.Message("", "0"), amqpsubtest.Message("", "1"), amqpsubtest.Message("", "2"))
+	g := newTwoGates()
+	var evs eventLog
+	sub := newSub(t, q, g.handle, append([]amqpsub.Option{amqpsub.Credit(2), amqpsub.FixedCredit(),
+		amqpsub.Workers(1), amqpsub.OnEvent(evs.on)}, opts...)...)
+	stop := start(sub)
+	synctest.Wait()
+	if got := q.Credit(); got != 0 {
+		t.Fatalf("Credit() = %d with both deliveries held, want 0", got)
+	}
+	hit()
+	close(g.gate0)
+	synctest.Wait()
+	close(g.gate1)
+	if err := q.Wait(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-sub.Done():
+		t.Fatal("Run returned before the stop")
+	default:
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	want := `#0: 0 accepted → consumed
+#1: 0 unsettled, 0 accepted → consumed
+#2: 0 accepted → consumed
+`
+	if got := history(q.Records()); got != want {
+		t.Fatalf("history:\n%swant:\n%s", got, want)
+	}
+	if d := q.Records()[1].Deliveries; d[0].Link != 1 || d[1].Link != 2 {
+		t.Fatalf("1 went out on links %d, %d; want 1, then 2", d[0].Link, d[1].Link)
+	}
+	st := sub.Stats()
+	// 1, of the lost link, was either in the handler (its acceptance then
+	// stale, not sent) or still waiting for it (dropped).
+	if n := g.calls.n; n["0"] != 1 || n["2"] != 1 || n["1"] != int(1+st.Stale) || st.Stale+st.Dropped != 1 {
+		t.Fatalf("handler calls %v; %v", n, st)
+	}
+	if st.LinksLost != 1 || st.Reconnects != 1 || st.Settled.Accepted != 3 {
+		t.Fatal(st)
+	}
+	return &evs, st
+}
+
+// An IssueCredit that fails as on a link with a drain pending: the pump
+// gives the link up as lost (the error is the loss's cause), the
+// subscriber attaches a new one and goes on, and what the first link held
+// comes back on the second. Nothing is lost and Run goes on.
+func TestIssueCreditFailureReplacesTheLink(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		q := amqpsubtest.NewQueue()
+		var causes []error
+		evs, _ := lostLinkRun(t, q, func() { q.FailIssueCredit(1) },
+			amqpsub.OnReconnect(func(_ int, cause error) { causes = append(causes, cause) }))
+		const draining = "pump: issue credit: link is currently draining, no credits can be added"
+		lost := evs.of(amqpsub.EventLinkLost)
+		if len(lost) != 1 || lost[0].Err == nil || lost[0].Err.Error() != draining {
+			t.Fatalf("link-lost events %v, want one: %s", lost, draining)
+		}
+		if len(causes) != 1 || causes[0].Error() != draining {
+			t.Fatalf("reconnect causes %v, want %s", causes, draining)
+		}
+	})
+}
+
+// lossAtSettle is a Recorder that loses the queue's links as the pump
+// applies the first settlement: it runs on the pump's goroutine, so the
+// pump then grants the credit the settlement freed on the link just lost,
+// before it can hear of the loss from its receive loop.
+type lossAtSettle struct {
+	q    *amqpsubtest.Queue
+	once sync.Once
+}
+
+func (r *lossAtSettle) Recorder(amqpsub.MetricsInfo) amqpsub.Recorder { return r }
+func (r *lossAtSettle) Received()                                     {}
+func (r *lossAtSettle) Handled(amqpsub.HandlerCall)                   {}
+func (r *lossAtSettle) Settled(amqpsub.Outcome, error)                { r.once.Do(func() { r.q.LoseLinks(nil) }) }
+func (r *lossAtSettle) Event(amqpsub.Event)                           {}
+func (r *lossAtSettle) LocksRenewed(int)                              {}
+func (r *lossAtSettle) Dropped(int)                                   {}
+
+// The pump grants credit on a link lost a moment before. IssueCredit
+// returns nil there, as go-amqp's does, so the loss the subscriber
+// reports is what its Receive saw, the broker's detach, not an IssueCredit
+// error; it attaches again and nothing is lost.
+func TestIssueCreditOnALostLinkLeavesTheLossToReceive(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		q := amqpsubtest.NewQueue()
+		evs, _ := lostLinkRun(t, q, func() {}, amqpsub.WithMetrics(&lossAtSettle{q: q}))
+		lost := evs.of(amqpsub.EventLinkLost)
+		var le *amqp.LinkError
+		if len(lost) != 1 || !errors.As(lost[0].Err, &le) || le.RemoteErr == nil || le.RemoteErr.Condition != amqp.ErrCondDetachForced {
+			t.Fatalf("link-lost events %v, want one, the detach", lost)
+		}
+		if msg := lost[0].Err.Error(); !strings.HasPrefix(msg, "pump: receive: ") {
+			t.Fatalf("the loss was reported as %q, want the receive's", msg)
+		}
+	})
+}
+
+// Credit is what the attached links were given and have not used: it
+// falls with each delivery, rises with each grant, and a link's share goes
+// when it drains or ends.
+func TestQueueCredit(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		q := amqpsubtest.NewQueue()
+		if got := q.Credit(); got != 0 {
+			t.Fatalf("Credit() = %d with no link, want 0", got)
+		}
+		gate := make(chan struct{})
+		h := func(context.Context, *amqpsub.Delivery) error { <-gate; return nil }
+		stop := start(newSub(t, q, h, amqpsub.Credit(4), amqpsub.FixedCredit(), amqpsub.Workers(1),
+			amqpsub.Backoff(time.Second, time.Second)))
+		synctest.Wait()
+		if got := q.Credit(); got != 4 {
+			t.Fatalf("Credit() = %d on an empty queue, want the 4 granted", got)
+		}
+		q.Publish(amqpsubtest.Message("", "0"))
+		synctest.Wait()
+		if got := q.Credit(); got != 3 {
+			t.Fatalf("Credit() = %d with one delivered, want 3", got)
+		}
+		// A second subscriber's link adds its own.
+		stop2 := start(newSub(t, q, h, amqpsub.Credit(2), amqpsub.FixedCredit(), amqpsub.Workers(1)))
+		synctest.Wait()
+		if got := q.Credit(); got != 5 {
+			t.Fatalf("Credit() = %d with two links, want 3 + 2", got)
+		}
+		for i := 1; i <= 6; i++ {
+			q.Publish(amqpsubtest.Message("", strconv.Itoa(i)))
+		}
+		synctest.Wait()
+		if got, queued := q.Credit(), len(q.Queued()); got != 0 || queued != 1 {
+			t.Fatalf("Credit() = %d, %d queued with 7 published over 6 credits, want 0, 1", got, queued)
+		}
+		close(gate)
+		if err := q.Wait(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		synctest.Wait() // the last settlements' credit granted again
+		if got := q.Credit(); got != 6 {
+			t.Fatalf("Credit() = %d with both links idle, want 4 + 2", got)
+		}
+		// The drain at the second's stop takes its credit back, and its
+		// link ends.
+		if err := stop2(); err != nil {
+			t.Fatal(err)
+		}
+		if got := q.Credit(); got != 4 {
+			t.Fatalf("Credit() = %d after the second stopped, want the first's 4", got)
+		}
+		q.LoseLinks(nil)
+		if got := q.Credit(); got != 0 {
+			t.Fatalf("Credit() = %d after the links were lost, want 0", got)
+		}
+		time.Sleep(time.Second) // the reconnect's backoff, on the bubble's clock
+		synctest.Wait()         // the subscriber attaches again and grants
+		if got := q.Credit(); got != 4 {
+			t.Fatalf("Credit() = %d after the reattach, want 4", got)
+		}
+		if err := stop(); err != nil {
+			t.Fatal(err)
+		}
+		if got := q.Credit(); got != 0 {
+			t.Fatalf("Credit() = %d after the stop, want 0", got)
+		}
+	})
+}

@@ -298,3 +298,145 @@ func TestAdaptiveWithWindowsAndAByteBudget(t *testing.T) {
 		t.Fatalf("grant %d, want 3 (budget 3000 / 1000 B)", g)
 	}
 }
+
+// trickle runs a: after idle with nothing sent, a producer sends one
+// message every gap, each handled in took, for d. It returns the highest
+// limit and held+outstanding seen after the first settle.
+func trickle(a *Account, now *time.Time, gap, took, d time.Duration) (most, mostOut int) {
+	end := now.Add(d)
+	for now.Before(end) {
+		if a.Snapshot().Outstanding <= 0 {
+			*now = now.Add(gap) // no credit: the next waits for a grant
+			a.Grant()
+			continue
+		}
+		a.Received()
+		*now = now.Add(took)
+		a.Settled(1)
+		a.Grant()
+		most = max(most, a.Limit())
+		mostOut = max(mostOut, int(a.Snapshot().Outstanding)+a.Held())
+		*now = now.Add(gap - took)
+	}
+	return most, mostOut
+}
+
+// A subscriber started before its producer: the first grant waits for
+// the producer, not for the broker, and is not timed, so a trickle
+// afterwards keeps the credit at what its lanes need: floor +
+// ⌈4 × 100/s × 2 ms⌉ = floor + 1. Before, the pause (capped at 1 s) was
+// the round trip, and the trickle's rate times it held the ceiling.
+func TestAdaptiveAnIdleStartDoesNotPinTheCredit(t *testing.T) {
+	now := time.Unix(1e9, 0)
+	a := New(256, Continuous)
+	a.Adapt(8, func() time.Time { return now })
+	a.Attach()
+	if g := a.Grant(); g != 8 {
+		t.Fatalf("first grant %d, want the floor", g)
+	}
+	now = now.Add(3 * time.Second)
+	most, mostOut := trickle(a, &now, 10*time.Millisecond, time.Millisecond, time.Second)
+	if rtt := a.RoundTrip(); rtt > 10*time.Millisecond || most > 10 || mostOut > 10 {
+		t.Fatalf("round trip %v, credit up to %d, held+outstanding up to %d; want ≤ 10 ms and ≤ floor+2", rtt, most, mostOut)
+	}
+}
+
+// The first timed grant found the queue empty (a burst of exactly the
+// first credit, then a pause): its sample counts for at most
+// FirstRoundTripCap. Once no grant has confirmed it for RoundTripTTL, the
+// Account lets the credit run out and times the next grant: under a
+// trickle that is the trickle's gap, which holds about Headroom
+// deliveries in flight.
+func TestAdaptiveAPauseSampledFirstIsProbedAgain(t *testing.T) {
+	now := time.Unix(1e9, 0)
+	a := New(256, Continuous)
+	a.Adapt(8, func() time.Time { return now })
+	a.Attach()
+	a.Grant()
+	for range 8 {
+		a.Received()
+	}
+	now = now.Add(time.Millisecond)
+	a.Settled(8)
+	a.Grant() // timed: the credit ran out
+	now = now.Add(3 * time.Second)
+	most, _ := trickle(a, &now, 10*time.Millisecond, time.Millisecond, 500*time.Millisecond)
+	if rtt := a.RoundTrip(); rtt != FirstRoundTripCap {
+		t.Fatalf("round trip %v after a 3 s pause, want the cap %v", rtt, FirstRoundTripCap)
+	}
+	// The rate, a count decaying over 100 ms, reads 105/s at 100/s:
+	// floor + ⌈4 × 105/s × 100 ms⌉ = 50 at most while the sample lasts.
+	if most > 50 {
+		t.Fatalf("credit up to %d with the capped sample, want ≤ 50", most)
+	}
+	trickle(a, &now, 10*time.Millisecond, time.Millisecond, RoundTripTTL+time.Second)
+	most, mostOut := trickle(a, &now, 10*time.Millisecond, time.Millisecond, time.Second)
+	// The probe's sample is the gap less the handler's 1 ms:
+	// floor + ⌈4 × 105/s × 9 ms⌉ = 12.
+	if rtt := a.RoundTrip(); rtt > 10*time.Millisecond || most > 12 || mostOut > 12 {
+		t.Fatalf("after a probe: round trip %v, credit up to %d, held+outstanding up to %d; want ≤ 10 ms and ≤ 12",
+			rtt, most, mostOut)
+	}
+}
+
+// A low sample is believed at once: every sample is an upper bound of
+// the round trip. A high one moves the estimate by an eighth of the gap,
+// and counts for at most four times the estimate.
+func TestAdaptiveSamplesAreUpperBounds(t *testing.T) {
+	now := time.Unix(1e9, 0)
+	a := New(256, Continuous)
+	a.Adapt(1, func() time.Time { return now })
+	a.Attach()
+	// sample has the link spend its credit, grants at once (timed) and
+	// brings the grant's first delivery rtt later.
+	sample := func(rtt time.Duration) {
+		t.Helper()
+		for a.Snapshot().Outstanding > 0 {
+			a.Received()
+			a.Settled(1)
+		}
+		if a.Grant() == 0 {
+			t.Fatal("no grant with the credit spent")
+		}
+		now = now.Add(rtt)
+		a.Received()
+		a.Settled(1)
+	}
+	a.Grant() // the link's first grant: not timed
+	now = now.Add(time.Hour)
+	a.Received()
+	a.Settled(1)
+	if rtt := a.RoundTrip(); rtt != 0 {
+		t.Fatalf("round trip %v from the link's first grant, want none", rtt)
+	}
+	for _, c := range []struct{ sample, want time.Duration }{
+		{time.Second, FirstRoundTripCap}, // the first, capped
+		{10 * time.Millisecond, 10 * time.Millisecond},
+		{18 * time.Millisecond, 11 * time.Millisecond},
+		{time.Second, 11*time.Millisecond + 33*time.Millisecond/8}, // 4 × 11 ms at most
+	} {
+		sample(c.sample)
+		if rtt := a.RoundTrip(); rtt != c.want {
+			t.Fatalf("round trip %v after a sample of %v, want %v", rtt, c.sample, c.want)
+		}
+	}
+}
+
+// A long round trip that the credit covers is not forgotten at a cost:
+// when RoundTripTTL passes without a sample the credit falls, runs out,
+// and is sampled again. Two lanes of 1 ms behind 20 ms: the adaptive
+// credit drains at least 90% of what a fixed one does.
+func TestAdaptiveALongRoundTripKeepsItsRate(t *testing.T) {
+	s := newSim(t, 256, 2, 20*time.Millisecond, constant(time.Millisecond))
+	s.run(s.now.Add(time.Second))
+	got := s.run(s.now.Add(5 * time.Second))
+	f := newSim(t, 256, 2, 20*time.Millisecond, constant(time.Millisecond))
+	f.a = New(256, Continuous)
+	f.a.Attach()
+	f.run(f.now.Add(time.Second))
+	fixed := f.run(f.now.Add(5 * time.Second))
+	t.Logf("adaptive %d, fixed %d in 5 s; round trip %v, credit %d", got, fixed, s.a.RoundTrip(), s.a.Limit())
+	if got < fixed*90/100 {
+		t.Fatalf("adaptive drained %d in 5 s, fixed %d: want ≥ 90%%", got, fixed)
+	}
+}

@@ -49,21 +49,43 @@
 // drain rate, deliveries settled per second (an exponentially decaying
 // count, time constant [DrainWindow]), and the round trip, the time from a
 // grant made when the link had no credit left to the first delivery it
-// brings (a moving average over about eight grants; a grant made while the
-// queue was empty waits for a producer, not for the broker, so no sample
-// counts for more than four times the average). The limit is then
+// brings. The limit is then
 //
 //	floor + ⌈Headroom × rate × max(round trip, MinRoundTrip)⌉, within [floor, ceiling]
 //
 // floor being what the caller's lanes start at once (one delivery per
-// lane, a batch for batches), plus what Park says waits behind a busy
-// lane. What the lanes drain in Headroom round trips is in flight, and
+// lane, a batch for batches), plus what Park says waits behind an earlier
+// delivery of its own group. What the lanes drain in Headroom round trips is in flight, and
 // what they hold is the floor: a replica takes what it will start soon, and leaves the rest
 // of the queue to the others. Fast handlers raise the rate, and, while the
 // credit limits it, the rate raises the limit again (the in-flight term
 // grows by Headroom for each round trip it covers), until the round trip
 // is covered or the ceiling reached. Slow handlers leave it near the
 // floor. An idle link keeps the floor.
+//
+// # What a round trip sample is worth
+//
+// A grant made while the queue is empty is answered when a producer
+// sends, not when the broker can: its sample is the producer's pause. So
+// a sample is only an upper bound of the round trip, and the estimate
+// trusts low samples more than high ones:
+//
+//   - the first grant of a link is not timed: a link is attached to a queue
+//     that may well be empty, and its sample would have no average to be
+//     checked against;
+//   - the first sample counts for at most [FirstRoundTripCap]; after it, a
+//     sample below the estimate is the estimate, and one above it counts
+//     for at most four times the estimate and moves it by an eighth of the
+//     gap;
+//   - an estimate above [MinRoundTrip] lasts [RoundTripTTL] from its last
+//     sample. Then the Account probes: it grants nothing more until the
+//     link's credit has run out (but for the flow frame owed after the
+//     last settlement), and times the grant that follows. Under a trickle
+//     the credit never runs out, so without the probe an estimate made in
+//     a pause would hold the credit high for as long as the trickle
+//     lasts; with it, the trickle's own gap becomes the estimate, which
+//     holds about Headroom deliveries in flight. A probe costs the lanes
+//     at most a round trip of work each RoundTripTTL.
 //
 // The limit is never lowered on the wire: a lower limit only withholds the
 // next grants until what is held and outstanding has run down below it.
@@ -90,9 +112,16 @@ const (
 	// handlers, one lane): with the round trip as timed (about 0.5 ms) the
 	// adaptive credit drained 0.89 times what a fixed 256 did.
 	MinRoundTrip = 2 * time.Millisecond
-	// firstRoundTripCap bounds the first round-trip sample, which a
-	// grant to an empty queue can make as long as the queue stays empty.
-	firstRoundTripCap = time.Second
+	// FirstRoundTripCap bounds the first round-trip sample of an Account
+	// (see the package comment): the first timed grant may still have
+	// found the queue empty.
+	FirstRoundTripCap = 100 * time.Millisecond
+	// RoundTripTTL is how long a round-trip estimate above MinRoundTrip
+	// lasts without a new sample before it falls back to MinRoundTrip.
+	RoundTripTTL = time.Second
+	// FlowOwedAfter is how long, with Adapt, the flow frame owed after the
+	// last settlement waits for no delivery to arrive (see Grant).
+	FlowOwedAfter = 250 * time.Millisecond
 	// Headroom is how many round trips' worth of the drain rate the
 	// limit holds in flight, above its floor.
 	Headroom = 4
@@ -161,7 +190,13 @@ type adaptive struct {
 	// Grants on this link not yet covered by a delivery: end is the
 	// link's granted count once the grant was made.
 	grants []grant
-	rtt    time.Duration // the round trip's moving average; 0 before any sample
+	rtt    time.Duration // the round trip's estimate; 0 before any sample
+	rttAt  time.Time     // when rtt was last sampled
+	// lastRecv is when the last delivery arrived (FlowOwedAfter).
+	lastRecv time.Time
+	// probing: rtt went unconfirmed for RoundTripTTL; grants wait until
+	// the link's credit has run out, so that the next one is timed.
+	probing bool
 
 	target int64 // the limit as of the last grant
 	parked int64 // held deliveries waiting behind a busy lane (Park)
@@ -223,6 +258,7 @@ func (a *Account) Received() (firstOvershoot bool) {
 	a.received++
 	a.held++
 	if ad := a.adapt; ad != nil {
+		ad.lastRecv = ad.now()
 		ad.covered(a.received)
 	}
 	a.maxHeld = max(a.maxHeld, a.held)
@@ -276,22 +312,30 @@ func (ad *adaptive) covered(k int64) {
 		return // past the credit, or not the grant's first
 	}
 	g := &ad.grants[0]
-	rtt := max(ad.now().Sub(g.at), time.Microsecond)
+	now := ad.now()
+	rtt := max(now.Sub(g.at), time.Microsecond)
 	g.at = time.Time{} // sampled
-	if ad.rtt == 0 {
-		ad.rtt = min(rtt, firstRoundTripCap)
-		return
+	ad.rttAt, ad.probing = now, false
+	switch {
+	case ad.rtt == 0:
+		ad.rtt = min(rtt, FirstRoundTripCap)
+	case rtt < ad.rtt:
+		// Every sample is an upper bound of the round trip: a low one is
+		// believed at once.
+		ad.rtt = rtt
+	default:
+		// A high one may be a producer's pause: it counts for at most four
+		// times the estimate, which a run of such samples still raises,
+		// 37% at a time.
+		ad.rtt += (min(rtt, 4*ad.rtt) - ad.rtt) / 8
 	}
-	// A grant made while the queue was empty is answered when a producer
-	// sends, not when the broker can: a sample counts for at most four
-	// times the average, which a run of such samples still raises, 37% at
-	// a time.
-	rtt = min(rtt, 4*ad.rtt)
-	ad.rtt += (rtt - ad.rtt) / 8
 }
 
 // targetAt returns the adaptive limit at now, within floor and ceiling.
 func (ad *adaptive) targetAt(now time.Time, ceiling int64) int64 {
+	if ad.rtt > MinRoundTrip && now.Sub(ad.rttAt) > RoundTripTTL {
+		ad.probing = true // unconfirmed for too long: see the package comment
+	}
 	drained := ad.decayed(now)
 	base := min(ceiling, ad.floor+ad.parked)
 	if drained < 0.5 {
@@ -361,6 +405,27 @@ func (a *Account) Grant() uint32 {
 	if a.mode == Windowed && outstanding > 0 {
 		return 0
 	}
+	// The last settlement is followed by a flow frame even when the
+	// adaptive limit has come down below what is outstanding: a paused
+	// Artemis queue (group-rebalance-pause-dispatch) resumes only on one,
+	// and a pause is when the rate, and so the limit, falls. One credit
+	// past the limit, within the ceiling, never under a byte budget, and,
+	// with Adapt, only once no delivery has arrived for FlowOwedAfter: a
+	// queue that is paused sends nothing, while under a trickle (every
+	// delivery handled before the next arrives, so each empties the
+	// process) the credit outstanding must run down rather than stay
+	// where it is.
+	owed := a.held == 0 && a.flowOwed && a.budget == 0 && a.limit-outstanding >= 1
+	if ad := a.adapt; ad != nil && owed {
+		owed = ad.now().Sub(ad.lastRecv) >= FlowOwedAfter
+	}
+	if ad := a.adapt; ad != nil && ad.probing && outstanding > 0 {
+		// Until the credit runs out, for a timed grant; but the flow owed.
+		if !owed {
+			return 0
+		}
+		return a.issue(1, outstanding)
+	}
 	limit, chunk := a.limit, a.chunk
 	// moving: the held deliveries whose settlement will come soon. Those
 	// parked behind a busy lane (Park) may wait for as long as their lane
@@ -382,16 +447,7 @@ func (a *Account) Grant() uint32 {
 	if a.budget > 0 && a.held == 0 && outstanding <= 0 {
 		want = max(want, 1) // one always flows, however large
 	}
-	if want <= 0 && a.held == 0 && a.flowOwed && a.budget == 0 && a.limit-outstanding >= 1 {
-		// The last settlement is followed by a flow frame even when the
-		// adaptive limit has come down below what is outstanding: a paused
-		// Artemis queue (group-rebalance-pause-dispatch) resumes only on
-		// one, and a pause is when the rate, and so the limit, falls. One
-		// credit past the limit, within the ceiling, and never under a byte
-		// budget. The cost: when every delivery empties the process (a
-		// trickle, handled before the next arrives), what is outstanding
-		// stays where it was instead of running down to the limit; with a
-		// backlog, something is held and it runs down.
+	if want <= 0 && owed {
 		want = 1
 	}
 	// Below a chunk, wait for more settlements, unless nothing is held (or
@@ -402,6 +458,12 @@ func (a *Account) Grant() uint32 {
 	if want < chunk && (moving > 0 || want <= 0) {
 		return 0
 	}
+	return a.issue(want, outstanding)
+}
+
+// issue records a grant of want (> 0) made with outstanding credit left,
+// and returns it.
+func (a *Account) issue(want, outstanding int64) uint32 {
 	// want ≤ limit + overshoot of this link; both fit a uint32 for any limit
 	// the options accept, but clamp anyway rather than wrap.
 	want = min(want, 1<<31)
@@ -410,15 +472,21 @@ func (a *Account) Grant() uint32 {
 	if ad := a.adapt; ad != nil {
 		// Only a grant to a link that had spent its credit times the round
 		// trip: after one made while credit was outstanding, the broker
-		// first sends what the earlier credit covers.
+		// first sends what the earlier credit covers. Not the link's first
+		// grant (see the package comment).
 		g := grant{end: a.granted}
-		if outstanding <= 0 {
+		if outstanding <= 0 && a.granted > want {
 			g.at = ad.now()
 		}
 		ad.grants = append(ad.grants, g)
 	}
 	return uint32(want)
 }
+
+// FlowOwed reports whether a flow frame is owed after the last
+// settlement and has not gone out: with Adapt it waits for FlowOwedAfter
+// without a delivery, so the caller calls Grant again until it has.
+func (a *Account) FlowOwed() bool { return a.flowOwed && a.budget == 0 }
 
 // Limit returns the most deliveries the Account lets the process hold
 // now: the limit New was given, or with Adapt the adaptive limit as of the

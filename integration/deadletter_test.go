@@ -129,7 +129,14 @@ func TestArtemisDeadLetterCopyKeepsTheReason(t *testing.T) {
 	// is refused, and the rejection goes to the broker without its reason.
 	ctl(t, "queue", "delete", "--name", "DLQ."+q, "--removeConsumers", "--silent")
 	publishFast(t, conn, q, true, uniqueSeqs(1, 0))
-	waitFor(t, 30*time.Second, "the fourth rejection settled", func() bool { return s.Stats().Settled.Rejected == 1 })
+	// publishFast's barrier follows the fourth message, and a stop releases
+	// whatever is not settled yet: stop once all six deliveries (four
+	// rejections, two barriers) have had their settlement applied.
+	waitFor(t, 30*time.Second, "the fourth rejection and its barrier settled", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(notes) == 6
+	})
 	stop()
 	if err := wait(); err != nil {
 		t.Fatal(err)

@@ -121,7 +121,13 @@ func (r *runner[T]) handOver(lane int, items []T, scratch *[]string) {
 			keys = append(keys, r.keyOf(it))
 		}
 		*scratch = keys
-		r.cfg.HandleBatch(lane, keep)
+		if r.keys != nil {
+			r.gauge.begin(lane, len(keep), time.Now())
+			r.cfg.HandleBatch(lane, keep)
+			r.gauge.end(lane, time.Now())
+		} else {
+			r.cfg.HandleBatch(lane, keep)
+		}
 		for _, k := range keys {
 			r.finish(lane, k)
 		}

@@ -1,6 +1,9 @@
 package lanes
 
-import "sync/atomic"
+import (
+	"sync/atomic"
+	"time"
+)
 
 // Gauge is what the lanes hold and have done, kept up to date by [Run] and
 // read from any goroutine.
@@ -8,12 +11,47 @@ type Gauge struct {
 	lanes  []laneGauge
 	keys   atomic.Int64
 	parked atomic.Int64 // Balanced: items waiting for the lane that holds their key
+	// took is the handler calls' mean duration in nanoseconds (hash lanes:
+	// a moving average over about 16 calls), 0 before any.
+	took atomic.Int64
 }
 
 type laneGauge struct {
 	load     atomic.Int64 // items queued or in the handler
 	finished atomic.Uint64
-	_        [48]byte // a cache line each: lanes update their own
+	// Hash lanes only:
+	parked atomic.Int64 // items behind an earlier item of their key in the lane
+	inCall atomic.Int64 // items in the handler call now
+	since  atomic.Int64 // when that call began (Unix nanoseconds); 0: none
+	_      [24]byte     // a cache line each: lanes update their own
+}
+
+// StallAfter is the least time a hash lane's handler call must have run
+// for the lane to count as stalled (see [Gauge.Parked]); it is also at
+// least four times the calls' mean duration.
+const StallAfter = time.Millisecond
+
+// begin records that lane's handler call of n items begins at now.
+func (g *Gauge) begin(lane, n int, now time.Time) {
+	l := &g.lanes[lane]
+	l.inCall.Store(int64(n))
+	l.since.Store(now.UnixNano())
+}
+
+// end records that lane's call ended at now, and takes its duration into
+// the mean. Lanes end calls concurrently: an update lost to another is
+// harmless, the mean being an estimate.
+func (g *Gauge) end(lane int, now time.Time) {
+	l := &g.lanes[lane]
+	d := max(0, now.UnixNano()-l.since.Load())
+	l.since.Store(0)
+	l.inCall.Store(0)
+	m := g.took.Load()
+	if m == 0 {
+		g.took.Store(max(1, d))
+		return
+	}
+	g.took.Store(max(1, m+(d-m)/16))
 }
 
 // NewGauge returns a [Gauge] for n lanes.
@@ -39,16 +77,34 @@ func (g *Gauge) Read() Reading {
 	return r
 }
 
-// Parked returns the items queued behind a busy lane: over the lanes, what
-// each holds past the first need (1 for single items, a batch's size for
-// batches), and under Balanced the items waiting for the lane that holds
-// their key. Those wait for their own lane, whatever the others do; an
-// adaptive credit adds them to what it holds, so that they do not keep
-// the free lanes waiting. It does not allocate.
-func (g *Gauge) Parked(need int) int {
+// Parked returns the items that wait behind an earlier item of their own
+// key, or behind a stalled lane, as of now:
+//
+//   - under the hash placement, the items with an earlier item of their
+//     key in their lane (queued, in the handler, or in the same batch);
+//     and all the items queued in a lane whose handler call has run for
+//     longer than four times the calls' mean duration, and at least
+//     [StallAfter] (a slow or stuck call: what waits behind it waits for
+//     that call, not for the lanes' pace);
+//   - under Balanced, the items waiting in the pool for the lane that
+//     holds their key;
+//   - unordered workers park nothing.
+//
+// A keyless item, or one with nothing earlier of its key in its lane,
+// waits behind a lane of normal pace only as long as the lanes' load
+// says: it is not parked, since an adaptive credit that held such waits
+// on top would feed on its own backlog. It does not allocate.
+func (g *Gauge) Parked(now time.Time) int {
 	n := int(g.parked.Load())
+	stall := max(int64(StallAfter), 4*g.took.Load())
+	at := now.UnixNano()
 	for i := range g.lanes {
-		n += max(0, int(g.lanes[i].load.Load())-need)
+		l := &g.lanes[i]
+		p := l.parked.Load()
+		if since := l.since.Load(); since != 0 && at-since > stall {
+			p = max(p, l.load.Load()-l.inCall.Load())
+		}
+		n += int(p)
 	}
 	return n
 }

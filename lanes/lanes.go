@@ -107,8 +107,10 @@ func Run[T any](in <-chan T, cfg Config[T]) {
 		return
 	}
 	r.queues = make([]*queue[T], cfg.Lanes)
+	r.keys = make([]*laneKeys, cfg.Lanes)
 	for i := range r.queues {
 		r.queues[i] = newQueue[T]()
+		r.keys[i] = &laneKeys{n: make(map[string]int)}
 	}
 	for i, q := range r.queues {
 		wg.Go(func() { r.lane(i, q) })
@@ -138,8 +140,42 @@ func Run[T any](in <-chan T, cfg Config[T]) {
 type runner[T any] struct {
 	cfg    *Config[T]
 	queues []*queue[T] // keyed lanes (hash placement) only; set before any goroutine starts
+	keys   []*laneKeys // with queues: the keys each lane holds, for Gauge.Parked
 	pool   *pool[T]    // Balanced only
 	gauge  *Gauge
+}
+
+// laneKeys counts the items of each key in one hash lane (queued or in
+// its handler), so that the gauge's parked count holds the items that wait
+// behind an earlier item of their own key: Σ max(0, count-1). The
+// dispatcher adds, the lane (or a stop) removes.
+type laneKeys struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+// add counts an item of key k and reports whether an earlier one of k is
+// in the lane: the new one is parked behind it.
+func (l *laneKeys) add(k string) bool {
+	l.mu.Lock()
+	c := l.n[k]
+	l.n[k] = c + 1
+	l.mu.Unlock()
+	return c > 0
+}
+
+// remove uncounts an item of key k that left the lane and reports whether
+// another of k is still there: the next of k is no longer parked.
+func (l *laneKeys) remove(k string) bool {
+	l.mu.Lock()
+	c := l.n[k] - 1
+	if c <= 0 {
+		delete(l.n, k)
+	} else {
+		l.n[k] = c
+	}
+	l.mu.Unlock()
+	return c > 0
 }
 
 // runPool runs the balanced placement: the dispatcher pushes into the
@@ -211,12 +247,15 @@ func (r *runner[T]) dispatch(in <-chan T) {
 	n := len(r.queues)
 	next := 0
 	for item := range in {
-		lane := LaneOf(r.cfg.Key(item), n)
+		k := r.cfg.Key(item)
+		lane := LaneOf(k, n)
 		if lane < 0 {
 			lane = next
 			if next++; next == n {
 				next = 0
 			}
+		} else if r.keys[lane].add(k) {
+			r.gauge.lanes[lane].parked.Add(1)
 		}
 		r.gauge.lanes[lane].load.Add(1)
 		if !r.queues[lane].push(item) {
@@ -225,11 +264,11 @@ func (r *runner[T]) dispatch(in <-chan T) {
 	}
 }
 
-// keyOf returns the item's key for finish, under the balanced placement
-// (only then is it needed). Take it before the item is handled or
-// dropped: the item may change once it is (a settled delivery).
+// keyOf returns the item's key for finish, under a key (unordered
+// workers need none). Take it before the item is handled or dropped: the
+// item may change once it is (a settled delivery).
 func (r *runner[T]) keyOf(item T) string {
-	if r.pool == nil {
+	if r.pool == nil && r.keys == nil {
 		return ""
 	}
 	return r.cfg.Key(item)
@@ -240,8 +279,13 @@ func (r *runner[T]) finish(lane int, k string) {
 	g := &r.gauge.lanes[lane]
 	g.load.Add(-1)
 	g.finished.Add(1)
-	if r.pool != nil {
+	switch {
+	case r.pool != nil:
 		r.pool.finish(k)
+	case r.keys != nil && k != "":
+		if r.keys[lane].remove(k) {
+			g.parked.Add(-1)
+		}
 	}
 }
 
@@ -260,7 +304,13 @@ func (r *runner[T]) give(lane int, item T) {
 		return
 	}
 	k := r.keyOf(item)
-	r.cfg.Handle(lane, item)
+	if r.keys != nil {
+		r.gauge.begin(lane, 1, time.Now())
+		r.cfg.Handle(lane, item)
+		r.gauge.end(lane, time.Now())
+	} else {
+		r.cfg.Handle(lane, item)
+	}
 	r.finish(lane, k)
 }
 

@@ -1,6 +1,11 @@
 package lanes
 
-import "testing"
+import (
+	"strings"
+	"testing"
+	"testing/synctest"
+	"time"
+)
 
 // The pool's parked count: items of a key a lane holds wait for that lane
 // and are parked; once the lane lets the key go, they are ready for any
@@ -12,17 +17,17 @@ func TestPoolParkedCount(t *testing.T) {
 	for _, it := range []string{"x1", "x2", "x3", "y1"} {
 		p.push(it)
 	}
-	if n := g.Parked(1); n != 0 {
+	if n := g.Parked(time.Now()); n != 0 {
 		t.Fatalf("parked %d before any lane took a key, want 0", n)
 	}
 	if it, st := a.poll(); st != got || it != "x1" {
 		t.Fatalf("lane a took %q, %v", it, st)
 	}
-	if n := g.Parked(1); n != 2 {
+	if n := g.Parked(time.Now()); n != 2 {
 		t.Fatalf("parked %d with x held by lane a and x2, x3 waiting, want 2", n)
 	}
 	p.push("x4")
-	if n := g.Parked(1); n != 3 {
+	if n := g.Parked(time.Now()); n != 3 {
 		t.Fatalf("parked %d after x4, want 3", n)
 	}
 	if it, st := b.poll(); st != got || it != "y1" {
@@ -31,22 +36,86 @@ func TestPoolParkedCount(t *testing.T) {
 	if it, _ := a.poll(); it != "x2" {
 		t.Fatalf("lane a took %q, want x2", it)
 	}
-	if n := g.Parked(1); n != 2 {
+	if n := g.Parked(time.Now()); n != 2 {
 		t.Fatalf("parked %d after lane a took x2, want 2", n)
 	}
 	p.finish("x")
 	p.finish("x") // lane a let x go: x3, x4 are ready for any lane
-	if n := g.Parked(1); n != 0 {
+	if n := g.Parked(time.Now()); n != 0 {
 		t.Fatalf("parked %d once no lane holds x, want 0", n)
 	}
 	if it, _ := b.poll(); it != "x3" {
 		t.Fatalf("lane b took %q, want x3", it)
 	}
-	if n := g.Parked(1); n != 1 {
+	if n := g.Parked(time.Now()); n != 1 {
 		t.Fatalf("parked %d with x4 behind lane b, want 1", n)
 	}
 	p.stop(func(string) {})
-	if n := g.Parked(1); n != 0 {
+	if n := g.Parked(time.Now()); n != 0 {
 		t.Fatalf("parked %d after a stop, want 0", n)
 	}
+}
+
+// The hash placement's parked count: an item with an earlier item of its
+// key in its lane is parked; a keyless item, or the first of its key, is
+// not, until the lane's handler call has run for longer than StallAfter
+// and four times the calls' mean, when all that is queued behind it is.
+func TestHashParkedCount(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		g := NewGauge(1)
+		in := make(chan string)
+		release := make(chan struct{})
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			Run(in, Config[string]{
+				Lanes: 1,
+				Key:   func(s string) string { return strings.TrimRight(s, "0123456789") },
+				Gauge: g,
+				Handle: func(_ int, s string) {
+					if s == "a1" {
+						<-release
+					}
+				},
+				Drop: func(string) {},
+			})
+		}()
+		for _, it := range []string{"a1", "a2", "b1", "7", "a3"} { // "7": keyless
+			in <- it
+		}
+		synctest.Wait()
+		if n := g.Parked(time.Now()); n != 2 {
+			t.Fatalf("parked %d with a1 in the handler and a2, b1, a keyless item and a3 queued, want 2 (a2, a3)", n)
+		}
+		time.Sleep(StallAfter + time.Microsecond)
+		if n := g.Parked(time.Now()); n != 4 {
+			t.Fatalf("parked %d once a1's call has run past StallAfter, want the 4 queued", n)
+		}
+		close(release)
+		close(in)
+		<-done
+		if n := g.Parked(time.Now()); n != 0 {
+			t.Fatalf("parked %d once the lane is empty, want 0", n)
+		}
+	})
+}
+
+// A lane is stalled at four times the calls' mean duration, not before.
+func TestHashParkedStallFollowsTheMean(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		g := NewGauge(1)
+		g.begin(0, 1, time.Now())
+		time.Sleep(10 * time.Millisecond)
+		g.end(0, time.Now()) // the mean: 10 ms
+		g.lanes[0].load.Store(3)
+		g.begin(0, 1, time.Now())
+		time.Sleep(39 * time.Millisecond)
+		if n := g.Parked(time.Now()); n != 0 {
+			t.Fatalf("parked %d after 39 ms of a call, mean 10 ms: want 0", n)
+		}
+		time.Sleep(2 * time.Millisecond)
+		if n := g.Parked(time.Now()); n != 2 {
+			t.Fatalf("parked %d after 41 ms of a call, mean 10 ms: want the 2 queued", n)
+		}
+	})
 }

@@ -245,8 +245,8 @@ func (p *Pump) release(d *Delivery) {
 
 // dropStale stops counting as held every buffered delivery of a lost link:
 // its settlement could not reach the broker, which redelivers it, so the
-// next link gets the whole credit at once instead of as the lanes reach
-// these deliveries.
+// next link gets all the credit its limit allows at once instead of as the
+// lanes reach these deliveries.
 func (p *Pump) dropStale() {
 	cur := p.link.Load()
 	n, bytes := 0, int64(0)

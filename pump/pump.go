@@ -89,9 +89,10 @@ type Config struct {
 	// it follows the drain rate and the round trip, between AdaptiveFloor
 	// (what the consumer's lanes start at once) and Credit. 0 holds Credit.
 	AdaptiveFloor int
-	// Parked, with AdaptiveFloor, returns how many held deliveries wait
-	// behind a busy lane (credit's Park): the credit holds them on top of
-	// the adaptive limit. Called on the pump's goroutine before each grant;
+	// Parked, with AdaptiveFloor, returns how many held deliveries the
+	// credit holds on top of the adaptive limit (credit's Park): those that
+	// wait behind an earlier delivery of their own group, as much of them
+	// as the broker needs held. Called on the pump's goroutine before each grant;
 	// it must be cheap and must not block. nil counts none.
 	Parked func() int
 }
@@ -435,7 +436,9 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 		// consumer: give it back. Not once the link is lost under
 		// KeepAcrossLinks: its source would fall back to settling without
 		// the link, which waits for the next link, which this return
-		// brings; the broker delivers those again when their hold ends.
+		// brings. The broker's hold on those outlives the link, so they
+		// are held like the rest of what the link brought (a link that
+		// refused credit ends with them in hand).
 		msgs, _ := in.take()
 		lost := p.cfg.KeepAcrossLinks && err != nil && !errors.Is(err, ErrStopped) && ctx.Err() == nil
 		for _, m := range msgs {
@@ -443,7 +446,7 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 				continue
 			}
 			if lost {
-				p.dropUnheld()
+				p.received(p.take(m, src, gen), false)
 				continue
 			}
 			p.releaseUnheld(ctx, src, m)
@@ -454,7 +457,8 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 	// goroutines: a tick re-reads it while anything is held (or the limit
 	// is above its floor, to let it decay), so that a slow group that took
 	// the whole floor does not leave the free lanes without credit until
-	// its handler settles.
+	// its handler settles; and while the flow frame owed after the last
+	// settlement waits for the link to fall quiet (credit's FlowOwed).
 	var tick *time.Ticker
 	if p.cfg.AdaptiveFloor > 0 {
 		tick = time.NewTicker(adaptTick)
@@ -505,7 +509,7 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 			head, out = p.backlog[0], p.out
 		}
 		var ticks <-chan time.Time
-		if tick != nil && !stopping && !holding && (p.acct.Held() > 0 || p.acct.Limit() > p.cfg.AdaptiveFloor) {
+		if tick != nil && !stopping && !holding && (p.acct.Held() > 0 || p.acct.Limit() > p.cfg.AdaptiveFloor || p.acct.FlowOwed()) {
 			ticks = tick.C
 		}
 		select {

@@ -17,7 +17,8 @@ type Kind uint8
 const (
 	// Accept settles the delivery as accepted.
 	Accept Kind = iota
-	// Release returns the delivery to the queue, not counted as a failure.
+	// Release returns the delivery to the queue as released, not as a
+	// failed attempt; a broker may still count it toward a delivery limit.
 	Release
 	// Modify returns the delivery to the queue as modified (see [Outcome]).
 	Modify
@@ -400,17 +401,6 @@ func settleOn(ctx context.Context, src Source, msg *amqp.Message, o Outcome) err
 		return src.RejectMessage(ctx, msg, o.Error)
 	}
 	return fmt.Errorf("pump: unknown outcome %d", o.Kind)
-}
-
-// dropUnheld counts a message of a lost link the pump never entered in
-// its book, and lets it go: received, and dropped.
-func (p *Pump) dropUnheld() {
-	p.stats.received.Add(1)
-	p.stats.settled[Drop].Add(1)
-	if p.cfg.Meter != nil {
-		p.cfg.Meter.Received()
-		p.cfg.Meter.Dropped(1)
-	}
 }
 
 // releaseUnheld gives back a message the pump never entered in its book.

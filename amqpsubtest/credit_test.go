@@ -442,3 +442,84 @@ func (s *sync_map) first(k string) bool {
 		}
 	}
 }
+
+// A subscriber started before its producer, then a trickle (100 msgs/s,
+// 1 ms handlers): within a second of the trickle the round trip is at
+// most 10 ms, and the credit, and what the broker holds of it, is at most
+// the floor + 2, in every lane mode on every profile; the floor + 5
+// under RabbitMQ3, whose windowed credit times every grant, so that the
+// trickle's gap (10 ms) is its round trip: floor + ⌈4 × 105/s × 10 ms⌉ (the
+// rate, a count decaying over 100 ms, reads 105/s). Before, the first
+// grant's round trip was the 3 s the queue stood empty (capped at 1 s), no
+// later grant corrected it, and the trickle held the ceiling: a burst
+// would have landed 256 deliveries on this one replica.
+func TestAdaptiveCreditAnIdleStartDoesNotPinIt(t *testing.T) {
+	profiles := []struct {
+		name  string
+		q     []amqpsubtest.Option
+		sub   []amqpsub.Option
+		above int // the bound's excess over the floor
+	}{
+		{"artemis", nil, nil, 2},
+		{"rabbitmq3", []amqpsubtest.Option{amqpsubtest.WithProfile(amqpsub.RabbitMQ3)}, []amqpsub.Option{amqpsub.WithProfile(amqpsub.RabbitMQ3)}, 5},
+		{"rabbitmq4-quorum", []amqpsubtest.Option{amqpsubtest.WithProfile(amqpsub.RabbitMQ4)}, []amqpsub.Option{amqpsub.WithProfile(amqpsub.RabbitMQ4)}, 2},
+		{"rabbitmq4-classic", []amqpsubtest.Option{amqpsubtest.WithProfile(amqpsub.RabbitMQ4), amqpsubtest.WithQueueType(amqpsubtest.Classic)}, []amqpsub.Option{amqpsub.WithProfile(amqpsub.RabbitMQ4)}, 2},
+		{"servicebus", []amqpsubtest.Option{amqpsubtest.WithProfile(amqpsub.AzureServiceBus)}, nil, 2},
+	}
+	modes := []struct {
+		name  string
+		opts  []amqpsub.Option
+		floor int
+	}{
+		{"Workers(4)", []amqpsub.Option{amqpsub.Workers(4)}, 4},
+		{"WorkersByKey(4)", []amqpsub.Option{amqpsub.WorkersByKey(4)}, 4},
+		{"BalanceKeys", []amqpsub.Option{amqpsub.WorkersByKey(4), amqpsub.BalanceKeys()}, 4},
+	}
+	for _, p := range profiles {
+		for _, m := range modes {
+			t.Run(p.name+"/"+m.name, func(t *testing.T) {
+				synctest.Test(t, func(t *testing.T) {
+					q := amqpsubtest.NewQueue(p.q...)
+					sub := newSub(t, q, func(context.Context, *amqpsub.Delivery) error {
+						time.Sleep(time.Millisecond)
+						return nil
+					}, append(append([]amqpsub.Option{}, p.sub...), m.opts...)...)
+					stop := start(sub)
+					time.Sleep(3 * time.Second)
+					done := make(chan struct{})
+					go func() { // the producer: 100 msgs/s over 10 groups
+						defer close(done)
+						for i := range 150 {
+							q.Publish(amqpsubtest.Message(fmt.Sprint("g", i%10), fmt.Sprint(i)))
+							time.Sleep(10 * time.Millisecond)
+						}
+					}()
+					most, mostBroker := 0, 0
+					var rtt time.Duration
+					for range 150 {
+						time.Sleep(10 * time.Millisecond)
+						st := sub.Stats()
+						most = max(most, st.Credit)
+						mostBroker = max(mostBroker, q.Credit()+st.Held)
+						rtt = max(rtt, st.RoundTrip)
+					}
+					<-done
+					if err := q.Wait(t.Context()); err != nil {
+						t.Fatal(err)
+					}
+					if err := stop(); err != nil {
+						t.Fatal(err)
+					}
+					if n := len(q.Accepted()); n != 150 {
+						t.Fatalf("%d accepted, want 150", n)
+					}
+					t.Logf("credit up to %d, at the broker and held up to %d, round trip up to %v", most, mostBroker, rtt)
+					if want := m.floor + p.above; rtt > 10*time.Millisecond || most > want || mostBroker > want {
+						t.Fatalf("under a trickle after an idle start: round trip up to %v, credit up to %d, at the broker and held up to %d; want ≤ 10 ms and ≤ %d",
+							rtt, most, mostBroker, want)
+					}
+				})
+			})
+		}
+	}
+}

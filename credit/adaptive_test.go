@@ -2,6 +2,7 @@ package credit
 
 import (
 	"container/heap"
+	"math"
 	"testing"
 	"time"
 )
@@ -439,4 +440,100 @@ func TestAdaptiveALongRoundTripKeepsItsRate(t *testing.T) {
 	if got < fixed*90/100 {
 		t.Fatalf("adaptive drained %d in 5 s, fixed %d: want ≥ 90%%", got, fixed)
 	}
+}
+
+// The adaptive limit under random arrivals, settlements, parked counts,
+// clock steps and new links: it stays within [floor, ceiling] and within
+// floor + parked + ⌈Headroom × rate × max(round trip, MinRoundTrip)⌉, the
+// rate computed here on its own from the settlements (a count decaying
+// with DrainWindow); the round trip never exceeds the longest wait
+// between a grant and an arrival; what is held and outstanding stays
+// within the limit after a grant of more than one (a single credit past
+// it is the flow owed after the last settlement, within the ceiling).
+func FuzzAdaptiveLimit(f *testing.F) {
+	f.Add(uint8(64), uint8(4), []byte{0, 1, 1, 2, 3, 9, 0, 1, 2, 4, 5, 0})
+	f.Add(uint8(255), uint8(8), []byte{6, 0, 7, 1, 1, 1, 1, 2, 8, 3, 0, 9, 9, 9, 1})
+	f.Fuzz(func(t *testing.T, ceiling, floor uint8, ops []byte) {
+		ceil, fl := int(ceiling)+1, int(floor%32)+1
+		now := time.Unix(1e9, 0)
+		a := New(ceil, Continuous)
+		a.Adapt(fl, func() time.Time { return now })
+		a.Attach()
+		type settled struct {
+			at time.Time
+			n  int
+		}
+		var drains []settled
+		rate := func() float64 {
+			sum := 0.0
+			for _, d := range drains {
+				sum += float64(d.n) * math.Exp(-float64(now.Sub(d.at))/float64(DrainWindow))
+			}
+			return sum / DrainWindow.Seconds()
+		}
+		var granted, arrived int64 // this link
+		type grantAt struct {
+			end int64
+			at  time.Time
+		}
+		var grants []grantAt // this link's grants not yet covered
+		var longest time.Duration
+		parked := 0
+		for i, op := range ops {
+			arg := int(op >> 4)
+			switch op % 10 {
+			case 0, 8: // a grant
+				g := int64(a.Grant())
+				if g > 0 {
+					granted += g
+					grants = append(grants, grantAt{granted, now})
+				}
+				held, out := int64(a.Held()), granted-arrived
+				if held+out > int64(ceil) {
+					t.Fatalf("op %d: held %d + outstanding %d past the ceiling %d", i, held, out, ceil)
+				}
+				if g > 1 && held+out > int64(a.Limit()) {
+					t.Fatalf("op %d: a grant of %d left held %d + outstanding %d past the limit %d", i, g, held, out, a.Limit())
+				}
+				lim := a.Limit()
+				if lim < min(fl, ceil) || lim > ceil {
+					t.Fatalf("op %d: limit %d outside [%d, %d]", i, lim, min(fl, ceil), ceil)
+				}
+				rtt := max(a.RoundTrip(), MinRoundTrip)
+				bound := fl + parked + int(math.Ceil(Headroom*rate()*rtt.Seconds()+1e-9))
+				if lim > bound {
+					t.Fatalf("op %d: limit %d past floor %d + parked %d + ⌈4 × %.1f/s × %v⌉ = %d", i, lim, fl, parked, rate(), rtt, bound)
+				}
+			case 1, 9: // arrivals, within the credit
+				for range arg + 1 {
+					if arrived < granted {
+						arrived++
+						for grants[0].end < arrived {
+							grants = grants[1:]
+						}
+						longest = max(longest, now.Sub(grants[0].at)) // from the grant that covers it
+						if a.Received() {
+							t.Fatal("overshoot reported within credit")
+						}
+					}
+				}
+			case 2, 3: // settlements
+				if n := min(arg+1, a.Held()); n > 0 {
+					a.Settled(n)
+					drains = append(drains, settled{now, n})
+				}
+			case 4, 5: // the clock
+				now = now.Add(time.Duration(1<<arg) * 50 * time.Microsecond)
+			case 6: // parked
+				parked = min(arg, a.Held())
+				a.Park(parked)
+			case 7: // a new link: what was outstanding is gone
+				a.Attach()
+				granted, arrived, grants = 0, 0, nil
+			}
+			if rtt := a.RoundTrip(); rtt > max(longest, time.Microsecond) {
+				t.Fatalf("op %d: round trip %v, past the longest wait %v", i, rtt, longest)
+			}
+		}
+	})
 }

@@ -36,7 +36,9 @@ const matrixRun = 1300 * time.Millisecond
 // the handlers' pace (see drainRateBound); allowance is what waits behind
 // an earlier delivery of its own group (Stats.Parked, see parkedBound):
 // all of it on a broker that pins groups to a consumer, at most the floor
-// elsewhere, where other replicas could take that backlog. A keyless
+// elsewhere, where other replicas could take that backlog. (What waits
+// behind a stalled call is held in full everywhere, but with handlers of
+// one pace no call stalls once the first have set the mean.) A keyless
 // delivery, or one whose group has nothing earlier held, is never parked,
 // nor is anything under Workers.
 func TestShapeMatrix(t *testing.T) {

@@ -87,7 +87,8 @@ func (g *Gauge) Read() Reading {
 //   - a lane's call is stalled once it has run for longer than four times
 //     the calls' mean duration, and at least [StallAfter] (a slow or stuck
 //     call): what waits for that lane is stalled, all that is queued in it
-//     under the hash placement, whatever its key;
+//     under the hash placement, whatever its key. Until a first call has
+//     ended there is no mean, and nothing is stalled;
 //   - unordered workers park nothing.
 //
 // A keyless item, or one with nothing earlier of its key in its lane,
@@ -96,12 +97,13 @@ func (g *Gauge) Read() Reading {
 // on top would feed on its own backlog. group counts the items not
 // stalled. It does not allocate.
 func (g *Gauge) Parked(now time.Time) (group, stalled int) {
-	stall := max(int64(StallAfter), 4*g.took.Load())
+	took := g.took.Load()
+	stall := max(int64(StallAfter), 4*took)
 	at := now.UnixNano()
 	for i := range g.lanes {
 		l := &g.lanes[i]
 		p := l.parked.Load()
-		if since := l.since.Load(); since != 0 && at-since > stall {
+		if since := l.since.Load(); took > 0 && since != 0 && at-since > stall {
 			stalled += int(max(p, l.load.Load()-l.inCall.Load()))
 			continue
 		}

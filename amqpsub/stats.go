@@ -187,9 +187,11 @@ func (s *Subscriber) Stats() Stats {
 			lanesSt[i].Finished += g.Finished[i]
 		}
 		groups += g.Keys
-		group, stalled := pp.gauge.Parked(now)
-		parked += group + stalled
 		q := pp.pump.Stats()
+		// A lane counts a batch's deliveries until its call returns, some
+		// perhaps settled already (LocalRetry): at most what is held.
+		group, stalled := pp.gauge.Parked(now)
+		parked += min(group+stalled, q.Held)
 		p.Held += q.Held
 		p.MaxHeld += q.MaxHeld
 		p.BytesHeld += q.BytesHeld

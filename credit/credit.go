@@ -236,9 +236,13 @@ func (a *Account) Adapt(floor int, now func() time.Time) {
 // adaptive limit, up to the ceiling, so that they do not take the credit
 // the free lanes need. Call it before Grant; it does nothing without
 // Adapt.
+//
+// n is taken as at most what is held: a lane may count a delivery until
+// its whole call returns (a batch whose first deliveries were settled
+// while the rest are retried), when the process no longer holds it.
 func (a *Account) Park(n int) {
 	if a.adapt != nil {
-		a.adapt.parked = int64(max(0, n))
+		a.adapt.parked = min(int64(max(0, n)), a.held)
 	}
 }
 

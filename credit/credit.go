@@ -54,8 +54,8 @@
 //	floor + ⌈Headroom × rate × max(round trip, MinRoundTrip)⌉, within [floor, ceiling]
 //
 // floor being what the caller's lanes start at once (one delivery per
-// lane, a batch for batches), plus what Park says waits behind an earlier
-// delivery of its own group. What the lanes drain in Headroom round trips is in flight, and
+// lane, a batch for batches), plus what Park says must wait behind an
+// earlier delivery of its own group or a stalled call. What the lanes drain in Headroom round trips is in flight, and
 // what they hold is the floor: a replica takes what it will start soon, and leaves the rest
 // of the queue to the others. Fast handlers raise the rate, and, while the
 // credit limits it, the rate raises the limit again (the in-flight term
@@ -199,7 +199,7 @@ type adaptive struct {
 	probing bool
 
 	target int64 // the limit as of the last grant
-	parked int64 // held deliveries waiting behind a busy lane (Park)
+	parked int64 // held deliveries waiting behind their group or a stalled call (Park)
 }
 
 type grant struct {
@@ -232,10 +232,11 @@ func (a *Account) Adapt(floor int, now func() time.Time) {
 }
 
 // Park tells an adaptive Account how many of the deliveries held wait
-// behind a busy lane (a slow group's, say): they are held on top of the
-// adaptive limit, up to the ceiling, so that they do not take the credit
-// the free lanes need. Call it before Grant; it does nothing without
-// Adapt.
+// behind an earlier delivery of their group or a stalled call (a hot or
+// stuck group's, say), as much of them as the caller wants held: they are
+// held on top of the adaptive limit, up to the ceiling, so that they do
+// not take the credit the free lanes need. Call it before Grant; it does
+// nothing without Adapt.
 //
 // n is taken as at most what is held: a lane may count a delivery until
 // its whole call returns (a batch whose first deliveries were settled
@@ -432,8 +433,8 @@ func (a *Account) Grant() uint32 {
 	}
 	limit, chunk := a.limit, a.chunk
 	// moving: the held deliveries whose settlement will come soon. Those
-	// parked behind a busy lane (Park) may wait for as long as their lane
-	// is stuck: neither the chunk nor the wait for settlements counts them.
+	// parked (Park) may wait for as long as their group or a stalled call
+	// does: neither the chunk nor the wait for settlements counts them.
 	moving := a.held
 	if ad := a.adapt; ad != nil {
 		limit = ad.target
@@ -455,7 +456,7 @@ func (a *Account) Grant() uint32 {
 		want = 1
 	}
 	// Below a chunk, wait for more settlements, unless nothing is held (or
-	// only deliveries parked behind a busy lane): then no settlement is
+	// only parked deliveries): then no settlement is
 	// coming soon to trigger the next grant, and a broker that re-checks its
 	// consumers only on a flow frame (Artemis with
 	// group-rebalance-pause-dispatch) would wait forever.

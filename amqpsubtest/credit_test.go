@@ -522,3 +522,103 @@ func TestAdaptiveCreditAnIdleStartDoesNotPinIt(t *testing.T) {
 		}
 	}
 }
+
+// A burst with fast handlers raises the credit; the queue then empties,
+// and a trickle of one message a second follows. What the broker holds
+// runs down toward the limit, one a delivery but for the first few flows
+// owed after a last settlement: each waits longer once a delivery has
+// followed one. Before, each added back, 250 ms later, what its delivery
+// took, and the broker kept the burst's credit (233 against a limit of 4).
+func TestAdaptiveCreditASlowTrickleRunsABurstsCreditDown(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		q := amqpsubtest.NewQueue()
+		sub := newSub(t, q, func(context.Context, *amqpsub.Delivery) error {
+			time.Sleep(100 * time.Microsecond)
+			return nil
+		}, amqpsub.Workers(4))
+		stop := start(sub)
+		for i := range 5000 {
+			q.Publish(amqpsubtest.Message("", fmt.Sprint(i)))
+		}
+		if err := q.Wait(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Second)
+		after := q.Credit()
+		for i := range 300 {
+			q.Publish(amqpsubtest.Message("", fmt.Sprint("t", i)))
+			time.Sleep(time.Second)
+		}
+		st := sub.Stats()
+		end := q.Credit()
+		t.Logf("broker's credit after the burst %d; after 300 s of 1/s %d; Stats().Credit %d", after, end, st.Credit)
+		if err := stop(); err != nil {
+			t.Fatal(err)
+		}
+		if after < 100 || end > st.Credit+1 {
+			t.Errorf("the broker holds %d credit after the burst, %d after 300 deliveries at 1/s; the limit is %d: want more than 100, then the limit", after, end, st.Credit)
+		}
+	})
+}
+
+// WorkersByKey(2) on a RabbitMQ 4 classic queue: one handler call of
+// 10 min (say a call that waited for its ctx) counts for at most four
+// times the calls' mean, so a later stuck call is still seen as stalled
+// and the other groups queued behind it in its hash lane are parked: the
+// free lane goes on as without the long call. Before, the long call
+// raised the mean to 37 s, and the free lane handled 4 of 1000 in 60 s.
+func TestAdaptiveCreditALongCallDoesNotHideALaterStall(t *testing.T) {
+	for _, long := range []bool{false, true} {
+		t.Run(fmt.Sprint("long=", long), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				q := amqpsubtest.NewQueue(amqpsubtest.WithProfile(amqpsub.RabbitMQ4), amqpsubtest.WithQueueType(amqpsubtest.Classic))
+				// Groups by lane.
+				var on [2][]string
+				for i := 0; len(on[0]) < 50 || len(on[1]) < 50; i++ {
+					g := fmt.Sprint("g", i)
+					l := lanes.LaneOf(g, 2)
+					on[l] = append(on[l], g)
+				}
+				var free atomic.Int64
+				sub := newSub(t, q, func(ctx context.Context, d *amqpsub.Delivery) error {
+					switch text(d) {
+					case "long":
+						time.Sleep(10 * time.Minute)
+					case "stuck":
+						<-ctx.Done()
+						return ctx.Err()
+					default:
+						time.Sleep(time.Millisecond)
+						if lanes.LaneOf(d.GroupID(), 2) == 1 {
+							free.Add(1)
+						}
+					}
+					return nil
+				}, amqpsub.WorkersByKey(2), amqpsub.WithProfile(amqpsub.RabbitMQ4), amqpsub.GracePeriod(0))
+				stop := start(sub)
+				for i := range 100 {
+					q.Publish(amqpsubtest.Message(on[i%2][i%50], fmt.Sprint(i)))
+				}
+				if long {
+					q.Publish(amqpsubtest.Message(on[0][0], "long"))
+				}
+				time.Sleep(11 * time.Minute)
+				synctest.Wait()
+				q.Publish(amqpsubtest.Message(on[0][1], "stuck"))
+				for i := range 2000 { // half behind the stuck lane, half for the free one
+					q.Publish(amqpsubtest.Message(on[i%2][i%50], fmt.Sprint("x", i)))
+				}
+				before := free.Load()
+				time.Sleep(60 * time.Second)
+				synctest.Wait()
+				got := free.Load() - before
+				st := sub.Stats()
+				_ = stop()
+				t.Logf("long=%v: the free lane handled %d of 1000 in 60 s; held %d, parked %d, credit %d", long, got, st.Held, st.Parked, st.Credit)
+				if got < 200 { // without the long call: 254, until the stuck lane's backlog fills the ceiling (256)
+					t.Errorf("the free lane handled %d of its 1000 in 60 s behind another lane's stuck call (held %d, parked %d, credit %d)", got, st.Held, st.Parked, st.Credit)
+				}
+			})
+		})
+	}
+}

@@ -344,7 +344,7 @@ func TestAdaptiveAnIdleStartDoesNotPinTheCredit(t *testing.T) {
 
 // The first timed grant found the queue empty (a burst of exactly the
 // first credit, then a pause): its sample counts for at most
-// FirstRoundTripCap. Once no grant has confirmed it for RoundTripTTL, the
+// RoundTripCap. Once no grant has confirmed it for RoundTripTTL, the
 // Account lets the credit run out and times the next grant: under a
 // trickle that is the trickle's gap, which holds about Headroom
 // deliveries in flight.
@@ -362,8 +362,8 @@ func TestAdaptiveAPauseSampledFirstIsProbedAgain(t *testing.T) {
 	a.Grant() // timed: the credit ran out
 	now = now.Add(3 * time.Second)
 	most, _ := trickle(a, &now, 10*time.Millisecond, time.Millisecond, 500*time.Millisecond)
-	if rtt := a.RoundTrip(); rtt != FirstRoundTripCap {
-		t.Fatalf("round trip %v after a 3 s pause, want the cap %v", rtt, FirstRoundTripCap)
+	if rtt := a.RoundTrip(); rtt != RoundTripCap {
+		t.Fatalf("round trip %v after a 3 s pause, want the cap %v", rtt, RoundTripCap)
 	}
 	// The rate, a count decaying over 100 ms, reads 105/s at 100/s:
 	// floor + ⌈4 × 105/s × 100 ms⌉ = 50 at most while the sample lasts.
@@ -411,7 +411,7 @@ func TestAdaptiveSamplesAreUpperBounds(t *testing.T) {
 		t.Fatalf("round trip %v from the link's first grant, want none", rtt)
 	}
 	for _, c := range []struct{ sample, want time.Duration }{
-		{time.Second, FirstRoundTripCap}, // the first, capped
+		{time.Second, RoundTripCap}, // the first, capped
 		{10 * time.Millisecond, 10 * time.Millisecond},
 		{18 * time.Millisecond, 11 * time.Millisecond},
 		{time.Second, 11*time.Millisecond + 33*time.Millisecond/8}, // 4 × 11 ms at most
@@ -536,4 +536,109 @@ func FuzzAdaptiveLimit(f *testing.F) {
 			}
 		}
 	})
+}
+
+// After a burst leaves credit in excess, a trickle slower than
+// FlowOwedAfter (one message a second) runs it down: the flow owed after
+// each last settlement waits longer each time a delivery follows one, so
+// it stops adding back what each delivery takes. The pump calls Grant on
+// every event and every 10 ms while a flow is owed.
+func TestAdaptiveASlowTrickleRunsTheExcessDown(t *testing.T) {
+	now := time.Unix(1e9, 0)
+	a := New(256, Continuous)
+	a.Adapt(8, func() time.Time { return now })
+	a.Attach()
+	a.Grant()
+	// A burst: the broker sends what is outstanding, 50 µs apart, each
+	// handled at once.
+	for end := now.Add(200 * time.Millisecond); now.Before(end); now = now.Add(50 * time.Microsecond) {
+		if a.Snapshot().Outstanding > 0 {
+			a.Received()
+			a.Settled(1)
+		}
+		a.Grant()
+	}
+	burst := a.Snapshot().Outstanding
+	for range 200 { // the queue is empty, then one message a second
+		for end := now.Add(time.Second); now.Before(end); now = now.Add(10 * time.Millisecond) {
+			a.Grant()
+		}
+		if a.Snapshot().Outstanding > 0 {
+			a.Received()
+			a.Grant()
+			now = now.Add(time.Millisecond)
+			a.Settled(1)
+			a.Grant()
+		}
+	}
+	// One a delivery but for the first few flows owed: 200 deliveries run
+	// down the 147 the burst left.
+	if out := a.Snapshot().Outstanding; burst < 100 || out > int64(a.Limit())+1 {
+		t.Fatalf("outstanding %d after the burst, %d after 200 deliveries at 1/s; limit %d: want the excess run down", burst, out, a.Limit())
+	}
+}
+
+// windowedTrickle sends one message every gap to a, handled in 1 ms, with
+// Grant on every event and every 10 ms, for d; it returns the most held
+// and outstanding, and the highest limit.
+func windowedTrickle(a *Account, now *time.Time, gap, d time.Duration) (mostOut, mostLimit int) {
+	next := now.Add(gap)
+	for end := now.Add(d); now.Before(end); {
+		if !now.Before(next) {
+			next = now.Add(gap)
+			if a.Snapshot().Outstanding > 0 {
+				a.Received()
+				a.Grant()
+				*now = now.Add(time.Millisecond)
+				a.Settled(1)
+			}
+		}
+		a.Grant()
+		mostOut = max(mostOut, int(a.Snapshot().Outstanding)+a.Held())
+		mostLimit = max(mostLimit, a.Limit())
+		*now = now.Add(10 * time.Millisecond)
+	}
+	return mostOut, mostLimit
+}
+
+// Windowed (RabbitMQ 3.10): every grant is made with the credit spent, so
+// every grant is timed, and under a trickle every sample is the
+// producer's gap. A sample counts for at most RoundTripCap, so the limit
+// a single settlement reads stays floor + ⌈4 × 10/s × 100 ms⌉ = floor + 4.
+// Before, a 10 s gap became a 10 s round trip, and the limit the ceiling.
+func TestAdaptiveAWindowedTrickleIsNoRoundTrip(t *testing.T) {
+	for _, gap := range []time.Duration{time.Second, 10 * time.Second} {
+		now := time.Unix(1e9, 0)
+		a := New(256, Windowed)
+		a.Adapt(4, func() time.Time { return now })
+		a.Attach()
+		a.Grant()
+		windowedTrickle(a, &now, gap, 200*gap)
+		mostOut, mostLimit := windowedTrickle(a, &now, gap, 100*gap)
+		if a.RoundTrip() > RoundTripCap || mostLimit > 4+Headroom+1 || mostOut > 4+Headroom+1 {
+			t.Errorf("gap %v: round trip %v, limit up to %d, held+outstanding up to %d; want ≤ %v and ≤ %d",
+				gap, a.RoundTrip(), mostLimit, mostOut, RoundTripCap, 4+Headroom+1)
+		}
+	}
+}
+
+// A flow owed that Grant cannot send (a window out) is not reported by
+// FlowOwed, so the pump does not tick for it.
+func TestFlowOwedOnlyWhenGrantCanSendIt(t *testing.T) {
+	now := time.Unix(1e9, 0)
+	a := New(256, Windowed)
+	a.Adapt(4, func() time.Time { return now })
+	a.Attach()
+	a.Grant() // a window of 4
+	a.Received()
+	a.Settled(1)
+	for range 100 {
+		now = now.Add(10 * time.Millisecond)
+		if g := a.Grant(); g != 0 {
+			t.Fatalf("grant %d with the window out", g)
+		}
+	}
+	if a.FlowOwed() {
+		t.Fatalf("FlowOwed with the window out (outstanding %d): nothing Grant could send", a.Snapshot().Outstanding)
+	}
 }

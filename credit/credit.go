@@ -73,10 +73,14 @@
 //   - the first grant of a link is not timed: a link is attached to a queue
 //     that may well be empty, and its sample would have no average to be
 //     checked against;
-//   - the first sample counts for at most [FirstRoundTripCap]; after it, a
-//     sample below the estimate is the estimate, and one above it counts
-//     for at most four times the estimate and moves it by an eighth of the
-//     gap;
+//   - a sample counts for at most [RoundTripCap], which with Headroom
+//     covers round trips of up to 400 ms: a sample is compared with a rate
+//     measured over 100 ms, and a trickle's gap taken for a round trip
+//     (every grant is timed in windowed mode) would multiply a single
+//     settlement into the ceiling;
+//   - after the first, a sample below the estimate is the estimate, and
+//     one above it counts for at most four times the estimate and moves it
+//     by an eighth of the gap;
 //   - an estimate above [MinRoundTrip] lasts [RoundTripTTL] from its last
 //     sample. Then the Account probes: it grants nothing more until the
 //     link's credit has run out (but for the flow frame owed after the
@@ -112,16 +116,18 @@ const (
 	// handlers, one lane): with the round trip as timed (about 0.5 ms) the
 	// adaptive credit drained 0.89 times what a fixed 256 did.
 	MinRoundTrip = 2 * time.Millisecond
-	// FirstRoundTripCap bounds the first round-trip sample of an Account
-	// (see the package comment): the first timed grant may still have
-	// found the queue empty.
-	FirstRoundTripCap = 100 * time.Millisecond
+	// RoundTripCap bounds every round-trip sample (see the package
+	// comment): a timed grant may have found the queue empty.
+	RoundTripCap = 100 * time.Millisecond
 	// RoundTripTTL is how long a round-trip estimate above MinRoundTrip
 	// lasts without a new sample before it falls back to MinRoundTrip.
 	RoundTripTTL = time.Second
 	// FlowOwedAfter is how long, with Adapt, the flow frame owed after the
-	// last settlement waits for no delivery to arrive (see Grant).
+	// last settlement first waits for no delivery to arrive (see Grant);
+	// the wait doubles, up to FlowOwedMax, each time a delivery follows
+	// one paid past the limit, until a grant within the limit.
 	FlowOwedAfter = 250 * time.Millisecond
+	FlowOwedMax   = 4 * time.Second
 	// Headroom is how many round trips' worth of the drain rate the
 	// limit holds in flight, above its floor.
 	Headroom = 4
@@ -194,6 +200,10 @@ type adaptive struct {
 	rttAt  time.Time     // when rtt was last sampled
 	// lastRecv is when the last delivery arrived (FlowOwedAfter).
 	lastRecv time.Time
+	// owedWait is the quiet the flow owed waits for now; owedPaid: one
+	// went out past the limit, and no delivery has arrived since.
+	owedWait time.Duration
+	owedPaid bool
 	// probing: rtt went unconfirmed for RoundTripTTL; grants wait until
 	// the link's credit has run out, so that the next one is timed.
 	probing bool
@@ -228,7 +238,7 @@ func (a *Account) Adapt(floor int, now func() time.Time) {
 		panic("credit: Adapt with floor < 1 or no clock")
 	}
 	f := min(int64(floor), a.limit)
-	a.adapt = &adaptive{floor: f, now: now, target: f}
+	a.adapt = &adaptive{floor: f, now: now, target: f, owedWait: FlowOwedAfter}
 }
 
 // Park tells an adaptive Account how many of the deliveries held wait
@@ -264,6 +274,13 @@ func (a *Account) Received() (firstOvershoot bool) {
 	a.held++
 	if ad := a.adapt; ad != nil {
 		ad.lastRecv = ad.now()
+		if ad.owedPaid {
+			// The flow paid past the limit was followed by a delivery: a
+			// trickle (or a queue it resumed). The next waits longer, so that
+			// a trickle's excess runs down.
+			ad.owedPaid = false
+			ad.owedWait = min(2*ad.owedWait, FlowOwedMax)
+		}
 		ad.covered(a.received)
 	}
 	a.maxHeld = max(a.maxHeld, a.held)
@@ -323,7 +340,7 @@ func (ad *adaptive) covered(k int64) {
 	ad.rttAt, ad.probing = now, false
 	switch {
 	case ad.rtt == 0:
-		ad.rtt = min(rtt, FirstRoundTripCap)
+		ad.rtt = min(rtt, RoundTripCap)
 	case rtt < ad.rtt:
 		// Every sample is an upper bound of the round trip: a low one is
 		// believed at once.
@@ -332,7 +349,7 @@ func (ad *adaptive) covered(k int64) {
 		// A high one may be a producer's pause: it counts for at most four
 		// times the estimate, which a run of such samples still raises,
 		// 37% at a time.
-		ad.rtt += (min(rtt, 4*ad.rtt) - ad.rtt) / 8
+		ad.rtt += (min(rtt, 4*ad.rtt, RoundTripCap) - ad.rtt) / 8
 	}
 }
 
@@ -410,25 +427,16 @@ func (a *Account) Grant() uint32 {
 	if a.mode == Windowed && outstanding > 0 {
 		return 0
 	}
-	// The last settlement is followed by a flow frame even when the
-	// adaptive limit has come down below what is outstanding: a paused
-	// Artemis queue (group-rebalance-pause-dispatch) resumes only on one,
-	// and a pause is when the rate, and so the limit, falls. One credit
-	// past the limit, within the ceiling, never under a byte budget, and,
-	// with Adapt, only once no delivery has arrived for FlowOwedAfter: a
-	// queue that is paused sends nothing, while under a trickle (every
-	// delivery handled before the next arrives, so each empties the
-	// process) the credit outstanding must run down rather than stay
-	// where it is.
-	owed := a.held == 0 && a.flowOwed && a.budget == 0 && a.limit-outstanding >= 1
+	owed := a.owedPayable(outstanding)
 	if ad := a.adapt; ad != nil && owed {
-		owed = ad.now().Sub(ad.lastRecv) >= FlowOwedAfter
+		owed = ad.now().Sub(ad.lastRecv) >= ad.owedWait
 	}
 	if ad := a.adapt; ad != nil && ad.probing && outstanding > 0 {
 		// Until the credit runs out, for a timed grant; but the flow owed.
 		if !owed {
 			return 0
 		}
+		ad.owedPaid = true
 		return a.issue(1, outstanding)
 	}
 	limit, chunk := a.limit, a.chunk
@@ -454,6 +462,11 @@ func (a *Account) Grant() uint32 {
 	}
 	if want <= 0 && owed {
 		want = 1
+		if ad := a.adapt; ad != nil {
+			ad.owedPaid = true
+		}
+	} else if ad := a.adapt; ad != nil && want > 0 {
+		ad.owedWait = FlowOwedAfter // within the limit again
 	}
 	// Below a chunk, wait for more settlements, unless nothing is held (or
 	// only parked deliveries): then no settlement is
@@ -488,10 +501,30 @@ func (a *Account) issue(want, outstanding int64) uint32 {
 	return uint32(want) //nolint:gosec // G115: 0 < want ≤ 2³¹, clamped above
 }
 
+// owedPayable reports whether the flow frame owed after the last
+// settlement may go out now, but for the quiet it waits for with Adapt.
+//
+// The last settlement is followed by a flow frame even when the adaptive
+// limit has come down below what is outstanding: a paused Artemis queue
+// (group-rebalance-pause-dispatch) resumes only on one, and a pause is
+// when the rate, and so the limit, falls. One credit past the limit,
+// within the ceiling, never under a byte budget nor with a window out,
+// and with Adapt only once no delivery has arrived for a while
+// (FlowOwedAfter, doubling up to FlowOwedMax while deliveries keep
+// following such flows): a queue that is paused sends nothing, while
+// under a trickle (every delivery handled before the next arrives, so
+// each empties the process) a flow after every delivery would keep the
+// credit outstanding where it is instead of letting it run down.
+func (a *Account) owedPayable(outstanding int64) bool {
+	return a.flowOwed && a.held == 0 && a.budget == 0 && a.limit-outstanding >= 1 &&
+		(a.mode != Windowed || outstanding <= 0)
+}
+
 // FlowOwed reports whether a flow frame is owed after the last
-// settlement and has not gone out: with Adapt it waits for FlowOwedAfter
-// without a delivery, so the caller calls Grant again until it has.
-func (a *Account) FlowOwed() bool { return a.flowOwed && a.budget == 0 }
+// settlement, has not gone out, and Grant may send it: with Adapt it
+// waits for a quiet link, so the caller calls Grant again until it has
+// gone out or is no longer owed.
+func (a *Account) FlowOwed() bool { return a.owedPayable(a.granted - a.received) }
 
 // Limit returns the most deliveries the Account lets the process hold
 // now: the limit New was given, or with Adapt the adaptive limit as of the

@@ -50,6 +50,11 @@ func (g *Gauge) end(lane int, now time.Time) {
 		g.took.Store(max(1, d))
 		return
 	}
+	// A call counts for at most four times the mean, the stall threshold:
+	// one very long call (a handler that waited out its ctx) would
+	// otherwise raise the mean so far that no stall is seen for minutes,
+	// and the mean moves only as calls end, which a stall stops.
+	d = min(d, 4*m)
 	g.took.Store(max(1, m+(d-m)/16))
 }
 

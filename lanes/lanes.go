@@ -22,6 +22,7 @@ package lanes
 
 import (
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
@@ -110,7 +111,7 @@ func Run[T any](in <-chan T, cfg Config[T]) {
 	r.keys = make([]*laneKeys, cfg.Lanes)
 	for i := range r.queues {
 		r.queues[i] = newQueue[T]()
-		r.keys[i] = &laneKeys{n: make(map[string]int)}
+		r.keys[i] = &laneKeys{n: make(map[string]int), parked: &r.gauge.lanes[i].parked}
 	}
 	for i, q := range r.queues {
 		wg.Go(func() { r.lane(i, q) })
@@ -150,32 +151,35 @@ type runner[T any] struct {
 // behind an earlier item of their own key: Σ max(0, count-1). The
 // dispatcher adds, the lane (or a stop) removes.
 type laneKeys struct {
-	mu sync.Mutex
-	n  map[string]int
+	mu     sync.Mutex
+	n      map[string]int
+	parked *atomic.Int64 // the lane's gauge, kept with n under mu
 }
 
-// add counts an item of key k and reports whether an earlier one of k is
-// in the lane: the new one is parked behind it.
-func (l *laneKeys) add(k string) bool {
+// add counts an item of key k; when an earlier one of k is in the lane,
+// the new one is parked behind it.
+func (l *laneKeys) add(k string) {
 	l.mu.Lock()
 	c := l.n[k]
 	l.n[k] = c + 1
+	if c > 0 {
+		l.parked.Add(1)
+	}
 	l.mu.Unlock()
-	return c > 0
 }
 
-// remove uncounts an item of key k that left the lane and reports whether
-// another of k is still there: the next of k is no longer parked.
-func (l *laneKeys) remove(k string) bool {
+// remove uncounts an item of key k that left the lane; when another of k
+// is still there, the next of k is no longer parked.
+func (l *laneKeys) remove(k string) {
 	l.mu.Lock()
 	c := l.n[k] - 1
 	if c <= 0 {
 		delete(l.n, k)
 	} else {
 		l.n[k] = c
+		l.parked.Add(-1)
 	}
 	l.mu.Unlock()
-	return c > 0
 }
 
 // runPool runs the balanced placement: the dispatcher pushes into the
@@ -254,8 +258,8 @@ func (r *runner[T]) dispatch(in <-chan T) {
 			if next++; next == n {
 				next = 0
 			}
-		} else if r.keys[lane].add(k) {
-			r.gauge.lanes[lane].parked.Add(1)
+		} else {
+			r.keys[lane].add(k)
 		}
 		r.gauge.lanes[lane].load.Add(1)
 		if !r.queues[lane].push(item) {
@@ -287,9 +291,7 @@ func (r *runner[T]) finish(lane int, k string) {
 	case r.pool != nil:
 		r.pool.finish(k)
 	case r.keys != nil && k != "":
-		if r.keys[lane].remove(k) {
-			g.parked.Add(-1)
-		}
+		r.keys[lane].remove(k)
 	}
 }
 

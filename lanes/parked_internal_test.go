@@ -172,3 +172,26 @@ func TestBalancedParkedBehindAStall(t *testing.T) {
 		}
 	})
 }
+
+// One very long call (a handler that waited 10 minutes for its ctx)
+// counts for at most four times the mean, so the next stuck call is still
+// seen as stalled within a few times the usual call.
+func TestHashParkedALongCallDoesNotBlindTheStallRule(t *testing.T) {
+	g := NewGauge(2)
+	now := time.Unix(1e9, 0)
+	for range 1000 { // calls of 1 ms
+		g.begin(0, 1, now)
+		now = now.Add(time.Millisecond)
+		g.end(0, now)
+	}
+	g.begin(0, 1, now)
+	now = now.Add(10 * time.Minute)
+	g.end(0, now)
+	g.lanes[1].load.Store(51) // stuck on a call, 50 queued behind it
+	g.begin(1, 1, now)
+	now = now.Add(time.Second)
+	if _, stalled := g.Parked(now); stalled != 50 {
+		t.Fatalf("a call stuck for a second behind 50 queued, after one 10 min call among 1 ms ones: stalled %d (mean %v), want 50",
+			stalled, time.Duration(g.took.Load()))
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -678,4 +679,35 @@ func TestKeepAcrossLinksKeepsWhatTheReceiveLoopHadAtTheEnd(t *testing.T) {
 				st.Accepted, first.Count(fake.Accepted), st.Dropped, st.LinksLost)
 		}
 	})
+}
+
+// An idle link after one delivery does not keep the pump ticking: in
+// Windowed mode the flow owed after the last settlement cannot go out
+// while the window is out, and the pump does not wake every 10 ms for it.
+func TestAnIdleLinkDoesNotTick(t *testing.T) {
+	for _, mode := range []credit.Mode{credit.Continuous, credit.Windowed} {
+		t.Run(mode.String(), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				var loops atomic.Int64
+				src := fake.New(true, fake.Messages(1)...)
+				p := pump.New(pump.Config{Credit: 256, Mode: mode, AdaptiveFloor: 4,
+					Parked: func() int { loops.Add(1); return 0 }}) // once a loop
+				cancel, errc := start(t, p, attachTo(src))
+				d := <-p.Out()
+				d.Begin()
+				p.Settle(d, pump.Outcome{Kind: pump.Accept})
+				time.Sleep(5 * time.Second) // the flow owed, the limit back at its floor
+				synctest.Wait()
+				before := loops.Load()
+				time.Sleep(10 * time.Second)
+				synctest.Wait()
+				n := loops.Load() - before
+				cancel()
+				<-errc
+				if n > 10 {
+					t.Errorf("the pump looped %d times in 10 s on an idle link", n)
+				}
+			})
+		})
+	}
 }

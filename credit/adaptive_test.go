@@ -329,9 +329,7 @@ func trickle(a *Account, now *time.Time, gap, took, d time.Duration) (most, most
 // the round trip, and the trickle's rate times it held the ceiling.
 func TestAdaptiveAnIdleStartDoesNotPinTheCredit(t *testing.T) {
 	now := time.Unix(1e9, 0)
-	a := New(256, Continuous)
-	a.Adapt(8, func() time.Time { return now })
-	a.Attach()
+	a := adaptiveAt(&now, 256, 8, Continuous)
 	if g := a.Grant(); g != 8 {
 		t.Fatalf("first grant %d, want the floor", g)
 	}
@@ -350,9 +348,7 @@ func TestAdaptiveAnIdleStartDoesNotPinTheCredit(t *testing.T) {
 // deliveries in flight.
 func TestAdaptiveAPauseSampledFirstIsProbedAgain(t *testing.T) {
 	now := time.Unix(1e9, 0)
-	a := New(256, Continuous)
-	a.Adapt(8, func() time.Time { return now })
-	a.Attach()
+	a := adaptiveAt(&now, 256, 8, Continuous)
 	a.Grant()
 	for range 8 {
 		a.Received()
@@ -385,9 +381,7 @@ func TestAdaptiveAPauseSampledFirstIsProbedAgain(t *testing.T) {
 // and counts for at most four times the estimate.
 func TestAdaptiveSamplesAreUpperBounds(t *testing.T) {
 	now := time.Unix(1e9, 0)
-	a := New(256, Continuous)
-	a.Adapt(1, func() time.Time { return now })
-	a.Attach()
+	a := adaptiveAt(&now, 256, 1, Continuous)
 	// sample has the link spend its credit, grants at once (timed) and
 	// brings the grant's first delivery rtt later.
 	sample := func(rtt time.Duration) {
@@ -545,9 +539,7 @@ func FuzzAdaptiveLimit(f *testing.F) {
 // every event and every 10 ms while a flow is owed.
 func TestAdaptiveASlowTrickleRunsTheExcessDown(t *testing.T) {
 	now := time.Unix(1e9, 0)
-	a := New(256, Continuous)
-	a.Adapt(8, func() time.Time { return now })
-	a.Attach()
+	a := adaptiveAt(&now, 256, 8, Continuous)
 	a.Grant()
 	// A burst: the broker sends what is outstanding, 50 µs apart, each
 	// handled at once.
@@ -609,9 +601,7 @@ func windowedTrickle(a *Account, now *time.Time, gap, d time.Duration) (mostOut,
 func TestAdaptiveAWindowedTrickleIsNoRoundTrip(t *testing.T) {
 	for _, gap := range []time.Duration{time.Second, 10 * time.Second} {
 		now := time.Unix(1e9, 0)
-		a := New(256, Windowed)
-		a.Adapt(4, func() time.Time { return now })
-		a.Attach()
+		a := adaptiveAt(&now, 256, 4, Windowed)
 		a.Grant()
 		windowedTrickle(a, &now, gap, 200*gap)
 		mostOut, mostLimit := windowedTrickle(a, &now, gap, 100*gap)
@@ -626,9 +616,7 @@ func TestAdaptiveAWindowedTrickleIsNoRoundTrip(t *testing.T) {
 // FlowOwed, so the pump does not tick for it.
 func TestFlowOwedOnlyWhenGrantCanSendIt(t *testing.T) {
 	now := time.Unix(1e9, 0)
-	a := New(256, Windowed)
-	a.Adapt(4, func() time.Time { return now })
-	a.Attach()
+	a := adaptiveAt(&now, 256, 4, Windowed)
 	a.Grant() // a window of 4
 	a.Received()
 	a.Settled(1)
@@ -641,4 +629,12 @@ func TestFlowOwedOnlyWhenGrantCanSendIt(t *testing.T) {
 	if a.FlowOwed() {
 		t.Fatalf("FlowOwed with the window out (outstanding %d): nothing Grant could send", a.Snapshot().Outstanding)
 	}
+}
+
+// adaptiveAt returns an adaptive Account on the clock *now, attached.
+func adaptiveAt(now *time.Time, ceiling, floor int, mode Mode) *Account {
+	a := New(ceiling, mode)
+	a.Adapt(floor, func() time.Time { return *now })
+	a.Attach()
+	return a
 }

@@ -63,24 +63,7 @@ func TestPoolParkedCount(t *testing.T) {
 // (once a first call has set the mean).
 func TestHashParkedCount(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		g := NewGauge(1)
-		in := make(chan string)
-		release := make(chan struct{})
-		done := make(chan struct{})
-		go func() {
-			defer close(done)
-			Run(in, Config[string]{
-				Lanes: 1,
-				Key:   func(s string) string { return strings.TrimRight(s, "0123456789") },
-				Gauge: g,
-				Handle: func(_ int, s string) {
-					if s == "a1" {
-						<-release
-					}
-				},
-				Drop: func(string) {},
-			})
-		}()
+		g, in, release, done := stuckOnA1(1, false)
 		in <- "c1" // a first call, which sets the calls' mean
 		synctest.Wait()
 		for _, it := range []string{"a1", "a2", "b1", "7", "a3"} { // "7": keyless
@@ -123,6 +106,29 @@ func TestHashParkedStallFollowsTheMean(t *testing.T) {
 	})
 }
 
+// stuckOnA1 runs n lanes, keyed by an item's letters, whose handler is
+// stuck on item a1 until release is closed; done is closed once Run has
+// returned, after in is closed.
+func stuckOnA1(n int, balanced bool) (g *Gauge, in chan string, release, done chan struct{}) {
+	g, in, release, done = NewGauge(n), make(chan string), make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(done)
+		Run(in, Config[string]{
+			Lanes:    n,
+			Key:      func(s string) string { return strings.TrimRight(s, "0123456789") },
+			Balanced: balanced,
+			Gauge:    g,
+			Handle: func(_ int, s string) {
+				if s == "a1" {
+					<-release
+				}
+			},
+			Drop: func(string) {},
+		})
+	}()
+	return g, in, release, done
+}
+
 // parkedNow is all that Gauge.Parked counts now.
 func parkedNow(g *Gauge) int {
 	group, stalled := g.Parked(time.Now())
@@ -134,25 +140,7 @@ func parkedNow(g *Gauge) int {
 // holds.
 func TestBalancedParkedBehindAStall(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		g := NewGauge(2)
-		in := make(chan string)
-		release := make(chan struct{})
-		done := make(chan struct{})
-		go func() {
-			defer close(done)
-			Run(in, Config[string]{
-				Lanes:    2,
-				Key:      func(s string) string { return strings.TrimRight(s, "0123456789") },
-				Balanced: true,
-				Gauge:    g,
-				Handle: func(_ int, s string) {
-					if s == "a1" {
-						<-release
-					}
-				},
-				Drop: func(string) {},
-			})
-		}()
+		g, in, release, done := stuckOnA1(2, true)
 		for _, it := range []string{"a1", "a2", "a3", "b1"} {
 			in <- it
 		}

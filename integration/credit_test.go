@@ -137,7 +137,8 @@ func fairness(t *testing.T, b fairBroker, msgs []msgSpec, took [3]time.Duration,
 		sort.Slice(rs, func(a, b int) bool { return rs[a].drained < rs[b].drained })
 		var all []string
 		for _, x := range rs {
-			all = append(all, fmt.Sprintf("%.2fs %v held≤%v credit≤%v parked≤%v rtt %v", x.drained.Seconds(), x.handled, x.maxHeld, x.maxCredit, x.maxParked, x.rtt))
+			all = append(all, fmt.Sprintf("%.2fs %v held≤%v credit≤%v parked≤%v lanes busy %.1f/%.1f/%.1f last at %v rtt %v",
+				x.drained.Seconds(), x.handled, x.maxHeld, x.maxCredit, x.maxParked, x.busy[0], x.busy[1], x.busy[2], x.last, x.rtt))
 		}
 		med := rs[len(rs)/2]
 		bound := ""
@@ -164,8 +165,12 @@ type fairRun struct {
 	maxHeld  [3]int
 	rtt      [3]time.Duration
 	// maxCredit and maxParked are the most Stats().Credit and
-	// Stats().Parked seen, sampled every 10 ms.
+	// Stats().Parked seen, sampled every 10 ms; busy is the mean number of
+	// lanes with a delivery (Stats().Lanes), by the same samples.
 	maxCredit, maxParked [3]int
+	busy                 [3]float64
+	// last is when each replica finished its last message, from the start.
+	last [3]time.Duration
 }
 
 // fairnessRun preloads msgs, starts three replicas at once with the
@@ -189,7 +194,8 @@ func fairnessRun(t *testing.T, b fairBroker, msgs []msgSpec, took [3]time.Durati
 	var dup atomic.Int64
 	done := make(chan struct{})
 	var once sync.Once
-	var handled, busy [3]atomic.Int64
+	var handled, busy, last [3]atomic.Int64
+	var start time.Time
 	subs := make([]*amqpsub.Subscriber, 3)
 	for i := range subs {
 		h := amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
@@ -204,6 +210,7 @@ func fairnessRun(t *testing.T, b fairBroker, msgs []msgSpec, took [3]time.Durati
 				dup.Add(1)
 			}
 			handled[i].Add(1)
+			last[i].Store(int64(time.Since(start)))
 			if total.Add(1) == int64(n) {
 				once.Do(func() { close(done) })
 			}
@@ -218,7 +225,7 @@ func fairnessRun(t *testing.T, b fairBroker, msgs []msgSpec, took [3]time.Durati
 	var r fairRun
 	sampled, quit := make(chan struct{}), make(chan struct{})
 	defer close(quit)
-	start := time.Now()
+	start = time.Now()
 	var stops []context.CancelFunc
 	var waits []func() error
 	for _, s := range subs {
@@ -229,12 +236,25 @@ func fairnessRun(t *testing.T, b fairBroker, msgs []msgSpec, took [3]time.Durati
 		defer close(sampled)
 		tick := time.NewTicker(10 * time.Millisecond)
 		defer tick.Stop()
+		var busyLanes [3]int
+		samples := 0
+		defer func() {
+			for i := range busyLanes {
+				r.busy[i] = float64(busyLanes[i]) / float64(max(1, samples))
+			}
+		}()
 		for {
 			for i, s := range subs {
 				st := s.Stats()
 				r.maxCredit[i] = max(r.maxCredit[i], st.Credit)
 				r.maxParked[i] = max(r.maxParked[i], st.Parked)
+				for _, l := range st.Lanes {
+					if l.Load > 0 {
+						busyLanes[i]++
+					}
+				}
 			}
+			samples++
 			select {
 			case <-done:
 				return
@@ -266,6 +286,7 @@ func fairnessRun(t *testing.T, b fairBroker, msgs []msgSpec, took [3]time.Durati
 			r.laneRate += 1 / took[i].Seconds()
 			rate += 8 / took[i].Seconds()
 		}
+		r.last[i] = time.Duration(last[i].Load()).Round(time.Millisecond)
 		r.maxHeld[i] = subs[i].Stats().MaxHeld
 		r.rtt[i] = subs[i].Stats().RoundTrip
 	}
@@ -396,6 +417,7 @@ func TestServiceBusCreditLocks(t *testing.T) {
 		maxLocks          int
 		meanLocks         float64
 		maxCredit         int
+		busy              float64 // lanes with a delivery, mean of the samples
 		requests, renewed uint64
 		took              time.Duration
 		redelivered, lost int
@@ -433,7 +455,7 @@ func TestServiceBusCreditLocks(t *testing.T) {
 		wg.Go(func() {
 			start := time.Now()
 			stop, wait := runSub(t, s)
-			var samples, sum, most, credit int
+			var samples, sum, most, credit, busy int
 			for p.info(t, q).Stats["completed"] < n {
 				if time.Since(start) > 10*time.Minute {
 					t.Errorf("%s: not done after 10 min", st.name)
@@ -443,6 +465,11 @@ func TestServiceBusCreditLocks(t *testing.T) {
 				l := sst.Locks.Held
 				sum, most, samples = sum+l, max(most, l), samples+1
 				credit = max(credit, sst.Credit)
+				for _, l := range sst.Lanes {
+					if l.Load > 0 {
+						busy++
+					}
+				}
 				time.Sleep(100 * time.Millisecond)
 			}
 			took := time.Since(start)
@@ -451,7 +478,7 @@ func TestServiceBusCreditLocks(t *testing.T) {
 				t.Error(err)
 			}
 			sst := s.Stats()
-			r := result{name: st.name, maxLocks: most, meanLocks: float64(sum) / float64(max(1, samples)), maxCredit: credit,
+			r := result{name: st.name, maxLocks: most, meanLocks: float64(sum) / float64(max(1, samples)), maxCredit: credit, busy: float64(busy) / float64(max(1, samples)),
 				requests: sst.Locks.RenewRequests, renewed: sst.Locks.Renewed, took: took, lost: int(sst.Locks.Lost)}
 			for i := range seen {
 				switch c := seen[i].Load(); {
@@ -465,10 +492,18 @@ func TestServiceBusCreditLocks(t *testing.T) {
 		})
 	}
 	wg.Wait()
+	// sbsend -sessions names message i's session s%03d of i mod 100: under
+	// WorkersByKey(8) the fullest lane's messages, at 1 s each, bound the
+	// drain.
+	perLane := make([]int, 8)
+	for i := range n {
+		perLane[lanes.LaneOf(fmt.Sprintf("s%03d", i%100), 8)]++
+	}
+	t.Logf("100 groups over 8 lanes (lanes.LaneOf): %v messages; hash bound %d s, ideal %d s", perLane, slices.Max(perLane), n/8)
 	for _, r := range results {
 		mins := r.took.Minutes()
-		t.Logf("%s: %.0f s; locks held max %d, mean %.1f; credit max %d; %d renew-lock requests (%.1f/min) renewing %d locks (%.0f/min); %d handled twice, %d locks lost",
-			r.name, r.took.Seconds(), r.maxLocks, r.meanLocks, r.maxCredit, r.requests, float64(r.requests)/mins, r.renewed, float64(r.renewed)/mins, r.redelivered, r.lost)
+		t.Logf("%s: %.0f s; locks held max %d, mean %.1f; credit max %d; lanes busy %.1f of 8; %d renew-lock requests (%.1f/min) renewing %d locks (%.0f/min); %d handled twice, %d locks lost",
+			r.name, r.took.Seconds(), r.maxLocks, r.meanLocks, r.maxCredit, r.busy, r.requests, float64(r.requests)/mins, r.renewed, float64(r.renewed)/mins, r.redelivered, r.lost)
 		if r.lost != 0 || r.redelivered != 0 {
 			t.Errorf("%s: %d locks lost, %d handled twice", r.name, r.lost, r.redelivered)
 		}

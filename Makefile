@@ -93,13 +93,15 @@ scaling: prereqs
 	AMQPSUB_SCALING=1 AMQPSUB_CLUSTER_CTL=$(CLUSTER_CTL) $(GO) test -count=1 -run TestArtemisScalingThroughput -v -timeout 30m ./integration
 
 ## credit: the adaptive credit against a fixed one (docs/performance.md):
-## replica fairness, a crash, group spread on Artemis, locks on the Service
-## Bus peer; starts the brokers and the peer (left running); about 10 minutes
+## replica fairness in each lane mode on Artemis and a RabbitMQ 4 quorum
+## queue, a crash and group spread on Artemis, locks on the Service Bus
+## peer, what graceful stops release on a quorum queue; starts the brokers
+## and the peer (left running); about 15 minutes
 credit: brokers
 	bash integration/sbpeer/sbpeer.sh start
 	AMQPSUB_CREDIT=1 AMQPSUB_SBPEER_CONN=$$(bash integration/sbpeer/sbpeer.sh url) \
 	AMQPSUB_SBPEER_CONTROL=$$(bash integration/sbpeer/sbpeer.sh ctl-url) $(INTEGRATION_ENV) \
-	$(GO) test -count=1 -run 'TestArtemisCredit|TestServiceBusCredit|TestRabbitMQ4StopCost' -v -timeout 40m ./integration
+	$(GO) test -count=1 -run 'TestArtemisCredit|TestRabbitMQ4Credit|TestServiceBusCredit|TestRabbitMQ4StopCost' -v -timeout 40m ./integration
 
 ## fuzz: every fuzz target for FUZZTIME each (default 1m); CI runs them for 5s
 fuzz:

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -437,13 +438,39 @@ type stopRound struct {
 // a deploy would, stops times; then it counts what the dead-letter queue
 // holds, and which of those no handler saw.
 func repeatedStops(t *testing.T, url, q, addr string, n, stops int, opts ...amqpsub.Option) stopRound {
+	r, _ := stopRounds(t, url, q, addr, stopPlan{
+		msgs: uniqueSeqs(n, 0), stops: stops, every: 3,
+		opts: append([]amqpsub.Option{amqpsub.Workers(1), amqpsub.GracePeriod(4 * time.Second)}, opts...),
+	})
+	return r
+}
+
+// stopPlan is what stopRounds does: publish msgs, then stops times run a
+// subscriber with opts and 100 ms handlers until every more are handled,
+// and stop it gracefully.
+type stopPlan struct {
+	msgs         []msgSpec
+	stops, every int
+	opts         []amqpsub.Option
+}
+
+// stopAt is one stop of stopRounds: what the subscriber held and its
+// credit just before it, and what the stop released.
+type stopAt struct {
+	held, credit, parked, released int
+}
+
+// stopRounds carries out plan on queue q (addressed as addr), then counts
+// what the queue and its dead-letter queue hold, and which of the dead
+// letters no handler saw.
+func stopRounds(t *testing.T, url, q, addr string, plan stopPlan) (stopRound, []stopAt) {
 	conn := dial(t, url)
-	specs := uniqueSeqs(n, 0)
-	r4publish(t, conn, q, specs)
+	r4publish(t, conn, q, plan.msgs)
 	var mu sync.Mutex
 	seen := map[int]bool{}
 	var r stopRound
-	for i := range stops {
+	var each []stopAt
+	for i := range plan.stops {
 		var handled atomic.Int64
 		s, err := amqpsub.New(amqpsub.Dial(url, nil), addr, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
 			time.Sleep(100 * time.Millisecond)
@@ -452,12 +479,13 @@ func repeatedStops(t *testing.T, url, q, addr string, n, stops int, opts ...amqp
 			mu.Unlock()
 			handled.Add(1)
 			return nil
-		}), append([]amqpsub.Option{amqpsub.Workers(1), amqpsub.GracePeriod(4 * time.Second), amqpsub.Logger(logger(t))}, opts...)...)
+		}), append(slices.Clone(plan.opts), amqpsub.Logger(logger(t)))...)
 		if err != nil {
 			t.Fatal(err)
 		}
 		stop, wait := runSub(t, s)
-		waitFor(t, 30*time.Second, fmt.Sprintf("round %d: 3 handled", i), func() bool { return handled.Load() >= 3 })
+		waitFor(t, 30*time.Second, fmt.Sprintf("round %d: %d handled", i, plan.every), func() bool { return handled.Load() >= int64(plan.every) })
+		before := s.Stats()
 		stop()
 		if err := wait(); err != nil {
 			t.Fatalf("round %d: Run = %v", i, err)
@@ -465,6 +493,7 @@ func repeatedStops(t *testing.T, url, q, addr string, n, stops int, opts ...amqp
 		st := s.Stats()
 		r.handled += int(handled.Load())
 		r.released += int(st.Settled.Released)
+		each = append(each, stopAt{held: before.Held, credit: before.Credit, parked: before.Parked, released: int(st.Settled.Released)})
 	}
 	r.left = len(drainQueue(t, conn, q))
 	dead := drainQueue(t, conn, q+".dlq")
@@ -476,7 +505,7 @@ func repeatedStops(t *testing.T, url, q, addr string, n, stops int, opts ...amqp
 		}
 	}
 	r.distinct = len(seen)
-	return r
+	return r, each
 }
 
 // drainQueue takes (accepting) everything queue q holds, until nothing
@@ -549,6 +578,47 @@ func TestRabbitMQ4StopCost(t *testing.T) {
 			r := repeatedStops(t, url, q, "/queues/"+q, n, stops, tc.opts...)
 			t.Logf("%d stops, %s: %+v", stops, tc.name, r)
 			// Every message is handled, left, or dead-lettered unseen.
+			if r.distinct+r.left+r.deadUnseen != n+1 || r.dead < r.deadUnseen {
+				t.Fatalf("counts do not add up: %+v", r)
+			}
+		})
+	}
+}
+
+// What a graceful stop releases with lanes: 2,000 messages over 40
+// groups, 4 lanes of 100 ms handlers, GracePeriod(2s), the RabbitMQ4
+// profile and the adaptive credit, stopped 8 times, each time once 40
+// more are handled (about a second), under WorkersByKey(4) (hash lanes
+// and BalanceKeys) and Workers(4). Each release is a return counted
+// toward the quorum queue's delivery-limit. A measurement
+// (docs/performance.md): only with AMQPSUB_CREDIT=1 (make credit); it
+// asserts that the counts add up.
+func TestRabbitMQ4StopCostLanes(t *testing.T) {
+	if os.Getenv("AMQPSUB_CREDIT") == "" {
+		t.Skip("a measurement: AMQPSUB_CREDIT=1 (make credit) runs it")
+	}
+	url := rabbit4URL(t)
+	const n, stops = 2000, 8
+	base := []amqpsub.Option{amqpsub.WithProfile(amqpsub.RabbitMQ4), amqpsub.GracePeriod(2 * time.Second)}
+	for _, tc := range []struct {
+		name string
+		opts []amqpsub.Option
+	}{
+		{"WorkersByKey(4)", []amqpsub.Option{amqpsub.WorkersByKey(4)}},
+		{"WorkersByKey(4), BalanceKeys", []amqpsub.Option{amqpsub.WorkersByKey(4), amqpsub.BalanceKeys()}},
+		{"Workers(4)", []amqpsub.Option{amqpsub.Workers(4)}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			q := declareRabbit4(t, "quorum")
+			r, each := stopRounds(t, url, q, "/queues/"+q, stopPlan{
+				msgs: uniqueSeqs(n, 40), stops: stops, every: 40, opts: append(slices.Clone(base), tc.opts...),
+			})
+			var rel, at []string
+			for _, e := range each {
+				rel = append(rel, fmt.Sprint(e.released))
+				at = append(at, fmt.Sprintf("held %d credit %d parked %d", e.held, e.credit, e.parked))
+			}
+			t.Logf("%d stops, %s: released per stop %s; before each stop: %s; %+v", stops, tc.name, strings.Join(rel, ", "), strings.Join(at, "; "), r)
 			if r.distinct+r.left+r.deadUnseen != n+1 || r.dead < r.deadUnseen {
 				t.Fatalf("counts do not add up: %+v", r)
 			}

@@ -64,6 +64,8 @@ func scenarios(groups int) []scenario {
 			opts: func() []amqpsub.Option { return []amqpsub.Option{amqpsub.Workers(8)} }},
 		{name: "key8", title: "no-op, " + keyed, group: "b",
 			opts: func() []amqpsub.Option { return []amqpsub.Option{amqpsub.WorkersByKey(8)} }},
+		{name: "keybal8", title: "no-op, " + keyed + ", BalanceKeys", group: "b",
+			opts: func() []amqpsub.Option { return []amqpsub.Option{amqpsub.WorkersByKey(8), amqpsub.BalanceKeys()} }},
 		{name: "batch", title: "no-op, NewBatch, Batch(100, 10ms)", group: "b", batch: true,
 			opts: func() []amqpsub.Option {
 				return []amqpsub.Option{amqpsub.Batch(100, 10*time.Millisecond)}

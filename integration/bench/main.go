@@ -5,7 +5,8 @@
 // and on a quorum queue) and payload it preloads a queue, then drains it with each
 // scenario in turn: (a) the best plain go-amqp loop, the reference; (b)
 // amqpsub with a no-op handler under Workers(1), Workers(8),
-// WorkersByKey(8) and NewBatch; (c) amqpsub with a 1 ms handler under
+// WorkersByKey(8) (hash lanes and BalanceKeys) and NewBatch, each also with
+// FixedCredit; (c) amqpsub with a 1 ms handler under
 // WorkersByKey(n) for n = 1, 4, 8, 16, 64, and with BalanceKeys for n = 8,
 // 16, 64; (r) reference consumers from other
 // ecosystems, what a user would pick instead: a Qpid JMS
@@ -112,7 +113,7 @@ func parseFlags() (*options, error) {
 	flag.StringVar(&o.rabbit4URL, "rabbitmq4", envOr("AMQPSUB_RABBITMQ4_URL", "amqp://guest:guest@127.0.0.1:5692"), "RabbitMQ 4 URL, for rabbitmq4-classic and rabbitmq4-quorum (default $AMQPSUB_RABBITMQ4_URL)")
 	flag.StringVar(&brokers, "brokers", strings.Join(brokerNames, ","), "brokers to run, in order: "+strings.Join(brokerNames, ", ")+
 		" (RabbitMQ 4 on a classic and on a quorum queue, each declared with $AMQPSUB_RABBITMQ4_CTL or integration/rabbitmq4.sh)")
-	flag.StringVar(&scens, "scenarios", "all", "scenarios to run: all, or a list of loop, w1, w1plain, w8, key8, batch (each of these but w1plain also as w1fixed..., with FixedCredit), slow1, slow4, slow8, slow16, slow64, bal8, bal16, bal64, w1nomerge, key8nomerge, batchnomerge, jms, protonc, pyproton")
+	flag.StringVar(&scens, "scenarios", "all", "scenarios to run: all, or a list of loop, w1, w1plain, w8, key8, keybal8, batch (each of these but w1plain also as w1fixed..., with FixedCredit), slow1, slow4, slow8, slow16, slow64, bal8, bal16, bal64, w1nomerge, key8nomerge, batchnomerge, jms, protonc, pyproton")
 	flag.StringVar(&pays, "payloads", "p100,t1k", "payloads: p100 (100 B persistent), t1k (1 KiB non-persistent)")
 	flag.IntVar(&o.n, "n", 100000, "messages preloaded per drain (plus one barrier)")
 	flag.IntVar(&o.runs, "runs", 3, "runs of every scenario; the table shows the median")

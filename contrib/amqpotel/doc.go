@@ -48,7 +48,9 @@
 // is left out): amqpsub.messages.held (held now,
 // against amqpsub.credit, the credit now, within amqpsub.credit.limit),
 // amqpsub.lane.load (per lane, amqpsub.lane),
-// amqpsub.groups.held, amqpsub.bytes.held (By) and amqpsub.locks.held.
+// amqpsub.groups.held, amqpsub.messages.parked (held deliveries waiting
+// behind an earlier one of their group or a handler call that runs long),
+// amqpsub.bytes.held (By) and amqpsub.locks.held.
 // They are asynchronous up-down counters, as the OpenTelemetry guidelines
 // want for values that add up across attributes (a Prometheus exporter
 // shows them as gauges).

@@ -61,6 +61,11 @@ const (
 	// GroupsHeldName is the groups with deliveries in the lanes now
 	// (BalanceKeys).
 	GroupsHeldName = "amqpsub.groups.held"
+	// ParkedName is the held deliveries that wait behind an earlier
+	// delivery of their own group, or behind a handler call that has run
+	// for over four times the mean (amqpsub.Stats.Parked): a hot, slow or
+	// stuck group shows here.
+	ParkedName = "amqpsub.messages.parked"
 	// BytesHeldName is the size of the bodies held now.
 	BytesHeldName = "amqpsub.bytes.held"
 	// LocksHeldName is the Service Bus message locks kept now.
@@ -89,8 +94,8 @@ type Metrics struct {
 	dlCopies     metric.Int64Counter
 	dlFailures   metric.Int64Counter
 
-	held, credit, creditLimit, laneLoad, groupsHeld, bytesHeld, locksHeld metric.Int64ObservableUpDownCounter
-	reg                                                                   metric.Registration
+	held, credit, creditLimit, laneLoad, groupsHeld, parked, bytesHeld, locksHeld metric.Int64ObservableUpDownCounter
+	reg                                                                           metric.Registration
 
 	mu sync.Mutex
 	// recs are the recorders made, weakly: a subscriber that is garbage
@@ -152,12 +157,13 @@ func NewMetrics(opts ...Option) (*Metrics, error) {
 	m.creditLimit = gauge(CreditLimitName, "{message}", "The credit's bound: the Credit option.")
 	m.laneLoad = gauge(LaneLoadName, "{message}", "Deliveries waiting for a lane and in its handler now.")
 	m.groupsHeld = gauge(GroupsHeldName, "{group}", "Groups (group-ids) with deliveries in the lanes now.")
+	m.parked = gauge(ParkedName, "{message}", "Deliveries held now that wait behind an earlier one of their group, or behind a handler call running over four times the mean.")
 	m.bytesHeld = gauge(BytesHeldName, "By", "Size of the message bodies held now.")
 	m.locksHeld = gauge(LocksHeldName, "{lock}", "Service Bus message locks kept now.")
 	if err := errors.Join(errs...); err != nil {
 		return nil, fmt.Errorf("amqpotel: creating instruments: %w", err)
 	}
-	m.reg, err = meter.RegisterCallback(m.observe, m.held, m.credit, m.creditLimit, m.laneLoad, m.groupsHeld, m.bytesHeld, m.locksHeld)
+	m.reg, err = meter.RegisterCallback(m.observe, m.held, m.credit, m.creditLimit, m.laneLoad, m.groupsHeld, m.parked, m.bytesHeld, m.locksHeld)
 	if err != nil {
 		return nil, fmt.Errorf("amqpotel: registering the gauges' callback: %w", err)
 	}
@@ -372,10 +378,10 @@ func (r *recorder) ended() bool {
 
 // gauges sums the gauges of the subscribers of one queue.
 type gauges struct {
-	base                                      attribute.Set
-	lanes                                     []attribute.Set
-	held, credit, limit, groups, bytes, locks int64
-	load                                      []int64
+	base                                              attribute.Set
+	lanes                                             []attribute.Set
+	held, credit, limit, groups, parked, bytes, locks int64
+	load                                              []int64
 }
 
 // observe reads every live subscriber's Stats, once each per collection,
@@ -409,6 +415,7 @@ func (m *Metrics) observe(_ context.Context, o metric.Observer) error {
 		g.credit += int64(st.Credit)
 		g.limit += r.credit
 		g.groups += int64(st.GroupsHeld)
+		g.parked += int64(st.Parked)
 		g.bytes += st.BytesHeld
 		g.locks += int64(st.Locks.Held)
 		for i, l := range st.Lanes {
@@ -429,6 +436,7 @@ func (m *Metrics) observe(_ context.Context, o metric.Observer) error {
 		o.ObserveInt64(m.credit, g.credit, at)
 		o.ObserveInt64(m.creditLimit, g.limit, at)
 		o.ObserveInt64(m.groupsHeld, g.groups, at)
+		o.ObserveInt64(m.parked, g.parked, at)
 		o.ObserveInt64(m.bytesHeld, g.bytes, at)
 		o.ObserveInt64(m.locksHeld, g.locks, at)
 		for i, n := range g.load {

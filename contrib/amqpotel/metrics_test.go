@@ -185,7 +185,7 @@ func TestMetricsGaugesWhileRunning(t *testing.T) {
 			t.Errorf("no load for lane %d:\n%s", lane, c.attrSets(amqpotel.LaneLoadName))
 		}
 	}
-	for _, name := range []string{amqpotel.GroupsHeldName, amqpotel.BytesHeldName, amqpotel.LocksHeldName} {
+	for _, name := range []string{amqpotel.GroupsHeldName, amqpotel.ParkedName, amqpotel.BytesHeldName, amqpotel.LocksHeldName} {
 		if c.points(name, base...) != 1 {
 			t.Errorf("no %s", name)
 		}
@@ -309,7 +309,7 @@ func info(queue string, st func() amqpsub.Stats) amqpsub.MetricsInfo {
 // The recorder's every method, called directly: the attributes of each.
 func TestRecorderAttributes(t *testing.T) {
 	m, reader := newMetrics(t)
-	fs := &fakeStats{st: amqpsub.Stats{Held: 3, Credit: 6, GroupsHeld: 2, BytesHeld: 300, Locks: amqpsub.Locks{Held: 3},
+	fs := &fakeStats{st: amqpsub.Stats{Held: 3, Credit: 6, GroupsHeld: 2, Parked: 5, BytesHeld: 300, Locks: amqpsub.Locks{Held: 3},
 		Lanes: []amqpsub.LaneStats{{Load: 1}, {Load: 2}}}}
 	r := m.Recorder(info("sbq", fs.get))
 	r.Received()
@@ -351,6 +351,7 @@ func TestRecorderAttributes(t *testing.T) {
 		{amqpotel.CreditName, nil, 6},
 		{amqpotel.CreditLimitName, nil, 10},
 		{amqpotel.GroupsHeldName, nil, 2},
+		{amqpotel.ParkedName, nil, 5},
 		{amqpotel.BytesHeldName, nil, 300},
 		{amqpotel.LocksHeldName, nil, 3},
 		{amqpotel.LaneLoadName, []attribute.KeyValue{amqpotel.LaneKey.Int(0)}, 1},

@@ -259,7 +259,7 @@ func (s subscriber) ended() bool {
 
 // gauges is a collector that reads each Subscriber's Stats when scraped.
 type gauges struct {
-	held, credit, creditLimit, bytes, groups, locks, lane *prometheus.Desc
+	held, credit, creditLimit, bytes, groups, parked, locks, lane *prometheus.Desc
 
 	mu sync.Mutex
 	// recs are the recorders of the subscribers, held weakly: one that is
@@ -279,6 +279,7 @@ func newGauges(constLabels prometheus.Labels) *gauges {
 		creditLimit: d("amqpsub_credit_limit", "The credit's bound: the Credit option."),
 		bytes:       d("amqpsub_held_bytes", "Bytes of the bodies held now."),
 		groups:      d("amqpsub_groups_held", "Groups with deliveries in the lanes now (BalanceKeys)."),
+		parked:      d("amqpsub_parked_deliveries", "Deliveries held now that wait behind an earlier one of their group, or behind a handler call running over four times the mean (a hot, slow or stuck group)."),
 		locks:       d("amqpsub_locks_held", "Service Bus deliveries whose locks are kept now."),
 		lane:        d("amqpsub_lane_load", "Deliveries waiting for each lane and in its handler.", "lane"),
 	}
@@ -292,7 +293,7 @@ func (g *gauges) add(r *recorder) {
 
 // Describe implements prometheus.Collector.
 func (g *gauges) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{g.held, g.credit, g.creditLimit, g.bytes, g.groups, g.locks, g.lane} {
+	for _, d := range []*prometheus.Desc{g.held, g.credit, g.creditLimit, g.bytes, g.groups, g.parked, g.locks, g.lane} {
 		ch <- d
 	}
 }
@@ -316,8 +317,8 @@ func (g *gauges) Collect(ch chan<- prometheus.Metric) {
 	g.mu.Unlock()
 	type key struct{ system, queue string }
 	type sums struct {
-		held, credit, limit, bytes, groups, locks float64
-		lanes                                     []float64
+		held, credit, limit, bytes, groups, parked, locks float64
+		lanes                                             []float64
 	}
 	var order []key
 	byKey := map[key]*sums{}
@@ -335,6 +336,7 @@ func (g *gauges) Collect(ch chan<- prometheus.Metric) {
 		t.limit += float64(s.credit)
 		t.bytes += float64(st.BytesHeld)
 		t.groups += float64(st.GroupsHeld)
+		t.parked += float64(st.Parked)
 		t.locks += float64(st.Locks.Held)
 		for i, l := range st.Lanes {
 			if i == len(t.lanes) {
@@ -353,6 +355,7 @@ func (g *gauges) Collect(ch chan<- prometheus.Metric) {
 		v(g.creditLimit, t.limit)
 		v(g.bytes, t.bytes)
 		v(g.groups, t.groups)
+		v(g.parked, t.parked)
 		v(g.locks, t.locks)
 		for i, l := range t.lanes {
 			v(g.lane, l, strconv.Itoa(i))

@@ -145,6 +145,55 @@ func TestRecorderDoesNotAllocate(t *testing.T) {
 	}
 }
 
+// Each gauge is its Stats field, summed over the subscribers of one queue;
+// another queue has series of its own.
+func TestGaugesSumStatsPerQueue(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	m := amqpprom.New(reg)
+	st := func() amqpsub.Stats {
+		return amqpsub.Stats{Held: 5, Credit: 8, BytesHeld: 500, GroupsHeld: 2, Parked: 3, Locks: amqpsub.Locks{Held: 4},
+			Lanes: []amqpsub.LaneStats{{Load: 1}, {Load: 4}}}
+	}
+	recs := []amqpsub.Recorder{
+		m.Recorder(amqpsub.MetricsInfo{Queue: "orders", System: "activemq", Credit: 10, Lanes: 2, Stats: st}),
+		m.Recorder(amqpsub.MetricsInfo{Queue: "orders", System: "activemq", Credit: 10, Lanes: 2, Stats: st}),
+		m.Recorder(amqpsub.MetricsInfo{Queue: "audit", System: "activemq", Credit: 10, Lanes: 1,
+			Stats: func() amqpsub.Stats { return amqpsub.Stats{Parked: 7} }}),
+	}
+	want := `
+# HELP amqpsub_groups_held Groups with deliveries in the lanes now (BalanceKeys).
+# TYPE amqpsub_groups_held gauge
+amqpsub_groups_held{messaging_destination_name="audit",messaging_system="activemq"} 0
+amqpsub_groups_held{messaging_destination_name="orders",messaging_system="activemq"} 4
+# HELP amqpsub_held_bytes Bytes of the bodies held now.
+# TYPE amqpsub_held_bytes gauge
+amqpsub_held_bytes{messaging_destination_name="audit",messaging_system="activemq"} 0
+amqpsub_held_bytes{messaging_destination_name="orders",messaging_system="activemq"} 1000
+# HELP amqpsub_held_deliveries Deliveries held in the process now (at most the credit on a broker that keeps within it).
+# TYPE amqpsub_held_deliveries gauge
+amqpsub_held_deliveries{messaging_destination_name="audit",messaging_system="activemq"} 0
+amqpsub_held_deliveries{messaging_destination_name="orders",messaging_system="activemq"} 10
+# HELP amqpsub_lane_load Deliveries waiting for each lane and in its handler.
+# TYPE amqpsub_lane_load gauge
+amqpsub_lane_load{lane="0",messaging_destination_name="orders",messaging_system="activemq"} 2
+amqpsub_lane_load{lane="1",messaging_destination_name="orders",messaging_system="activemq"} 8
+# HELP amqpsub_locks_held Service Bus deliveries whose locks are kept now.
+# TYPE amqpsub_locks_held gauge
+amqpsub_locks_held{messaging_destination_name="audit",messaging_system="activemq"} 0
+amqpsub_locks_held{messaging_destination_name="orders",messaging_system="activemq"} 8
+# HELP amqpsub_parked_deliveries Deliveries held now that wait behind an earlier one of their group, or behind a handler call running over four times the mean (a hot, slow or stuck group).
+# TYPE amqpsub_parked_deliveries gauge
+amqpsub_parked_deliveries{messaging_destination_name="audit",messaging_system="activemq"} 7
+amqpsub_parked_deliveries{messaging_destination_name="orders",messaging_system="activemq"} 6
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want),
+		"amqpsub_held_deliveries", "amqpsub_held_bytes", "amqpsub_groups_held", "amqpsub_parked_deliveries",
+		"amqpsub_locks_held", "amqpsub_lane_load"); err != nil {
+		t.Error(err)
+	}
+	runtime.KeepAlive(recs) // the gauges hold recorders weakly
+}
+
 func TestSecondNewOnARegistryPanics(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	amqpprom.New(reg)

@@ -60,7 +60,9 @@
 //
 //	amqpsub_held_deliveries, amqpsub_credit (now: adaptive unless FixedCredit),
 //	amqpsub_credit_limit (the Credit option; summed, as the others), amqpsub_held_bytes,
-//	amqpsub_groups_held, amqpsub_locks_held,
+//	amqpsub_groups_held, amqpsub_parked_deliveries (held deliveries waiting
+//	behind an earlier one of their group or a handler call that runs long),
+//	amqpsub_locks_held,
 //	amqpsub_lane_load{lane}  (deliveries waiting for each lane or in it)
 //
 // On the delivery path a call costs an atomic add, or a histogram

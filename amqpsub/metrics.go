@@ -37,7 +37,7 @@ type MetricsInfo struct {
 	// Batch reports whether the handler is a [BatchHandler].
 	Batch bool
 	// Stats returns the subscriber's counters, for gauges read when they
-	// are collected: Held against Credit, each lane's Load, GroupsHeld,
+	// are collected: Held against Credit, each lane's Load, GroupsHeld, Parked,
 	// BytesHeld, [Locks.Held]. It may be called from any goroutine once [New]
 	// returned; it allocates, so call it per scrape, not per delivery.
 	// Called before New has returned, it returns zeros.

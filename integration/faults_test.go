@@ -241,13 +241,16 @@ func uniqueSeqs(n, groups int) []msgSpec {
 // tally counts, per seq, how often a handler saw it.
 type tally struct {
 	counts   []atomic.Int32
+	firstAt  []atomic.Int64 // unix ns of each seq's first handling
 	total    atomic.Int64
 	distinct atomic.Int64
 	mark     atomic.Int64 // unix ns
 	first    atomic.Int64 // unix ns of the first delivery handled at or after mark
 }
 
-func newTally(n int) *tally { return &tally{counts: make([]atomic.Int32, n)} }
+func newTally(n int) *tally {
+	return &tally{counts: make([]atomic.Int32, n), firstAt: make([]atomic.Int64, n)}
+}
 
 func (c *tally) record(seq int) {
 	if seq < 0 || seq >= len(c.counts) {
@@ -256,6 +259,7 @@ func (c *tally) record(seq int) {
 	now := time.Now().UnixNano()
 	if c.counts[seq].Add(1) == 1 {
 		c.distinct.Add(1)
+		c.firstAt[seq].Store(now)
 	}
 	c.total.Add(1)
 	if m := c.mark.Load(); m != 0 && now >= m {
@@ -277,6 +281,17 @@ func (c *tally) firstSinceMark() (time.Time, bool) {
 func (c *tally) all() bool { return c.distinct.Load() == int64(len(c.counts)) }
 
 func (c *tally) duplicates() int64 { return c.total.Load() - c.distinct.Load() }
+
+// firstHandledIn counts the seqs first handled in [from, to).
+func (c *tally) firstHandledIn(from, to time.Time) int {
+	n := 0
+	for i := range c.firstAt {
+		if at := c.firstAt[i].Load(); at >= from.UnixNano() && at < to.UnixNano() {
+			n++
+		}
+	}
+	return n
+}
 
 func (c *tally) missing(max int) []int {
 	var out []int
@@ -366,8 +381,9 @@ func waitAccepting(ctx context.Context, addr string) (time.Time, error) {
 
 // kill -9 the broker while 100,000 persistent messages are consumed with
 // WorkersByKey(8), start it again after 2 s: every message is handled, none
-// is left on the queue, duplicates are at most the credit, and consumption
-// resumes within 2 s of the broker accepting connections again.
+// is left on the queue, duplicates are at most the credit and the
+// acceptances the broker had not yet journaled, and consumption resumes
+// within 2 s of the broker accepting connections again.
 func TestFaultBrokerKill(t *testing.T) {
 	b := dedicatedBroker(t)
 	q := queueName(t)
@@ -422,14 +438,16 @@ func TestFaultBrokerKill(t *testing.T) {
 	// The credit bounds the deliveries the broker had sent and not seen
 	// settled. Artemis settles in receiver-settle-mode first (the only mode
 	// it offers), so no acceptance is confirmed, and it writes the
-	// acceptances it did receive to its journal asynchronously (NIO, a
-	// buffer flushed every few ms): those still in the buffer at kill -9
-	// come back too. Measured: 142–296 in 5 runs, so the bound asserted is
-	// the credit plus as many again for that window.
-	if d := c.duplicates(); d > 2*credit {
-		t.Errorf("%d duplicates after one restart, want ≤ 2 × the credit %d", d, credit)
+	// acceptances it did receive to its journal asynchronously: those not
+	// yet written at kill -9 come back too. Measured: 0–296 in 8 runs, and
+	// once 522 (a journal that lagged 50 ms at 7,000/s), so the bound
+	// asserted is the credit plus the acceptances of the last 100 ms
+	// before the kill, as the handlers finished them.
+	recent := c.firstHandledIn(killedAt.Add(-100*time.Millisecond), killedAt)
+	if d := c.duplicates(); d > int64(credit+recent) {
+		t.Errorf("%d duplicates after one restart, want ≤ the credit %d + the %d handled in the 100 ms before the kill", d, credit, recent)
 	} else if d > credit {
-		t.Logf("%d duplicates: %d past the credit, acceptances the broker had received but not journaled", d, d-credit)
+		t.Logf("%d duplicates: %d past the credit, acceptances the broker had received but not journaled (%d handled in the 100 ms before the kill)", d, d-credit, recent)
 	}
 	if st.Reconnects < 1 || st.LinksLost < 1 {
 		t.Errorf("no reconnect recorded: %+v", st)

@@ -436,9 +436,7 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 		// consumer: give it back. Not once the link is lost under
 		// KeepAcrossLinks: its source would fall back to settling without
 		// the link, which waits for the next link, which this return
-		// brings. The broker's hold on those outlives the link, so they
-		// are held like the rest of what the link brought (a link that
-		// refused credit ends with them in hand).
+		// brings; the broker delivers those again when their hold ends.
 		msgs, _ := in.take()
 		lost := p.cfg.KeepAcrossLinks && err != nil && !errors.Is(err, ErrStopped) && ctx.Err() == nil
 		for _, m := range msgs {
@@ -446,7 +444,7 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 				continue
 			}
 			if lost {
-				p.received(p.take(m, src, gen), false)
+				p.dropUnheld()
 				continue
 			}
 			p.releaseUnheld(ctx, src, m)

@@ -626,61 +626,6 @@ func TestStopAfterHoldReleasesWhatIsLeft(t *testing.T) {
 	})
 }
 
-// creditRefused is a source whose first IssueCredit adds the credit, lets
-// the receive loop take what it brings, and then fails, as go-amqp's does
-// while a drain is pending.
-type creditRefused struct {
-	*fake.Source
-	calls int
-}
-
-func (s *creditRefused) IssueCredit(n uint32) error {
-	if err := s.Source.IssueCredit(n); err != nil {
-		return err
-	}
-	if s.calls++; s.calls > 1 {
-		return nil
-	}
-	for s.Queued() > 0 { // until the receive loop has taken the deliveries
-		time.Sleep(time.Microsecond)
-	}
-	return errors.New("link is currently draining, no credits can be added")
-}
-
-// KeepAcrossLinks: a link that fails to take credit ends, and what its
-// receive loop had taken and the pump had not yet seen is held like the
-// rest of what it brought, not dropped: the broker keeps those locks too.
-func TestKeepAcrossLinksKeepsWhatTheReceiveLoopHadAtTheEnd(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		first := &creditRefused{Source: fake.New(true, fake.Messages(3)...)}
-		first.KeepLocks = true
-		second := fake.New(true)
-		p := pump.New(pump.Config{Credit: 4, Settlers: 2, KeepAcrossLinks: true})
-		_, errc := start(t, p, attachTo(first, second))
-		time.Sleep(time.Second)
-		synctest.Wait()
-		if st := p.Stats(); st.Held != 3 || st.Dropped != 0 || st.LinksLost != 1 {
-			t.Fatalf("after the refused credit: held %d, dropped %d, links lost %d; want 3, 0, 1", st.Held, st.Dropped, st.LinksLost)
-		}
-		for range 3 {
-			d := <-p.Out()
-			if !d.Begin() {
-				t.Fatal("Begin refused a delivery under KeepAcrossLinks")
-			}
-			p.Settle(d, pump.Outcome{Kind: pump.Accept})
-		}
-		synctest.Wait()
-		p.Stop()
-		if err := <-errc; !errors.Is(err, pump.ErrStopped) {
-			t.Fatalf("Run = %v", err)
-		}
-		if st := p.Stats(); st.Accepted != 3 || st.Dropped != 0 || first.Count(fake.Accepted) != 3 || st.LinksLost != 1 {
-			t.Fatalf("accepted %d (by the first link's broker %d), dropped %d, links lost %d; want 3, 3, 0, 1",
-				st.Accepted, first.Count(fake.Accepted), st.Dropped, st.LinksLost)
-		}
-	})
-}
-
 // An idle link after one delivery does not keep the pump ticking: in
 // Windowed mode the flow owed after the last settlement cannot go out
 // while the window is out, and the pump does not wake every 10 ms for it.

@@ -403,6 +403,17 @@ func settleOn(ctx context.Context, src Source, msg *amqp.Message, o Outcome) err
 	return fmt.Errorf("pump: unknown outcome %d", o.Kind)
 }
 
+// dropUnheld counts a message of a lost link the pump never entered in
+// its book, and lets it go: received, and dropped.
+func (p *Pump) dropUnheld() {
+	p.stats.received.Add(1)
+	p.stats.settled[Drop].Add(1)
+	if p.cfg.Meter != nil {
+		p.cfg.Meter.Received()
+		p.cfg.Meter.Dropped(1)
+	}
+}
+
 // releaseUnheld gives back a message the pump never entered in its book.
 func (p *Pump) releaseUnheld(ctx context.Context, src Source, msg *amqp.Message) {
 	// Received, never held: counted as received and released all the same,

@@ -153,8 +153,12 @@ func TestArtemisClusterReplicas(t *testing.T) {
 			if r.broker != redactURL(urls[0]) {
 				t.Errorf("replica %s reconnected to %s, want node 1 (%s)", r.replica, r.broker, redactURL(urls[0]))
 			}
-			if after > 2*time.Second {
-				t.Errorf("replica %s reconnected %v after the kill; want within 2 s", r.replica, after.Round(time.Millisecond))
+			// The move takes 130–210 ms on an idle machine and
+			// 0.5–0.9 s with three busy loops on its two cores; one CI
+			// run took 2.0 s. What the bound catches is a move that waits
+			// for an idle timeout or climbs the backoff to its ceiling.
+			if after > 5*time.Second {
+				t.Errorf("replica %s reconnected %v after the kill; want within 5 s", r.replica, after.Round(time.Millisecond))
 			}
 		}
 		atKill := run.log.distinct()

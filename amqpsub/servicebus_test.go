@@ -280,7 +280,7 @@ func (p *sbTestPeer) sessionLinks(t *testing.T) map[string]any {
 const sessionFilter = "com.microsoft:session-filter"
 
 // On the wire, the session filter has azservicebus's descriptor; the peer
-// grants a session for it and for the one of Microsoft's AMQP documents.
+// grants a session for it and for 0x000001370000000C, its own default.
 func TestSessionFilterOnTheWire(t *testing.T) {
 	p := sbTestPeerOrSkip(t)
 	q := p.entity(t, map[string]any{"requires_session": true})

@@ -48,9 +48,12 @@ log = logging.getLogger("sbpeer")
 # Wire constants: what the service and its clients send (sources in README.md)
 
 SESSION_FILTER = symbol("com.microsoft:session-filter")
-# What .NET and the protocol docs use (domain 0x137, descriptor 0xC). Go's
-# azservicebus sends 0x137000000C (a digit short); the peer matches the filter
-# by its key and echoes whatever descriptor the client sent.
+# The peer's own choice (no client or document found uses it), in the form
+# of the 0x00000137... rule descriptors of Learn's request-response page.
+# azservicebus sends 0x137000000C (a digit short); .NET sends the filter bare,
+# with no descriptor (AmqpConnectionScope.cs). The peer matches the filter by
+# its key and echoes the client's descriptor, or this one for a bare value
+# (go-amqp reads every filter value as a described type).
 SESSION_FILTER_CODE = ulong(0x000001370000000C)
 LOCKED_UNTIL_UTC = symbol("com.microsoft:locked-until-utc")
 TIMEOUT_PROP = symbol("com.microsoft:timeout")
@@ -1234,9 +1237,9 @@ class Peer(object):
             timeout_ms = self.session_timeout_ms
         ls.pending = True
         ent.waiters.append(ls)
-        # Answer a little before the client's own deadline, as the service
-        # seems to (a 60 s request ends "within the allotted timeout of
-        # 00:00:59"): 1 s early, at most a tenth of the timeout.
+        # Answer a little before the client's own deadline: 1 s early, at
+        # most a tenth of the timeout. Inferred, unconfirmed: no source shows
+        # the service answering early (README.md, "Where it departs").
         timeout_ms = int(timeout_ms)
         wait_ms = timeout_ms - min(1000, timeout_ms // 10)
         self.timers.add(now_s() + wait_ms / 1000.0, self.accept_timeout, ls, wait_ms)

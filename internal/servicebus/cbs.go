@@ -62,8 +62,10 @@ func (c *claim) giveUpAt() time.Time {
 }
 
 // refreshAt is when a token issued at issued and expiring at expiry is
-// replaced: 10 minutes before it expires (as the Azure SDKs do), or, for a
-// token shorter-lived than 20 minutes, halfway.
+// replaced: 10 minutes before it expires (as azservicebus does,
+// internal/namespace.go nextClaimRefreshDuration; .NET's
+// AmqpConnectionScope.cs, as read, 7 minutes before), or, for a token
+// shorter-lived than 20 minutes, halfway (our own).
 func refreshAt(issued, expiry time.Time) time.Time {
 	return expiry.Add(-min(10*time.Minute, max(0, expiry.Sub(issued))/2))
 }

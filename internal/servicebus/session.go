@@ -21,8 +21,8 @@ const (
 	sessionFilter = "com.microsoft:session-filter"
 	// sessionFilterCode is the descriptor of the session filter, as
 	// azservicebus sends it through go-amqp (session_receiver.go, newLink:
-	// 0x00000137000000C). The 0x000001370000000C of Microsoft's AMQP
-	// documents is sent by no official client.
+	// 0x00000137000000C). .NET sends the filter bare, with no descriptor
+	// (AmqpConnectionScope.cs); no source was found for 0x000001370000000C.
 	sessionFilterCode uint64 = 0x137000000C
 )
 

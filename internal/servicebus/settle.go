@@ -22,9 +22,10 @@ import (
 // request when the link is gone: azservicebus (messageSettler.go,
 // shouldSettleOnMgmtLink; internal/mgmt.go, SettleOnMgmtLink), the
 // JavaScript SDK (azure-sdk-for-js PR #8340) and the Python SDK for
-// messages without sessions (azure-sdk-for-python #31187). A Service Bus
-// engineer confirms that the lock renewals of such messages keep
-// succeeding after a reconnect (azure-sdk-for-net #37676). So a link the
+// messages without sessions (azure-sdk-for-python #31187), and .NET
+// (AmqpReceiver.cs, DisposeMessageAsync). A maintainer of the .NET client
+// saw the lock renewals of such messages keep succeeding after a reconnect
+// (azure-sdk-for-net #37676). So a link the
 // service detaches (an idle link after 10 minutes, or
 // amqp:link:detach-forced) costs no finished work: the pump keeps what the
 // link held (pump.Config.KeepAcrossLinks), and Receiver settles it this

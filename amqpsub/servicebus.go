@@ -36,8 +36,12 @@ import (
 // key), which [IsFatal] takes as fatal.
 //
 // Subscribers made with it use the [AzureServiceBus] profile. A connection
-// string with EntityPath takes that entity only: New must be given it as
-// the queue. An invalid connection string gives an error wrapping
+// string with EntityPath reads that entity only: New must be given it as
+// the queue or, below it, one of a topic's subscriptions
+// (<topic>/Subscriptions/<name>) or a dead-letter queue
+// (…/$DeadLetterQueue), names compared case-insensitively; another queue
+// is an error wrapping [ErrInvalidOption] (use a namespace-level
+// connection string for it). An invalid connection string gives an error wrapping
 // [ErrConnectionString] that names the key at fault and quotes none of the
 // string's values.
 func ServiceBus(connectionString string) (Connector, error) {
@@ -389,11 +393,12 @@ func tokenFunc(tp TokenProvider) servicebus.TokenFunc {
 
 // validate gives a subscriber on a Service Bus connector the
 // AzureServiceBus profile (no other will do), and checks the queue against
-// the connection string's EntityPath.
+// the connection string's EntityPath (servicebus.InEntity).
 func (c *sbConnector) validate(cfg *config, queue string) {
 	serviceBusProfile(cfg)
-	if c.entity != "" && c.entity != queue {
-		cfg.invalid("queue %q: the connection string's EntityPath is %q", queue, c.entity)
+	if c.entity != "" && !servicebus.InEntity(c.entity, queue) {
+		cfg.invalid("queue %q is outside the connection string's EntityPath %q (its subscriptions and dead-letter queues are inside): "+
+			"to read another entity, use a namespace-level connection string, without EntityPath", queue, c.entity)
 	}
 }
 

@@ -583,3 +583,27 @@ func TestLifecycleLogLines(t *testing.T) {
 		})
 	})
 }
+
+// A connection closed with a context that had already ended (a stop past
+// its bound) has its socket closed at once, and "connection close took
+// too long" is not said of it: the close took no time at all.
+func TestLateCloseIsNotTooLong(t *testing.T) {
+	p := newPeer(t, false)
+	core, logs := observer.New(zapcore.DebugLevel)
+	sub, err := amqpsub.New(amqpsub.Dial("amqp://"+p.addr(), nil), "orders",
+		amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }), amqpsub.Logger(zap.New(core)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 5 {
+		if err := amqpsub.AttachAndCloseLate(t.Context(), sub); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := logs.FilterMessage("connection close took too long; closing its socket").Len(); n != 0 {
+		t.Fatalf("%d closes whose context had ended logged as taking too long, want 0", n)
+	}
+	if n := p.accepted.Load(); n != 5 {
+		t.Fatalf("%d connections, want 5", n)
+	}
+}

@@ -918,3 +918,37 @@ func TestZeroExpiryOnlyForSAS(t *testing.T) {
 		t.Fatalf("a pre-made SAS token with no Expiry: %v", err)
 	}
 }
+
+// A session let go because it was idle for SessionIdleTimeout is the
+// normal path of a session consumer: "session released" says so at info,
+// with reason idle and no error (the pump's wrapped ErrSourceDone is no
+// failure to report).
+func TestSessionReleasedIdleLogsNoError(t *testing.T) {
+	p := sbTestPeerOrSkip(t)
+	q := p.entity(t, map[string]any{"requires_session": true})
+	p.enqueue(t, q, 1, map[string]any{"sessions": []string{"acc-2"}})
+	core, logs := observer.New(zap.InfoLevel)
+	c, err := ServiceBus(p.conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(c, q, HandlerFunc(func(context.Context, *Delivery) error { return nil }),
+		Sessions(1), SessionIdleTimeout(300*time.Millisecond), Logger(zap.New(zapcore.NewTee(core, sbTestLog(t).Core()))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	runSessions(t, s)
+	released := func() []observer.LoggedEntry {
+		return logs.FilterMessage("session released").FilterField(zap.String("session_id", "acc-2")).All()
+	}
+	waitUntil(t, 30*time.Second, "session acc-2 released", func() bool { return len(released()) > 0 })
+	e := released()[0]
+	fields := e.ContextMap()
+	t.Logf("%s %s %v", e.Level, e.Message, fields)
+	if e.Level != zap.InfoLevel || fields["reason"] != "idle" {
+		t.Errorf("logged at %s with reason %v, want info and idle", e.Level, fields["reason"])
+	}
+	if err, ok := fields["error"]; ok {
+		t.Errorf("an idle release logs error %q, want none", err)
+	}
+}

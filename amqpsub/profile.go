@@ -51,6 +51,9 @@ type Profile struct {
 	// Service Bus sessions pin their session to its link whatever this
 	// says.
 	pinsGroups bool
+	// fatal is the default test of FatalErrors under the profile (nil:
+	// IsFatal): a broker whose official clients take more as fatal.
+	fatal func(error) bool
 	// kind makes what the broker's kind adds to the links of a pipe
 	// (brokerKind); session is the Service Bus session the pipe asks for.
 	kind func(p *pipe, session string) brokerKind
@@ -142,6 +145,7 @@ func azureServiceBus() Profile {
 		peekLock:     true,
 		countBase:    1,
 		namedReasons: true,
+		fatal:        serviceBusFatal,
 		kind:         newServiceBusKind,
 	}
 }

@@ -402,6 +402,28 @@ func (c *sbConnector) validate(cfg *config, queue string) {
 	}
 }
 
+// serviceBusFatal is the default test of FatalErrors under the
+// AzureServiceBus profile: [IsFatal], and amqp:not-allowed. For the two
+// conditions azservicebus takes as fatal beyond IsFatal's
+// (internal/errors.go, RecoveryKindFatal), on a receiver's reconnect:
+//
+//   - amqp:not-allowed is fatal. The .NET client turns it into an
+//     InvalidOperationException (Amqp/AmqpExceptionHelper.cs), which
+//     Learn's "Service Bus messaging exceptions (.NET)" describes as an
+//     operation not valid for the client's configuration, mended by
+//     changing its options: the same attach is refused again.
+//   - amqp:resource-limit-exceeded is retried, with the backoff. On the
+//     receive path it is a quota (the .NET client's QuotaExceeded): per
+//     Learn's "Service Bus messaging exceptions (.NET)", too many
+//     concurrent receives on the entity, or too many connections to the
+//     namespace, which frees as other clients close. azservicebus's
+//     entry is about a full entity, which only a sender meets; and the
+//     .NET ServiceBusProcessor receives again after any receive error
+//     (ServiceBusProcessor.cs), as a subscriber here reconnects.
+func serviceBusFatal(err error) bool {
+	return IsFatal(err) || isCond(err, amqp.ErrCondNotAllowed)
+}
+
 // serviceBusProfile sets the AzureServiceBus profile unless another was
 // given, which is an error.
 func serviceBusProfile(cfg *config) {

@@ -127,7 +127,9 @@ var (
 	// (modified: Service Bus counts it towards [MaxDeliveryCount] and
 	// dead-letters it there); [Release] releases it (the service does not
 	// count a release, so the buffered deliveries a stop gives back do not
-	// count either); [Reject] dead-letters it with DeadLetterReason and
+	// count either; a release sent by lock token, once the delivery's link
+	// is gone, goes as an abandon, counted, and is [OutcomeModified] in
+	// Stats and OnSettled); [Reject] dead-letters it with DeadLetterReason and
 	// DeadLetterErrorDescription. Settlements wait for the service's
 	// answer, many at a time, and the lock of every delivery held is
 	// renewed ([MaxLockRenewal]).

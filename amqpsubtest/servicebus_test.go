@@ -525,7 +525,7 @@ func TestServiceBusHandlerOutlivesItsLink(t *testing.T) {
 // release decided while its link was up goes out as released; one whose
 // link was lost meanwhile goes by lock token, where there is no release,
 // as an abandon (modified, counted), and is counted and reported
-// (OnSettled) as modified. Each message is released once, then accepted;
+// (OnSettled, the Recorder) as modified. Each message is released once, then accepted;
 // the links are lost every 25 handler calls.
 func TestServiceBusStatsCountWhatTheQueueTook(t *testing.T) {
 	var p shapes.Profile
@@ -545,6 +545,7 @@ func TestServiceBusStatsCountWhatTheQueueTook(t *testing.T) {
 				calls := 0
 				seen := map[string]bool{}
 				heard := map[amqpsub.Outcome]uint64{}
+				rec := &settledRecorder{took: map[amqpsub.Outcome]uint64{}}
 				sub := shapeSub(t, q, p, l, func() time.Duration { return 20 * time.Millisecond }, func(_ context.Context, d *amqpsub.Delivery) error {
 					d.OnSettled(func(o amqpsub.Outcome, err error) {
 						if err == nil {
@@ -565,7 +566,7 @@ func TestServiceBusStatsCountWhatTheQueueTook(t *testing.T) {
 						return amqpsub.Release()
 					}
 					return nil
-				}, amqpsub.Backoff(time.Millisecond, 5*time.Millisecond))
+				}, amqpsub.Backoff(time.Millisecond, 5*time.Millisecond), amqpsub.WithMetrics(rec))
 				drainHour(t, q, sub)
 				var took amqpsub.Settlements
 				for _, r := range q.Records() {
@@ -597,7 +598,34 @@ func TestServiceBusStatsCountWhatTheQueueTook(t *testing.T) {
 					heard[amqpsub.OutcomeAccepted] != took.Accepted {
 					t.Errorf("OnSettled heard %v, the queue took %+v", heard, took)
 				}
+				rec.mu.Lock()
+				defer rec.mu.Unlock()
+				if rec.took[amqpsub.OutcomeReleased] != took.Released || rec.took[amqpsub.OutcomeModified] != took.Modified {
+					t.Errorf("the Recorder heard %v, the queue took %+v", rec.took, took)
+				}
 			})
 		})
+	}
+}
+
+// settledRecorder is a Recorder (and its Metrics) that counts the
+// settlements the broker took, by outcome.
+type settledRecorder struct {
+	mu   sync.Mutex
+	took map[amqpsub.Outcome]uint64
+}
+
+func (r *settledRecorder) Recorder(amqpsub.MetricsInfo) amqpsub.Recorder { return r }
+func (r *settledRecorder) Received()                                     {}
+func (r *settledRecorder) Handled(amqpsub.HandlerCall)                   {}
+func (r *settledRecorder) Dropped(int)                                   {}
+func (r *settledRecorder) Event(amqpsub.Event)                           {}
+func (r *settledRecorder) LocksRenewed(int)                              {}
+
+func (r *settledRecorder) Settled(o amqpsub.Outcome, err error) {
+	if err == nil {
+		r.mu.Lock()
+		r.took[o]++
+		r.mu.Unlock()
 	}
 }

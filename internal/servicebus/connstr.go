@@ -154,8 +154,7 @@ func ValidHost(h string) bool {
 //
 // azservicebus reads EntityPath (internal/conn/conn.go) but never uses it
 // for a receiver, whose path comes from the queue or subscription it is
-// given (receiver.go); a SAS policy on a topic covers its subscriptions.
-// So only queues outside the entity are refused.
+// given (receiver.go). So only queues outside the entity are refused.
 func InEntity(entity, queue string) bool {
 	if len(queue) < len(entity) || !strings.EqualFold(queue[:len(entity)], entity) {
 		return false

@@ -424,10 +424,10 @@ func sentOutcome(k Kind, err error) (Kind, error) {
 // settleOn sends o for msg on src and returns the outcome that went out
 // (o's, unless src says otherwise with SentAs) and the broker's answer.
 func settleOn(ctx context.Context, src Source, msg *amqp.Message, o Outcome) (Kind, error) {
-	return sentOutcome(o.Kind, settleAs(ctx, src, msg, o))
+	return sentOutcome(o.Kind, sendOutcome(ctx, src, msg, o))
 }
 
-func settleAs(ctx context.Context, src Source, msg *amqp.Message, o Outcome) error {
+func sendOutcome(ctx context.Context, src Source, msg *amqp.Message, o Outcome) error {
 	switch o.Kind {
 	case Accept:
 		return src.AcceptMessage(ctx, msg)

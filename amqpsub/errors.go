@@ -41,7 +41,13 @@ import (
 // one instead), and com.microsoft:entity-disabled (an entity an operator
 // disabled stays so until one enables it). com.microsoft:server-busy is
 // not fatal: the service is throttling, and the next attempt waits at
-// least 10 s; com.microsoft:timeout is not fatal either.
+// least 10 s; com.microsoft:timeout is not fatal either. Under the
+// [AzureServiceBus] profile the default test is IsFatal and
+// amqp:not-allowed (an attach the entity does not allow), which
+// azservicebus takes as fatal too; amqp:resource-limit-exceeded, which it
+// also takes as fatal, is retried there: on a receiver's reconnect it is a
+// quota of receivers or connections that frees as other clients close (see
+// docs/brokers.md for the sources).
 func IsFatal(err error) bool {
 	var ae *amqp.Error
 	if errors.As(err, &ae) {

@@ -663,8 +663,9 @@ func ExampleMaxMessageSize() {
 }
 
 // Azure Service Bus: the connector takes a connection string (SAS key or
-// token, optional EntityPath; UseDevelopmentEmulator=true for the
-// emulator) and gets CBS tokens itself; the subscriber uses peek-lock and
+// token, optional EntityPath, which admits that entity, a topic's
+// subscriptions and their dead-letter queues; UseDevelopmentEmulator=true
+// for the emulator) and gets CBS tokens itself; the subscriber uses peek-lock and
 // renews the lock of every delivery it holds. Retry abandons (counted
 // towards MaxDeliveryCount), RejectWith dead-letters with a reason and a
 // description.

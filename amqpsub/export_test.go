@@ -49,3 +49,16 @@ func PumpCredit(s *Subscriber) int {
 
 // HandshakeHint is handshakeHint, for the tests of Dial's errors.
 var HandshakeHint = handshakeHint
+
+// AttachAndCloseLate attaches s's first pipe and closes the link with a
+// context that has already ended, as a stop past its bound does.
+func AttachAndCloseLate(ctx context.Context, s *Subscriber) error {
+	l, err := s.attach(ctx, s.pipes[0])
+	if err != nil {
+		return err
+	}
+	ended, cancel := context.WithCancel(ctx)
+	cancel()
+	s.closeLink(ended, l, nil)
+	return nil
+}

@@ -353,12 +353,16 @@ func TestLogsDoNotGrowWithDeliveries(t *testing.T) {
 	if !slices.Equal(above[0], above[1]) {
 		t.Errorf("above debug, 100 messages logged %q\n1,000 logged %q", above[0], above[1])
 	}
+	// Each limited line twice: its first, and its count at the stop.
 	want := []string{
+		"error handler panicked; retrying the delivery",
 		"error handler panicked; retrying the delivery",
 		"info attached",
 		"info stopped",
 		"info stopping",
 		"warn delivery count past MaxDeliveryCount; dead-lettering it unhandled",
+		"warn delivery count past MaxDeliveryCount; dead-lettering it unhandled",
+		"warn message larger than MaxMessageSize; dead-lettering it unhandled",
 		"warn message larger than MaxMessageSize; dead-lettering it unhandled",
 	}
 	if !slices.Equal(above[1], want) {
@@ -581,5 +585,78 @@ func TestLifecycleLogLines(t *testing.T) {
 				}
 			}
 		})
+	})
+}
+
+// A connection closed with a context that had already ended (a stop past
+// its bound) has its socket closed at once, and "connection close took
+// too long" is not said of it: the close took no time at all.
+func TestLateCloseIsNotTooLong(t *testing.T) {
+	p := newPeer(t, false)
+	core, logs := observer.New(zapcore.DebugLevel)
+	sub, err := amqpsub.New(amqpsub.Dial("amqp://"+p.addr(), nil), "orders",
+		amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }), amqpsub.Logger(zap.New(core)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 5 {
+		if err := amqpsub.AttachAndCloseLate(t.Context(), sub); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := logs.FilterMessage("connection close took too long; closing its socket").Len(); n != 0 {
+		t.Fatalf("%d closes whose context had ended logged as taking too long, want 0", n)
+	}
+	if n := p.accepted.Load(); n != 5 {
+		t.Fatalf("%d connections, want 5", n)
+	}
+}
+
+// Locks lost in a burst give one warning, the rest at debug; the count of
+// those is said at the stop, where no later warning would carry it: every
+// lost-lock line is counted by a line at its level.
+func TestLostLockCountSaidAtTheStop(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		core, logs := observer.New(zapcore.DebugLevel)
+		q := amqpsubtest.NewQueue(amqpsubtest.WithProfile(amqpsub.AzureServiceBus), amqpsubtest.LockDuration(5*time.Second))
+		for i := range 20 {
+			q.Publish(amqpsubtest.Message("", strconv.Itoa(i)))
+		}
+		// First deliveries outlive MaxLockRenewal, losing their locks all
+		// at once; the redeliveries are handled.
+		sub, err := amqpsub.New(q.Connector(), "orders", amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+			if d.DeliveryCount() == 0 {
+				<-ctx.Done()
+			}
+			return nil
+		}), amqpsub.Logger(zap.New(core)), amqpsub.Workers(20), amqpsub.MaxLockRenewal(10*time.Second))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), time.Hour) // fake time
+		defer cancel()
+		if err := q.Drain(ctx, sub); err != nil {
+			t.Fatal(err)
+		}
+		const msg = "message lock lost; the service delivers the message again"
+		var atLevel, atDebug, counted int64
+		for _, e := range logs.FilterMessage(msg).All() {
+			if e.Level == zapcore.DebugLevel {
+				atDebug++
+				continue
+			}
+			atLevel++
+			n, _ := e.ContextMap()["suppressed"].(int64)
+			counted += n
+		}
+		st := sub.Stats()
+		t.Logf("locks lost %d: %d warnings counting %d more, %d at debug", st.Locks.Lost, atLevel, counted, atDebug)
+		if st.Locks.Lost < 20 || atDebug < 19 {
+			t.Fatalf("%d locks lost, %d lines at debug: want 20 and 19 at least", st.Locks.Lost, atDebug)
+		}
+		if counted != atDebug {
+			t.Fatalf("the warnings count %d lost locks written at debug, want all %d", counted, atDebug)
+		}
+		checkEntries(t, documented(t), logs.All())
 	})
 }

@@ -102,10 +102,13 @@ const (
 	// [DeadLetterCopy], rejected and copied).
 	OutcomeAccepted Outcome = iota
 	// OutcomeReleased settles as released: Release, a stop, or [Retry] under
-	// [RabbitMQ3].
+	// [RabbitMQ3] (on Service Bus, on the delivery's link only: see
+	// OutcomeModified).
 	OutcomeReleased
 	// OutcomeModified settles as modified: Retry on Artemis, [Generic],
-	// [RabbitMQ4] and Service Bus (an abandon); and on a RabbitMQ 4 quorum
+	// [RabbitMQ4] and Service Bus (an abandon); a release on Service Bus
+	// sent by lock token once its link is gone, which goes as an abandon
+	// (counted towards MaxDeliveryCount); and on a RabbitMQ 4 quorum
 	// queue also Reject, [MaxDeliveryCount] and [MaxMessageSize], which
 	// dead-letter there as modified{undeliverable-here} (count dead letters
 	// by the handler's Result, or Stats().Results, on that broker).

@@ -40,6 +40,7 @@ type config struct {
 	backoffMin   time.Duration
 	backoffMax   time.Duration
 	isFatal      func(error) bool
+	fatalSet     bool // FatalErrors given: the profile's default does not apply
 	onReconnect  func(attempts int, cause error)
 	onEvent      func(Event)
 	metrics      Metrics
@@ -331,13 +332,14 @@ func Backoff(initial, max time.Duration) Option {
 
 // FatalErrors sets the test that decides which errors end Run instead of
 // being retried by reconnecting. nil retries everything, forever. Default:
-// [IsFatal].
+// [IsFatal]; under [AzureServiceBus], IsFatal and amqp:not-allowed (see
+// IsFatal).
 func FatalErrors(isFatal func(error) bool) Option {
 	return optionFunc(func(c *config) {
 		if isFatal == nil {
 			isFatal = func(error) bool { return false }
 		}
-		c.isFatal = isFatal
+		c.isFatal, c.fatalSet = isFatal, true
 	})
 }
 

@@ -300,14 +300,19 @@ func TestMaxHeldBytesTooLargeToScaleIsUnbounded(t *testing.T) {
 }
 
 // A Service Bus connector checks what New is given with it: the queue
-// against the connection string's EntityPath, and the profile (only
+// against the connection string's EntityPath (the entity, a topic's
+// subscriptions, dead-letter queues, in any case), and the profile (only
 // AzureServiceBus); sources that play Service Bus refuse sessions.
 func TestServiceBusConnectorChecksItsOptions(t *testing.T) {
 	h := amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil })
-	entity, err := amqpsub.ServiceBus("Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=k;SharedAccessKey=v;EntityPath=orders")
-	if err != nil {
-		t.Fatal(err)
+	scoped := func(path string) amqpsub.Connector {
+		c, err := amqpsub.ServiceBus("Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=k;SharedAccessKey=v;EntityPath=" + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
 	}
+	entity, topic, subscription := scoped("orders"), scoped("payments"), scoped("payments/Subscriptions/ledger")
 	for _, tc := range []struct {
 		name string
 		c    amqpsub.Connector
@@ -316,7 +321,14 @@ func TestServiceBusConnectorChecksItsOptions(t *testing.T) {
 		want string // in the error; "" for none
 	}{
 		{"the EntityPath's queue", entity, "orders", nil, ""},
-		{"another queue than EntityPath", entity, "invoices", nil, `queue "invoices": the connection string's EntityPath is "orders"`},
+		{"another queue than EntityPath", entity, "invoices", nil, `queue "invoices" is outside the connection string's EntityPath "orders"`},
+		{"another queue than EntityPath, said what to do", entity, "orders2", nil, "use a namespace-level connection string, without EntityPath"},
+		{"the EntityPath's queue in another case", entity, "Orders", nil, ""},
+		{"the EntityPath's dead-letter queue", entity, "orders/$DeadLetterQueue", nil, ""},
+		{"a subscription of the EntityPath's topic", topic, "payments/Subscriptions/ledger", nil, ""},
+		{"its dead-letter queue", topic, "Payments/subscriptions/Ledger/$DeadLetterQueue", nil, ""},
+		{"the subscription's own dead-letter queue", subscription, "payments/Subscriptions/ledger/$DeadLetterQueue", nil, ""},
+		{"another subscription than EntityPath", subscription, "payments/Subscriptions/audit", nil, `EntityPath "payments/Subscriptions/ledger"`},
 		{"another profile", entity, "orders", []amqpsub.Option{amqpsub.WithProfile(amqpsub.Artemis)}, "WithProfile(artemis) with a Service Bus connector: use AzureServiceBus"},
 		{"its own profile", entity, "orders", []amqpsub.Option{amqpsub.WithProfile(amqpsub.AzureServiceBus)}, ""},
 		{"sessions on sources", amqpsub.ServiceBusSourceOf(fake.New(true)), "q", []amqpsub.Option{amqpsub.Sessions(2)}, "does not play Service Bus sessions"},

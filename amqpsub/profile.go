@@ -51,6 +51,9 @@ type Profile struct {
 	// Service Bus sessions pin their session to its link whatever this
 	// says.
 	pinsGroups bool
+	// fatal is the default test of FatalErrors under the profile (nil:
+	// IsFatal): a broker whose official clients take more as fatal.
+	fatal func(error) bool
 	// kind makes what the broker's kind adds to the links of a pipe
 	// (brokerKind); session is the Service Bus session the pipe asks for.
 	kind func(p *pipe, session string) brokerKind
@@ -124,7 +127,9 @@ var (
 	// (modified: Service Bus counts it towards [MaxDeliveryCount] and
 	// dead-letters it there); [Release] releases it (the service does not
 	// count a release, so the buffered deliveries a stop gives back do not
-	// count either); [Reject] dead-letters it with DeadLetterReason and
+	// count either; a release sent by lock token, once the delivery's link
+	// is gone, goes as an abandon, counted, and is [OutcomeModified] in
+	// Stats and OnSettled); [Reject] dead-letters it with DeadLetterReason and
 	// DeadLetterErrorDescription. Settlements wait for the service's
 	// answer, many at a time, and the lock of every delivery held is
 	// renewed ([MaxLockRenewal]).
@@ -142,6 +147,7 @@ func azureServiceBus() Profile {
 		peekLock:     true,
 		countBase:    1,
 		namedReasons: true,
+		fatal:        serviceBusFatal,
 		kind:         newServiceBusKind,
 	}
 }

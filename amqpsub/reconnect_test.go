@@ -600,3 +600,66 @@ func TestSessionCannotBeLockedBacksOff(t *testing.T) {
 		}
 	})
 }
+
+// Under the AzureServiceBus profile a reconnect refused with
+// amqp:not-allowed ends Run (azservicebus takes it as fatal, .NET as an
+// InvalidOperationException: what the entity will not do, retrying does
+// not change), while amqp:resource-limit-exceeded, a quota of receivers or
+// connections that frees as others close, is tried again. Elsewhere
+// not-allowed is retried, as before; a FatalErrors the user gives has the
+// last word.
+func TestServiceBusAttachErrorsOnAReconnect(t *testing.T) {
+	notAllowed := &amqp.Error{Condition: amqp.ErrCondNotAllowed, Description: "not allowed"}
+	quota := &amqp.Error{Condition: amqp.ErrCondResourceLimitExceeded, Description: "too many receivers"}
+	for _, tc := range []struct {
+		name    string
+		connect func(func(context.Context) (pump.Source, error)) amqpsub.Connector
+		refusal error
+		opts    []amqpsub.Option
+		fatal   bool
+	}{
+		{"servicebus/not-allowed", amqpsub.ServiceBusSourcesOf, notAllowed, nil, true},
+		{"servicebus/not-allowed, linked", amqpsub.ServiceBusSourcesOf, &amqp.LinkError{RemoteErr: notAllowed}, nil, true},
+		{"servicebus/resource-limit-exceeded", amqpsub.ServiceBusSourcesOf, quota, nil, false},
+		{"servicebus/not-allowed under FatalErrors(nil)", amqpsub.ServiceBusSourcesOf, notAllowed, []amqpsub.Option{amqpsub.FatalErrors(nil)}, false},
+		{"servicebus/unauthorized-access", amqpsub.ServiceBusSourcesOf, &amqp.Error{Condition: amqp.ErrCondUnauthorizedAccess}, nil, true},
+		{"artemis/not-allowed", amqpsub.SourcesOf, notAllowed, nil, false},
+		{"artemis/resource-limit-exceeded", amqpsub.SourcesOf, quota, nil, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				first := fake.New(true, fake.Messages(1)...)
+				second := fake.New(true, fake.Messages(1)...)
+				s, err := amqpsub.New(tc.connect(sources(first, tc.refusal, tc.refusal, second)), "q",
+					amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+					append(tc.opts, amqpsub.Backoff(time.Millisecond, 10*time.Millisecond))...)
+				if err != nil {
+					t.Fatal(err)
+				}
+				cancel, errc := run(t, s)
+				defer cancel()
+				synctest.Wait()
+				first.Fail(fake.ErrLinkLost)
+				time.Sleep(time.Minute)
+				select {
+				case err := <-errc:
+					if !tc.fatal || !errors.Is(err, amqpsub.ErrLinkLost) || !errors.Is(err, tc.refusal) {
+						t.Fatalf("Run = %v; want it running (fatal %v)", err, tc.fatal)
+					}
+					return
+				default:
+				}
+				if tc.fatal {
+					t.Fatal("Run goes on after a fatal refusal")
+				}
+				if st := s.Stats(); st.Reconnects != 1 {
+					t.Fatalf("%d reconnects, want 1 after two refusals", st.Reconnects)
+				}
+				cancel()
+				if err := <-errc; err != nil {
+					t.Fatal(err)
+				}
+			})
+		})
+	}
+}

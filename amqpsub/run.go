@@ -216,6 +216,9 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	if !s.events.close(closeBy) {
 		s.log.Warn("the OnEvent function had not returned by the end of Run; leaving it")
 	}
+	// A limited line's count since it was last written at its level (a
+	// stream of lost locks, say) is said now, or never.
+	s.limited.Flush()
 	err := errors.Join(errs...)
 	s.log.Info("stopped", zap.Duration("elapsed", time.Since(stopAt)), zap.Error(err), zap.Object("stats", s.Stats()))
 	return err

@@ -157,8 +157,17 @@ func (k *sbKind) attachedSource(src pump.Source) {
 func (k *sbKind) release(ctx context.Context, l *link, why error, detach func()) {
 	if l.sb != nil && l.sb.session != nil {
 		l.sb.session.Stop()
+		// An idle session (pump.ErrSourceDone) is let go as it should be:
+		// no error to report, only the reason.
+		reason, err := "link lost", why
+		switch {
+		case why == nil:
+			reason = "stop"
+		case errors.Is(why, pump.ErrSourceDone):
+			reason, err = "idle", nil
+		}
 		k.s.log.Info("session released", zap.String("session_id", l.sb.session.ID()), zap.Int("slot", l.sb.session.Slot()),
-			zap.Error(why))
+			zap.String("reason", reason), zap.Error(err))
 	}
 	detach()
 	if l.sb != nil {

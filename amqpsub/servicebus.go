@@ -36,8 +36,12 @@ import (
 // key), which [IsFatal] takes as fatal.
 //
 // Subscribers made with it use the [AzureServiceBus] profile. A connection
-// string with EntityPath takes that entity only: New must be given it as
-// the queue. An invalid connection string gives an error wrapping
+// string with EntityPath reads that entity only: New must be given it as
+// the queue or, below it, one of a topic's subscriptions
+// (<topic>/Subscriptions/<name>) or a dead-letter queue
+// (…/$DeadLetterQueue), names compared case-insensitively; another queue
+// is an error wrapping [ErrInvalidOption] (use a namespace-level
+// connection string for it). An invalid connection string gives an error wrapping
 // [ErrConnectionString] that names the key at fault and quotes none of the
 // string's values.
 func ServiceBus(connectionString string) (Connector, error) {
@@ -389,12 +393,35 @@ func tokenFunc(tp TokenProvider) servicebus.TokenFunc {
 
 // validate gives a subscriber on a Service Bus connector the
 // AzureServiceBus profile (no other will do), and checks the queue against
-// the connection string's EntityPath.
+// the connection string's EntityPath (servicebus.InEntity).
 func (c *sbConnector) validate(cfg *config, queue string) {
 	serviceBusProfile(cfg)
-	if c.entity != "" && c.entity != queue {
-		cfg.invalid("queue %q: the connection string's EntityPath is %q", queue, c.entity)
+	if c.entity != "" && !servicebus.InEntity(c.entity, queue) {
+		cfg.invalid("queue %q is outside the connection string's EntityPath %q (its subscriptions and dead-letter queues are inside): "+
+			"to read another entity, use a namespace-level connection string, without EntityPath", queue, c.entity)
 	}
+}
+
+// serviceBusFatal is the default test of FatalErrors under the
+// AzureServiceBus profile: [IsFatal], and amqp:not-allowed. For the two
+// conditions azservicebus takes as fatal beyond IsFatal's
+// (internal/errors.go, RecoveryKindFatal), on a receiver's reconnect:
+//
+//   - amqp:not-allowed is fatal. The .NET client turns it into an
+//     InvalidOperationException (Amqp/AmqpExceptionHelper.cs), which
+//     Learn's "Service Bus messaging exceptions (.NET)" describes as an
+//     operation not valid for the client's configuration, mended by
+//     changing its options: the same attach is refused again.
+//   - amqp:resource-limit-exceeded is retried, with the backoff. On the
+//     receive path it is a quota (the .NET client's QuotaExceeded): per
+//     Learn's "Service Bus messaging exceptions (.NET)", too many
+//     concurrent receives on the entity, or too many connections to the
+//     namespace, which frees as other clients close. azservicebus's
+//     entry is about a full entity, which only a sender meets; and the
+//     .NET ServiceBusProcessor receives again after any receive error
+//     (ServiceBusProcessor.cs), as a subscriber here reconnects.
+func serviceBusFatal(err error) bool {
+	return IsFatal(err) || isCond(err, amqp.ErrCondNotAllowed)
 }
 
 // serviceBusProfile sets the AzureServiceBus profile unless another was

@@ -918,3 +918,109 @@ func TestZeroExpiryOnlyForSAS(t *testing.T) {
 		t.Fatalf("a pre-made SAS token with no Expiry: %v", err)
 	}
 }
+
+// A session let go because it was idle for SessionIdleTimeout is the
+// normal path of a session consumer: "session released" says so at info,
+// with reason idle and no error (the pump's wrapped ErrSourceDone is no
+// failure to report).
+func TestSessionReleasedIdleLogsNoError(t *testing.T) {
+	p := sbTestPeerOrSkip(t)
+	q := p.entity(t, map[string]any{"requires_session": true})
+	p.enqueue(t, q, 1, map[string]any{"sessions": []string{"acc-2"}})
+	core, logs := observer.New(zap.InfoLevel)
+	c, err := ServiceBus(p.conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(c, q, HandlerFunc(func(context.Context, *Delivery) error { return nil }),
+		Sessions(1), SessionIdleTimeout(300*time.Millisecond), Logger(zap.New(zapcore.NewTee(core, sbTestLog(t).Core()))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	runSessions(t, s)
+	released := func() []observer.LoggedEntry {
+		return logs.FilterMessage("session released").FilterField(zap.String("session_id", "acc-2")).All()
+	}
+	waitUntil(t, 30*time.Second, "session acc-2 released", func() bool { return len(released()) > 0 })
+	e := released()[0]
+	fields := e.ContextMap()
+	t.Logf("%s %s %v", e.Level, e.Message, fields)
+	if e.Level != zap.InfoLevel || fields["reason"] != "idle" {
+		t.Errorf("logged at %s with reason %v, want info and idle", e.Level, fields["reason"])
+	}
+	if err, ok := fields["error"]; ok {
+		t.Errorf("an idle release logs error %q, want none", err)
+	}
+}
+
+// Stats().Settled counts what the service took: releases decided after a
+// forced detach go by lock token (update-disposition), as abandons, which
+// the service counts as such (delivery count + 1); Stats and OnSettled
+// count them as modified, and the releases that went on the link as
+// released.
+func TestServiceBusReleaseByTokenCountsAsModified(t *testing.T) {
+	p := sbTestPeerOrSkip(t)
+	q := p.entity(t, map[string]any{"lock_duration_ms": 10000})
+	const n = 8
+	p.enqueue(t, q, n, nil)
+	var (
+		mu      sync.Mutex
+		seen    = map[any]bool{}
+		heard   = map[Outcome]int{}
+		waiting atomic.Int32
+		go1     = make(chan struct{})
+	)
+	c, err := ServiceBus(p.conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(c, q, HandlerFunc(func(ctx context.Context, d *Delivery) error {
+		d.OnSettled(func(o Outcome, err error) {
+			if err == nil {
+				mu.Lock()
+				heard[o]++
+				mu.Unlock()
+			}
+		})
+		mu.Lock()
+		again := seen[d.MessageID()]
+		seen[d.MessageID()] = true
+		mu.Unlock()
+		if again {
+			return nil
+		}
+		if waiting.Add(1) <= n/2 {
+			<-go1 // released once the link is gone: by lock token
+		}
+		return Release()
+	}), Workers(n), Logger(sbTestLog(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	runSessions(t, s)
+	waitUntil(t, 30*time.Second, "half the handlers waiting, the others released", func() bool {
+		return waiting.Load() == n && s.Stats().Settled.Released >= n/2
+	})
+	if got, _ := p.call(t, "POST", "/faults/detach", map[string]any{"entity": q})["detached"].(float64); got != 1 {
+		t.Fatalf("the peer detached %v links, want 1", got)
+	}
+	waitUntil(t, 30*time.Second, "the link lost", func() bool { return s.Stats().LinksLost == 1 })
+	close(go1)
+	waitUntil(t, 30*time.Second, "all completed", func() bool { return p.stat(t, q, "completed") == n })
+	st := s.Stats()
+	released, abandoned := p.stat(t, q, "released"), p.stat(t, q, "abandoned")
+	mu.Lock()
+	defer mu.Unlock()
+	t.Logf("the peer: %d released, %d abandoned, %d completed; Stats %+v, by token %d; OnSettled heard %v",
+		released, abandoned, p.stat(t, q, "completed"), st.Settled, st.Locks.SettledByToken, heard)
+	if abandoned == 0 {
+		t.Fatal("nothing abandoned at the peer: no release went by lock token")
+	}
+	if int(st.Settled.Released) != released || int(st.Settled.Modified) != abandoned {
+		t.Errorf("Stats: %d released, %d modified; the peer took %d released, %d abandoned",
+			st.Settled.Released, st.Settled.Modified, released, abandoned)
+	}
+	if heard[OutcomeReleased] != released || heard[OutcomeModified] != abandoned {
+		t.Errorf("OnSettled heard %v; the peer took %d released, %d abandoned", heard, released, abandoned)
+	}
+}

@@ -64,7 +64,9 @@ type Stats struct {
 
 	// Received counts deliveries received.
 	Received uint64
-	// Settled counts the settlements the broker took, by outcome.
+	// Settled counts the settlements the broker took, by the outcome that
+	// went out: on Service Bus a release sent by lock token once its link
+	// is gone goes as an abandon, and counts as Modified.
 	Settled Settlements
 	// Results counts what handlers decided, one per delivery (the final
 	// result, after any [LocalRetry]).
@@ -108,8 +110,8 @@ type Stats struct {
 // Settlements count settlements by outcome.
 type Settlements struct {
 	Accepted uint64 // accepted: handled
-	Released uint64 // released: Release(), a stop, Retry under RabbitMQ3
-	Modified uint64 // modified: Retry on Artemis, Generic and RabbitMQ4, abandon (Retry) on Service Bus, Reject, MaxDeliveryCount and MaxMessageSize on a RabbitMQ 4 quorum queue
+	Released uint64 // released: Release(), a stop, Retry under RabbitMQ3 (on Service Bus, on the link only)
+	Modified uint64 // modified: Retry on Artemis, Generic and RabbitMQ4, abandon (Retry) on Service Bus and a release it took by lock token (an abandon, counted), Reject, MaxDeliveryCount and MaxMessageSize on a RabbitMQ 4 quorum queue
 	Rejected uint64 // rejected: Reject, RejectWith, MaxDeliveryCount, MaxMessageSize (not a DeadLetterCopy: accepted; on a RabbitMQ 4 quorum queue: modified)
 }
 

@@ -119,6 +119,9 @@ func build(c Connector, queue string, opts []Option, batch bool) (*Subscriber, e
 		cfg.invalid("BalanceKeys needs WorkersByKey")
 	}
 	validateSessions(&cfg)
+	if !cfg.fatalSet && cfg.profile.fatal != nil {
+		cfg.isFatal = cfg.profile.fatal
+	}
 	if err := errors.Join(cfg.errs...); err != nil {
 		return nil, err
 	}

@@ -263,7 +263,8 @@
 // as Service Bus does for a queue without sessions: they are renewed and
 // settled as before (amqpsub settles them by lock token, on $management,
 // once their link is gone; here through the ended link), a release then
-// counting as an abandon (so Stats().Locks.SettledByToken stays 0 here);
+// counting as an abandon, in the queue and in Stats().Settled.Modified
+// (Stats().Locks.SettledByToken stays 0 here);
 // they go back, counted, only when their locks expire. Dead letters are a
 // list to assert on, not a $DeadLetterQueue to consume. Test those parts
 // against the peer in integration/sbpeer, and remember that a test here

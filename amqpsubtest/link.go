@@ -219,9 +219,10 @@ func (l *link) Close(context.Context) error {
 // counted, but for undeliverable-here (a defer), which is refused. Once l
 // has ended, its deliveries still locked are settled as the service
 // settles them by lock token (com.microsoft:update-disposition): a release
-// then goes back as an abandon, counted; those no longer locked are
-// refused as lock-lost.
-func (l *link) settle(m *amqp.Message, o Outcome, e *amqp.Error, mo *modified) error {
+// then goes back as an abandon, counted, and its answer says so
+// (pump.SentAs(pump.Modify, …)), as amqpsub's settlement by lock token
+// does; those no longer locked are refused as lock-lost.
+func (l *link) settle(m *amqp.Message, o Outcome, e *amqp.Error, mo *modified) (err error) {
 	notHere := mo != nil && mo.notHere
 	q := l.q
 	q.mu.Lock()
@@ -235,6 +236,7 @@ func (l *link) settle(m *amqp.Message, o Outcome, e *amqp.Error, mo *modified) e
 		// By lock token, once the link is gone, there is no release: the
 		// message goes back as abandoned, counted.
 		o = Modified
+		defer func() { err = pump.SentAs(pump.Modify, err) }()
 	}
 	if !ok {
 		if x, expired := l.expired[m]; expired {

@@ -14,6 +14,7 @@ import (
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/amqpsubtest"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
+	"github.com/amqpsub/amqpsub/internal/shapes"
 )
 
 // The queue under WithProfile(amqpsub.AzureServiceBus), run by real
@@ -518,4 +519,113 @@ func TestServiceBusHandlerOutlivesItsLink(t *testing.T) {
 			t.Fatalf("%s with %d renewals: want one delivery, accepted, renewed at least 6 times", got, renewals(rs))
 		}
 	})
+}
+
+// Stats().Settled counts what the queue took, in every lane mode: a
+// release decided while its link was up goes out as released; one whose
+// link was lost meanwhile goes by lock token, where there is no release,
+// as an abandon (modified, counted), and is counted and reported
+// (OnSettled, the Recorder) as modified. Each message is released once, then accepted;
+// the links are lost every 25 handler calls.
+func TestServiceBusStatsCountWhatTheQueueTook(t *testing.T) {
+	var p shapes.Profile
+	for _, sp := range shapes.Profiles() {
+		if sp.Name == "servicebus" {
+			p = sp
+		}
+	}
+	for _, l := range shapes.Lanes() {
+		t.Run(l.Name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				q := amqpsubtest.NewQueue(append(p.QueueOptions, amqpsubtest.LockDuration(30*time.Second))...)
+				for i := range 200 {
+					q.Publish(amqpsubtest.Message(fmt.Sprintf("g%d", i%8), fmt.Sprintf("%0*d", shapes.BodySize, i)))
+				}
+				var mu sync.Mutex
+				calls := 0
+				seen := map[string]bool{}
+				heard := map[amqpsub.Outcome]uint64{}
+				rec := &settledRecorder{took: map[amqpsub.Outcome]uint64{}}
+				sub := shapeSub(t, q, p, l, func() time.Duration { return 20 * time.Millisecond }, func(_ context.Context, d *amqpsub.Delivery) error {
+					d.OnSettled(func(o amqpsub.Outcome, err error) {
+						if err == nil {
+							mu.Lock()
+							heard[o]++
+							mu.Unlock()
+						}
+					})
+					mu.Lock()
+					calls++
+					if calls%25 == 0 {
+						go q.LoseLinks(nil)
+					}
+					again := seen[text(d)]
+					seen[text(d)] = true
+					mu.Unlock()
+					if !again {
+						return amqpsub.Release()
+					}
+					return nil
+				}, amqpsub.Backoff(time.Millisecond, 5*time.Millisecond), amqpsub.WithMetrics(rec))
+				drainHour(t, q, sub)
+				var took amqpsub.Settlements
+				for _, r := range q.Records() {
+					for _, d := range r.Deliveries {
+						switch d.Outcome {
+						case amqpsubtest.Accepted:
+							took.Accepted++
+						case amqpsubtest.Released:
+							took.Released++
+						case amqpsubtest.Modified:
+							took.Modified++
+						case amqpsubtest.Rejected:
+							took.Rejected++
+						}
+					}
+				}
+				st := sub.Stats()
+				t.Logf("the queue took %+v; Stats %+v; OnSettled heard %v; links lost %d", took, st.Settled, heard, st.LinksLost)
+				if st.LinksLost == 0 || took.Modified == 0 || took.Released == 0 {
+					t.Fatalf("links lost %d, the queue took %d modified, %d released: want each > 0 for the test to mean anything",
+						st.LinksLost, took.Modified, took.Released)
+				}
+				if st.Settled != took {
+					t.Errorf("Stats().Settled = %+v, the queue took %+v", st.Settled, took)
+				}
+				mu.Lock()
+				defer mu.Unlock()
+				if heard[amqpsub.OutcomeReleased] != took.Released || heard[amqpsub.OutcomeModified] != took.Modified ||
+					heard[amqpsub.OutcomeAccepted] != took.Accepted {
+					t.Errorf("OnSettled heard %v, the queue took %+v", heard, took)
+				}
+				rec.mu.Lock()
+				defer rec.mu.Unlock()
+				if rec.took[amqpsub.OutcomeReleased] != took.Released || rec.took[amqpsub.OutcomeModified] != took.Modified {
+					t.Errorf("the Recorder heard %v, the queue took %+v", rec.took, took)
+				}
+			})
+		})
+	}
+}
+
+// settledRecorder is a Recorder (and its Metrics) that counts the
+// settlements the broker took, by outcome.
+type settledRecorder struct {
+	mu   sync.Mutex
+	took map[amqpsub.Outcome]uint64
+}
+
+func (r *settledRecorder) Recorder(amqpsub.MetricsInfo) amqpsub.Recorder { return r }
+func (r *settledRecorder) Received()                                     {}
+func (r *settledRecorder) Handled(amqpsub.HandlerCall)                   {}
+func (r *settledRecorder) Dropped(int)                                   {}
+func (r *settledRecorder) Event(amqpsub.Event)                           {}
+func (r *settledRecorder) LocksRenewed(int)                              {}
+
+func (r *settledRecorder) Settled(o amqpsub.Outcome, err error) {
+	if err == nil {
+		r.mu.Lock()
+		r.took[o]++
+		r.mu.Unlock()
+	}
 }

@@ -17,6 +17,11 @@ import (
 
 // Source is the set of receiver calls the pump makes. *amqp.Receiver
 // implements it; tests and benchmarks use a fake.
+//
+// A source that settles a delivery with another outcome than the one it
+// was asked for (a release the broker can only take as modified, say)
+// returns its answer wrapped by [SentAs]: the pump counts and reports the
+// outcome that went out.
 type Source interface {
 	Receive(ctx context.Context, opts *amqp.ReceiveOptions) (*amqp.Message, error)
 	IssueCredit(credit uint32) error

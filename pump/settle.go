@@ -195,7 +195,8 @@ func (p *Pump) apply(ctx context.Context, s settlement) {
 		p.dispatch(s)
 		return
 	default:
-		p.settled(d, s.o.Kind, settleOn(ctx, d.src, d.msg.Load(), s.o))
+		k, err := settleOn(ctx, d.src, d.msg.Load(), s.o)
+		p.settled(d, k, err)
 	}
 	size := d.size.Load()
 	p.release(d)
@@ -372,7 +373,7 @@ func (p *Pump) send(ctx context.Context, s settlement) {
 	default:
 		s.d.sending.Store(true)
 		sctx, cancel := context.WithTimeout(ctx, p.settleTimeout())
-		err = settleOn(sctx, s.d.src, s.d.msg.Load(), s.o)
+		s.o.Kind, err = settleOn(sctx, s.d.src, s.d.msg.Load(), s.o)
 		cancel()
 		switch {
 		case err != nil && ctx.Err() != nil:
@@ -385,7 +386,48 @@ func (p *Pump) send(ctx context.Context, s settlement) {
 	p.settle.push(s)
 }
 
-func settleOn(ctx context.Context, src Source, msg *amqp.Message, o Outcome) error {
+// SentAs returns what a [Source]'s settlement call returns when it sent
+// the broker outcome k in place of the one asked for, err being the
+// broker's answer (nil: taken). The pump then counts the settlement, and
+// reports it to the [Meter] and the delivery's OnSettled function, as k.
+// Only Accept, Release, Modify and Reject are outcomes; another k is
+// ignored.
+func SentAs(k Kind, err error) error { return &sentAs{kind: k, err: err} }
+
+type sentAs struct {
+	kind Kind
+	err  error
+}
+
+func (e *sentAs) Error() string {
+	if e.err == nil {
+		return "pump: settled as " + e.kind.String()
+	}
+	return "pump: settling as " + e.kind.String() + ": " + e.err.Error()
+}
+
+func (e *sentAs) Unwrap() error { return e.err }
+
+// sentOutcome reads an answer of SentAs: the outcome that went out in
+// place of k, and the broker's answer.
+func sentOutcome(k Kind, err error) (Kind, error) {
+	var sa *sentAs
+	if err != nil && errors.As(err, &sa) {
+		if sa.kind <= Reject {
+			k = sa.kind
+		}
+		return k, sa.err
+	}
+	return k, err
+}
+
+// settleOn sends o for msg on src and returns the outcome that went out
+// (o's, unless src says otherwise with SentAs) and the broker's answer.
+func settleOn(ctx context.Context, src Source, msg *amqp.Message, o Outcome) (Kind, error) {
+	return sentOutcome(o.Kind, sendOutcome(ctx, src, msg, o))
+}
+
+func sendOutcome(ctx context.Context, src Source, msg *amqp.Message, o Outcome) error {
 	switch o.Kind {
 	case Accept:
 		return src.AcceptMessage(ctx, msg)
@@ -419,17 +461,17 @@ func (p *Pump) releaseUnheld(ctx context.Context, src Source, msg *amqp.Message)
 	// Received, never held: counted as received and released all the same,
 	// so that the counters add up to what the broker saw.
 	p.stats.received.Add(1)
-	err := src.ReleaseMessage(ctx, msg)
+	k, err := sentOutcome(Release, src.ReleaseMessage(ctx, msg))
 	if p.cfg.Meter != nil {
 		p.cfg.Meter.Received()
-		p.cfg.Meter.Settled(Release, err)
+		p.cfg.Meter.Settled(k, err)
 	}
 	if err != nil {
 		p.log.Debug("release at link end failed; the broker redelivers the delivery", zap.Error(err))
 		p.stats.settleErrors.Add(1)
 		return
 	}
-	p.stats.settled[Release].Add(1)
+	p.stats.settled[k].Add(1)
 }
 
 // dropBacklog frees the entries of deliveries still waiting in the pump

@@ -3,13 +3,16 @@
 // stream flood the log: each line is written at its level the first time
 // and then at most once per interval; the occurrences between are written
 // at debug, and the next line at its level says how many there were (field
-// suppressed). The counters in the subscriber's Stats stay complete.
+// suppressed); [Logger.Flush], at the end of a run, says it of those no
+// later line did. The counters in the subscriber's Stats stay complete.
 //
 // A line is known by its message, which is constant text, so the state
 // kept is one entry per call site.
 package loglimit
 
 import (
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -32,6 +35,7 @@ type Logger struct {
 }
 
 type line struct {
+	level      zapcore.Level
 	last       time.Time // when it was last written at its level; zero: never
 	suppressed int       // written at debug since
 }
@@ -58,7 +62,7 @@ func (l *Logger) write(level zapcore.Level, msg string, fields []zap.Field) {
 	l.mu.Lock()
 	ln := l.lines[msg]
 	if ln == nil {
-		ln = &line{}
+		ln = &line{level: level}
 		l.lines[msg] = ln
 	}
 	up := ln.last.IsZero() || now.Sub(ln.last) >= l.every
@@ -79,4 +83,32 @@ func (l *Logger) write(level zapcore.Level, msg string, fields []zap.Field) {
 		fields = append(fields[:len(fields):len(fields)], zap.Int("suppressed", suppressed))
 	}
 	ce.Write(fields...)
+}
+
+// Flush writes each line with occurrences written at debug since it was
+// last written at its level once more at its level, with suppressed their
+// count and no other field, so that the count is not lost when no later
+// line would carry it (a stop). Lines written since go on as before.
+func (l *Logger) Flush() {
+	type pending struct {
+		msg   string
+		level zapcore.Level
+		n     int
+	}
+	now := time.Now()
+	var out []pending
+	l.mu.Lock()
+	for msg, ln := range l.lines {
+		if ln.suppressed > 0 {
+			out = append(out, pending{msg, ln.level, ln.suppressed})
+			ln.last, ln.suppressed = now, 0
+		}
+	}
+	l.mu.Unlock()
+	slices.SortFunc(out, func(a, b pending) int { return strings.Compare(a.msg, b.msg) })
+	for _, p := range out {
+		if ce := l.log.Check(p.level, p.msg); ce != nil {
+			ce.Write(zap.Int("suppressed", p.n))
+		}
+	}
 }

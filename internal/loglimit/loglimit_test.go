@@ -63,3 +63,26 @@ func TestLimitedQuiet(t *testing.T) {
 	}
 	loglimit.New(nil, time.Hour).Error("nowhere")
 }
+
+// Flush writes what no later line has counted: each line written at debug
+// since its last at its level is written once more at its level, with the
+// count, and only once.
+func TestFlush(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		core, logs := observer.New(zapcore.InfoLevel)
+		l := loglimit.New(zap.New(core), time.Minute)
+		for range 427 {
+			l.Warn("lost", zap.Int("n", 1))
+		}
+		l.Error("once")
+		l.Flush()
+		l.Flush()
+		got := logs.All()
+		if len(got) != 3 {
+			t.Fatalf("%d lines, want 3 (lost, once, lost flushed): %v", len(got), got)
+		}
+		if e := got[2]; e.Level != zapcore.WarnLevel || e.Message != "lost" || e.ContextMap()["suppressed"] != int64(426) || len(e.Context) != 1 {
+			t.Fatalf("flushed %v %q %v, want warn \"lost\" suppressed=426 alone", e.Level, e.Message, e.ContextMap())
+		}
+	})
+}

@@ -145,3 +145,38 @@ func ValidHost(h string) bool {
 	}
 	return true
 }
+
+// InEntity reports whether a receiver may read queue with a connection
+// string whose EntityPath is entity: queue is that entity, one of its
+// subscriptions (entity a topic, not a subscription), or a dead-letter queue of either
+// ($DeadLetterQueue, $Transfer/$DeadLetterQueue). Names compare
+// case-insensitively, as Service Bus's do.
+//
+// azservicebus reads EntityPath (internal/conn/conn.go) but never uses it
+// for a receiver, whose path comes from the queue or subscription it is
+// given (receiver.go). So only queues outside the entity are refused.
+func InEntity(entity, queue string) bool {
+	if len(queue) < len(entity) || !strings.EqualFold(queue[:len(entity)], entity) {
+		return false
+	}
+	rest := queue[len(entity):]
+	if rest == "" {
+		return true
+	}
+	rest, ok := strings.CutPrefix(rest, "/")
+	if !ok {
+		return false
+	}
+	topic := !strings.Contains(strings.ToLower(entity), "/subscriptions/")
+	if topic && len(rest) > len("Subscriptions/") && strings.EqualFold(rest[:len("Subscriptions/")], "Subscriptions/") {
+		name, dlq, _ := strings.Cut(rest[len("Subscriptions/"):], "/")
+		if name == "" {
+			return false
+		}
+		if dlq == "" {
+			return true
+		}
+		rest = dlq
+	}
+	return strings.EqualFold(rest, "$DeadLetterQueue") || strings.EqualFold(rest, "$Transfer/$DeadLetterQueue")
+}

@@ -61,3 +61,40 @@ func TestParseConnectionString(t *testing.T) {
 		}
 	}
 }
+
+// A connection string's EntityPath admits its entity, the subscriptions of
+// a topic and the dead-letter queues of either, whatever their case; no
+// other queue.
+func TestInEntity(t *testing.T) {
+	for _, tc := range []struct {
+		entity, queue string
+		in            bool
+	}{
+		{"orders", "orders", true},
+		{"orders", "Orders", true},
+		{"orders", "orders/$DeadLetterQueue", true},
+		{"orders", "orders/$deadletterqueue", true},
+		{"orders", "orders/$Transfer/$DeadLetterQueue", true},
+		{"payments", "payments/Subscriptions/ledger", true},
+		{"payments", "PAYMENTS/subscriptions/Ledger", true},
+		{"payments", "payments/Subscriptions/ledger/$DeadLetterQueue", true},
+		{"payments", "payments/Subscriptions/ledger/$Transfer/$DeadLetterQueue", true},
+		{"payments/Subscriptions/ledger", "payments/Subscriptions/ledger", true},
+		{"payments/Subscriptions/ledger", "Payments/Subscriptions/Ledger/$DeadLetterQueue", true},
+		{"orders", "invoices", false},
+		{"orders", "orders2", false},
+		{"orders", "order", false},
+		{"orders", "orders/eu", false}, // another queue: names may hold '/'
+		{"orders", "orders/", false},
+		{"payments", "payments/Subscriptions/", false},
+		{"payments", "payments/Subscriptions/ledger/x", false},
+		{"payments", "payments/Subscriptions/ledger/$DeadLetterQueue/x", false},
+		{"payments/Subscriptions/ledger", "payments/Subscriptions/audit", false},
+		{"payments/Subscriptions/ledger", "payments", false},
+		{"payments/Subscriptions/ledger", "payments/Subscriptions/ledger/Subscriptions/x", false},
+	} {
+		if got := InEntity(tc.entity, tc.queue); got != tc.in {
+			t.Errorf("InEntity(%q, %q) = %v, want %v", tc.entity, tc.queue, got, tc.in)
+		}
+	}
+}

@@ -278,6 +278,9 @@ func (b *Book) Run(ctx context.Context) {
 	finished := make(chan []*entry, b.cfg.MaxInFlight)
 	var requests sync.WaitGroup
 	inFlight := 0
+	// The counts of lines limited since their last at their level are
+	// said as the book ends (a stop), not lost.
+	defer b.limited.Flush()
 	defer func() {
 		requests.Wait()
 		for ; inFlight > 0; inFlight-- {

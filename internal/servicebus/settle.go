@@ -182,7 +182,8 @@ var errNotRunning = errors.New("amqpsub: the subscriber is no longer running")
 // answer: nil, an *amqp.Error of condition com.microsoft:message-lock-lost
 // (pump.ErrCondLockLost) when the service says the lock is gone, or
 // another error. It returns when ctx ends, with ctx's error; the
-// settlement is then in doubt.
+// settlement is then in doubt. A release's answer is wrapped by
+// pump.SentAs(pump.Modify, …): it goes as abandoned.
 func (f *Dispositions) settle(ctx context.Context, msg *amqp.Message, o pump.Outcome) error {
 	token, ok := LockToken(msg.DeliveryTag)
 	if !ok {
@@ -202,10 +203,20 @@ func (f *Dispositions) settle(ctx context.Context, msg *amqp.Message, o pump.Out
 	}
 	select {
 	case err := <-d.done:
-		return err
+		return sentAs(o, err)
 	case <-ctx.Done():
-		return fmt.Errorf("amqpsub: update-disposition not answered: %w", ctx.Err())
+		return sentAs(o, fmt.Errorf("amqpsub: update-disposition not answered: %w", ctx.Err()))
 	}
+}
+
+// sentAs tells the pump what went out for o: a release goes by lock token
+// as abandoned (dispositionOf), which the service counts as a modified
+// delivery (delivery count + 1), and so does the pump (pump.SentAs).
+func sentAs(o pump.Outcome, err error) error {
+	if o.Kind == pump.Release {
+		return pump.SentAs(pump.Modify, err)
+	}
+	return err
 }
 
 // Run sends what settle queues until ctx ends; what is queued then fails

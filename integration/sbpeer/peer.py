@@ -1697,6 +1697,15 @@ class Peer(object):
         t = now_s()
         live = []
         for lock in locks:
+            # A lock is known only to the $management node of the entity it
+            # came from, and a dead-letter queue is an entity of its own:
+            # its locks are renewed and settled at
+            # <entity>/$DeadLetterQueue/$management, and refused (410) at the
+            # parent's node. Microsoft Learn, "AMQP 1.0 in Azure Service Bus:
+            # request-response-based operations": every operation "is scoped
+            # to an entity" and attaches to "<entity address>/$management";
+            # azservicebus attaches a dead-letter receiver's node and claims
+            # at its own path (receiver.go, internal/amqpLinks.go).
             if lock is None or lock.state != "held" or lock.locked_until <= t or \
                     lock.msg.entity is not ent:
                 mode = getattr(self, "renew_batch_mode", "reject-all-410")
@@ -1728,7 +1737,8 @@ class Peer(object):
         lock-tokens (array of uuid), optional deadletter-reason,
         deadletter-description, properties-to-modify; .NET adds session-id
         for session messages. Every token must name a live lock of this
-        entity, else 410 for the whole request."""
+        entity (a dead-letter queue's locks are its own node's: see
+        mgmt_renew_lock), else 410 for the whole request."""
         self.count("update_disposition_requests")
         status = str(body.get("disposition-status") or "")
         if status not in ("completed", "abandoned", "suspended", "defered", "deferred"):

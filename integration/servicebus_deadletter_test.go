@@ -19,6 +19,7 @@ import (
 // handlers run: every message is handled once and finished, its lock
 // renewed, none lost, and after the detach each is settled by lock token.
 func TestServiceBusDeadLetterQueueLocksAreRenewed(t *testing.T) {
+	t.Parallel() // its entities and counters are its own
 	p := serviceBusPeer(t)
 	for _, row := range []struct {
 		name         string

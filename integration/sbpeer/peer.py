@@ -1573,9 +1573,9 @@ class Peer(object):
     # is removed and the message marked settled, error or not), while the
     # message stays locked: it is settled only by lock token
     # (update-disposition) or comes back when its lock expires.
-    # Conditions: com.microsoft:server-busy and com.microsoft:timeout, the
-    # two azservicebus retries (internal/errors.go) and .NET maps to
-    # ServiceBusy and ServiceTimeout (AmqpExceptionHelper.cs).
+    # Conditions: com.microsoft:server-busy and com.microsoft:timeout, which
+    # azservicebus retries (internal/errors.go: RecoveryKindNone for both;
+    # isMicrosoftTimeoutError reads the service's timeout by that condition).
     DISPOSITION_FAULTS = {
         "server-busy": ("com.microsoft:server-busy",
                         "Injected by sbpeer: the request was terminated because the entity is being throttled."),

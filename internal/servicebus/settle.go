@@ -136,8 +136,9 @@ const (
 	dispositionTimeout = 10 * time.Second
 	// dispositionRetries is how often a settlement that failed
 	// transiently is sent again (azservicebus's RetryOptions default: 3),
-	// by lock token: a request of a lost link's settlement 3 times, one
-	// answered busy or timed out on its link by token 3 times in all.
+	// always by lock token: the request of a lost link's settlement up to
+	// 3 times; a settlement answered busy or timed out on its link once by
+	// token (the first of its 3), and that request up to twice more.
 	// After a server-busy answer the next waits ServerBusyWait at least.
 	dispositionRetries = 3
 	// A settlement sent again waits a jittered backoff between these

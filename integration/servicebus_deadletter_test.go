@@ -18,6 +18,7 @@ import (
 // subscription's, and one whose receive link the peer detaches while the
 // handlers run: every message is handled once and finished, its lock
 // renewed, none lost, and after the detach each is settled by lock token.
+// The claims are the dead-letter queue's own.
 func TestServiceBusDeadLetterQueueLocksAreRenewed(t *testing.T) {
 	t.Parallel() // its entities and counters are its own
 	p := serviceBusPeer(t)
@@ -76,12 +77,13 @@ func TestServiceBusDeadLetterQueueLocksAreRenewed(t *testing.T) {
 				t.Fatal(err)
 			}
 			stop, wait := runSub(t, s)
+			select {
+			case <-allRunning:
+			case <-time.After(30 * time.Second):
+				t.Fatal("the handlers did not all start")
+			}
+			claimsDeadLetterQueue(t, p, dlq)
 			if row.detach {
-				select {
-				case <-allRunning:
-				case <-time.After(30 * time.Second):
-					t.Fatal("the handlers did not all start")
-				}
 				var out struct{ Detached int }
 				p.call(t, "POST", "/faults/detach", map[string]any{"entity": dlq}, &out)
 				if out.Detached != 1 {
@@ -118,6 +120,27 @@ func TestServiceBusDeadLetterQueueLocksAreRenewed(t *testing.T) {
 			}
 		})
 	}
+}
+
+// claimsDeadLetterQueue checks that a connection of the peer holds claims
+// for the dead-letter queue dlq and for its own $management node, as
+// azservicebus puts them (internal/amqpLinks.go).
+func claimsDeadLetterQueue(t *testing.T, p *sbPeer, dlq string) {
+	t.Helper()
+	var out struct {
+		Connections []struct {
+			Claims map[string]float64 `json:"claims"`
+		} `json:"connections"`
+	}
+	p.call(t, "GET", "/connections", nil, &out)
+	for _, c := range out.Connections {
+		_, entity := c.Claims[strings.ToLower(dlq)]
+		_, node := c.Claims[strings.ToLower(dlq+"/$management")]
+		if entity && node {
+			return
+		}
+	}
+	t.Fatalf("no connection claims %s and %s/$management: %+v", dlq, dlq, out.Connections)
 }
 
 // deadLetter sends n messages to sendTo and dead-letters them from entity

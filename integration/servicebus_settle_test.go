@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/internal/shapes"
 )
 
 // The peer answers the first link dispositions of an entity as busy
@@ -14,17 +15,38 @@ import (
 // takes either answer as the delivery's settlement, so a settlement sent
 // again on the link would write nothing. Each of those settlements goes
 // out again by lock token (update-disposition), once, keeping its outcome:
-// none is redelivered, none expires, and Stats count them.
+// none is redelivered, none expires, and Stats count them. Timed-out
+// answers in each lane mode of shapes.Lanes with a Handler (under
+// WorkersByKey the settlements of a group go out one after the other, a
+// resend included; a BatchHandler's settle through the same path).
 func TestServiceBusSettlementAnsweredBusyIsSentByLockToken(t *testing.T) {
 	t.Parallel() // its entities, faults and counters are its own
 	p := serviceBusPeer(t)
-	for _, mode := range []string{"server-busy", "timeout"} {
-		t.Run(mode, func(t *testing.T) {
+	type row struct {
+		mode string
+		lane shapes.Lane
+	}
+	rows := []row{{"server-busy", shapes.Lanes()[0]}}
+	for _, l := range shapes.Lanes() {
+		if l.Batch == 0 {
+			rows = append(rows, row{"timeout", l})
+		}
+	}
+	for _, r := range rows {
+		mode := r.mode
+		// A "+" in an entity's name would need escaping in the control API.
+		t.Run(mode+"/"+strings.ReplaceAll(r.lane.Name, "+", "-"), func(t *testing.T) {
 			t.Parallel()
 			const n, faults = 12, 5
 			// Locks outlive the 10 s wait after a server-busy answer.
 			q := p.entity(t, map[string]any{"lock_duration_ms": 30000, "max_delivery_count": 10})
-			p.call(t, "POST", "/messages", map[string]any{"entity": q, "count": n, "message_id_prefix": "m"}, nil)
+			msgs := map[string]any{"entity": q, "count": n, "message_id_prefix": "m"}
+			if mode != "server-busy" {
+				// In 3 groups. Not after server-busy, where a group's
+				// second resend would wait for its first, 10 s.
+				msgs["sessions"] = []string{"a", "b", "c"}
+			}
+			p.call(t, "POST", "/messages", msgs, nil)
 			t.Cleanup(func() { p.call(t, "POST", "/faults/disposition/clear", map[string]any{"entity": q}, nil) })
 			var armed struct{ Remaining int }
 			p.call(t, "POST", "/faults/disposition", map[string]any{"entity": q, "mode": mode, "count": faults}, &armed)
@@ -39,7 +61,7 @@ func TestServiceBusSettlementAnsweredBusyIsSentByLockToken(t *testing.T) {
 					return amqpsub.RejectWith("poison", "odd")
 				}
 				return nil
-			}), amqpsub.Workers(4), amqpsub.Credit(n), amqpsub.FixedCredit(), amqpsub.Logger(logger(t)))
+			}), append(r.lane.Options(), amqpsub.Credit(n), amqpsub.FixedCredit(), amqpsub.Logger(logger(t)))...)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -123,7 +123,9 @@ var (
 	// AzureServiceBus is for Azure Service Bus in peek-lock mode; the
 	// [ServiceBus] connector selects it. The queue name is the entity path: a
 	// queue, "<topic>/Subscriptions/<subscription>", or either followed by
-	// "/$DeadLetterQueue". Accept completes a message; [Retry] abandons it
+	// "/$DeadLetterQueue" (an entity of its own: its claims, lock renewals
+	// and settlements by lock token go to its own path and its own
+	// "<entity>/$DeadLetterQueue/$management" node). Accept completes a message; [Retry] abandons it
 	// (modified: Service Bus counts it towards [MaxDeliveryCount] and
 	// dead-letters it there); [Release] releases it (the service does not
 	// count a release, so the buffered deliveries a stop gives back do not

@@ -154,11 +154,12 @@ func (c *sbConnector) connect(ctx context.Context, req connectRequest) (*connect
 	if err != nil {
 		return nil, err
 	}
-	// The claims: one for the entity, one for its $management node. A
-	// session or subscription path is claimed as a whole.
-	entity := strings.TrimSuffix(req.entity, "/$DeadLetterQueue")
-	r, err := servicebus.NewRefresher(ctx, conn.conn, tokenFunc(c.tp), []string{c.audience(entity), c.audience(entity + "/$management")},
-		conn.abort, req.log)
+	// The claims: one for the entity, one for its $management node, at the
+	// entity's own path: a dead-letter queue's are
+	// <entity>/$DeadLetterQueue[/$management], as azservicebus claims them
+	// (internal/amqpLinks.go).
+	r, err := servicebus.NewRefresher(ctx, conn.conn, tokenFunc(c.tp),
+		[]string{c.audience(req.entity), c.audience(servicebus.ManagementNode(req.entity))}, conn.abort, req.log)
 	if err != nil {
 		conn.abort()
 		return nil, err

@@ -152,7 +152,8 @@ type Locks struct {
 	// SettledByToken counts settlements the service took by lock token
 	// (com.microsoft:update-disposition on $management), in
 	// DispositionRequests requests: those of deliveries whose link was
-	// lost while they were held. They are in Settled too.
+	// lost while they were held, and those the service answered on the
+	// link as busy or timed out. They are in Settled too.
 	SettledByToken, DispositionRequests uint64
 }
 

@@ -456,7 +456,9 @@ class Entity(object):
         self.rr = 0
         self.stats = {"enqueued": 0, "delivered": 0, "completed": 0,
                       "abandoned": 0, "released": 0, "dead_lettered": 0,
-                      "lock_expired": 0, "deferred": 0}
+                      "lock_expired": 0, "deferred": 0,
+                      "update_disposition_requests": 0, "update_disposition_tokens": 0,
+                      "disposition_faults": 0}
 
     def available_count(self):
         return len(self.heap) + sum(len(s.heap) for s in self.sessions.values())
@@ -542,6 +544,7 @@ class Peer(object):
         self.idle_since = now_s()
         self.renew_rules = []
         self.delivery_faults = []
+        self.disposition_faults = {}  # entity key or "*" -> fault (POST /faults/disposition)
         self.counters = {}
         self.reset_counters()
 
@@ -572,7 +575,7 @@ class Peer(object):
             "mgmt_requests", "settle_delayed", "faulty_deliveries",
             "locks_orphaned", "update_disposition_tokens",
             "update_disposition_lock_lost", "links_detached_idle",
-            "associated_link_activity")}
+            "associated_link_activity", "disposition_faults")}
         # A high-water mark, not a sum: it restarts from what is in flight.
         self.counters["settlements_outstanding_max"] = self.outstanding
 
@@ -1479,6 +1482,8 @@ class Peer(object):
                 return
             self.answer(dlv, lock, Delivery.REJECTED, Condition(COND_LOCK_LOST, LOCK_LOST_TEXT))
             return
+        if not remote_settled and self.disposition_fault_hit(lock):
+            return
         lock.state = "settling"
         ann = remote.annotations
         info = None
@@ -1564,6 +1569,50 @@ class Peer(object):
             if ent.requires_session and lock.session is not None:
                 self.maybe_drop_session(lock.session)
         lock.msg = None  # settled: let the message go (its lock timer may be pending)
+
+    # The answers POST /faults/disposition gives a link disposition in place
+    # of applying it. Either ends the delivery on the link, as go-amqp takes
+    # any disposition the peer sends (receiver.go: the in-flight settlement
+    # is removed and the message marked settled, error or not), while the
+    # message stays locked: it is settled only by lock token
+    # (update-disposition) or comes back when its lock expires.
+    # Conditions: com.microsoft:server-busy and com.microsoft:timeout, which
+    # azservicebus retries (internal/errors.go: RecoveryKindNone for both;
+    # isMicrosoftTimeoutError reads the service's timeout by that condition).
+    DISPOSITION_FAULTS = {
+        "server-busy": ("com.microsoft:server-busy",
+                        "Injected by sbpeer: the request was terminated because the entity is being throttled."),
+        "timeout": (COND_TIMEOUT, "Injected by sbpeer: the operation did not complete within the allotted timeout."),
+    }
+
+    def disposition_fault_hit(self, lock):
+        """Answers the disposition of lock's delivery with the fault armed
+        for its entity (or for any), if one is left; reports whether it did."""
+        ent = lock.msg.entity if lock.msg is not None else None
+        if ent is None:
+            return False
+        f = self.disposition_faults.get(ent.key)
+        if f is None or f["remaining"] <= 0:
+            f = self.disposition_faults.get("*")
+        if f is None or f["remaining"] <= 0:
+            return False
+        dlv = lock.ls.dlvs.get(lock.tag)
+        if dlv is None or lock.ls.closed:
+            return False
+        f["remaining"] -= 1
+        f["hits"] += 1
+        self.count("disposition_faults")
+        ent.stats["disposition_faults"] += 1
+        cond, text = self.DISPOSITION_FAULTS[f["mode"]]
+        self.answer(dlv, lock, Delivery.REJECTED, Condition(cond, text))
+        return True
+
+    def disposition_fault_info(self, key):
+        f = self.disposition_faults.get(key) or {"mode": None, "entity": key, "remaining": 0, "hits": 0}
+        ent = self.entities.get(key)
+        src = ent.stats if ent is not None else self.counters
+        return dict(f, update_disposition_requests=src.get("update_disposition_requests", 0),
+                    update_disposition_tokens=src.get("update_disposition_tokens", 0))
 
     @staticmethod
     def apply_props(m, ann):
@@ -1700,6 +1749,15 @@ class Peer(object):
         t = now_s()
         live = []
         for lock in locks:
+            # A lock is known only to the $management node of the entity it
+            # came from, and a dead-letter queue is an entity of its own:
+            # its locks are renewed and settled at
+            # <entity>/$DeadLetterQueue/$management, and refused (410) at the
+            # parent's node. Microsoft Learn, "AMQP 1.0 in Azure Service Bus:
+            # request-response-based operations": every operation "is scoped
+            # to an entity" and attaches to "<entity address>/$management";
+            # azservicebus attaches a dead-letter receiver's node and claims
+            # at its own path (receiver.go, internal/amqpLinks.go).
             if lock is None or lock.state != "held" or lock.locked_until <= t or \
                     lock.msg.entity is not ent:
                 mode = getattr(self, "renew_batch_mode", "reject-all-410")
@@ -1731,8 +1789,10 @@ class Peer(object):
         lock-tokens (array of uuid), optional deadletter-reason,
         deadletter-description, properties-to-modify; .NET adds session-id
         for session messages. Every token must name a live lock of this
-        entity, else 410 for the whole request."""
+        entity (a dead-letter queue's locks are its own node's: see
+        mgmt_renew_lock), else 410 for the whole request."""
         self.count("update_disposition_requests")
+        ent.stats["update_disposition_requests"] += 1
         status = str(body.get("disposition-status") or "")
         if status not in ("completed", "abandoned", "suspended", "defered", "deferred"):
             return self.reply(ls, msg, 400, "Unknown disposition-status %r." % status,
@@ -1772,6 +1832,7 @@ class Peer(object):
             self.finish_outcome(None, lock, outcome, "none")
             lock.state = "lost"
         self.count("update_disposition_tokens", len(locks))
+        ent.stats["update_disposition_tokens"] += len(locks)
         self.reply(ls, msg, 200, "OK", body={})
 
     def mgmt_peek(self, ls, msg, ent, body):
@@ -2053,6 +2114,25 @@ class Peer(object):
         if method == "POST" and path == "/faults/delivery/clear":
             self.delivery_faults = []
             return {"ok": True}
+        if method == "POST" and path == "/faults/disposition":
+            mode = str(b.get("mode") or "server-busy")
+            if mode not in self.DISPOSITION_FAULTS:
+                raise ControlError(400, "mode must be one of %s" % ", ".join(sorted(self.DISPOSITION_FAULTS)))
+            count = int(b.get("count", 1))
+            if count < 0:
+                raise ControlError(400, "count must be >= 0")
+            key = "*" if b.get("entity") in (None, "*") else self.entity(b.get("entity")).key
+            self.disposition_faults[key] = {"mode": mode, "entity": key, "remaining": count, "hits": 0}
+            return self.disposition_fault_info(key)
+        if method == "GET" and path == "/faults/disposition":
+            key = "*" if q.get("entity") in (None, "*") else self.entity(q.get("entity")).key
+            return self.disposition_fault_info(key)
+        if method == "POST" and path == "/faults/disposition/clear":
+            if b.get("entity") in (None, "*"):
+                self.disposition_faults = {}
+            else:
+                self.disposition_faults.pop(self.entity(b.get("entity")).key, None)
+            return {"ok": True}
         if method == "POST" and path == "/faults/detach":
             return self.control_detach(b)
         if method == "GET" and path == "/connections":
@@ -2072,6 +2152,7 @@ class Peer(object):
             self.renew_rules = []
             self.renew_batch_mode = "reject-all-410"
             self.delivery_faults = []
+            self.disposition_faults = {}
             self.reset_counters()
             return {"ok": True}
         raise ControlError(404, "no such endpoint: %s %s" % (method, path))

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"strings"
 	"sync/atomic"
 	"time"
 
@@ -152,16 +151,25 @@ func millis32(d time.Duration) uint32 {
 }
 
 // NewManagement attaches the link pair to the $management node of the
-// entity at address (a queue, a subscription, or a dead-letter queue,
-// whose node is its entity's) on sess, within ctx. linkName is the receive
-// link the node serves, named in every request.
+// entity at address on sess, within ctx. linkName is the receive link the
+// node serves, named in every request.
+//
+// The node is address + "/$management" for every entity, a dead-letter
+// queue ("<entity>/$DeadLetterQueue/$management") included: a lock is
+// known only to the node of the entity it came from, as azservicebus
+// attaches a dead-letter receiver's node (receiver.go builds the path,
+// internal/amqpLinks.go appends "/$management").
 func NewManagement(ctx context.Context, sess *amqp.Session, address, linkName string) (*Management, error) {
-	r, err := newRPC(ctx, sess, strings.TrimSuffix(address, "/$DeadLetterQueue")+"/$management")
+	r, err := newRPC(ctx, sess, ManagementNode(address))
 	if err != nil {
 		return nil, err
 	}
 	return &Management{rpc: r, linkName: linkName}, nil
 }
+
+// ManagementNode is the address of the $management node of the entity at
+// address (see [NewManagement]).
+func ManagementNode(address string) string { return address + "/$management" }
 
 // Done is closed when the node's link pair is gone for good (it ends with
 // the AMQP session).

@@ -38,7 +38,12 @@ import (
 // [Dispositions].
 type Receiver struct {
 	*amqp.Receiver
-	fb *Dispositions
+	fb byToken
+}
+
+// byToken settles a message by its lock token ([Dispositions]).
+type byToken interface {
+	settle(ctx context.Context, msg *amqp.Message, o pump.Outcome, retries int) error
 }
 
 // NewReceiver returns rcv as a [pump.Source] that settles through fb once
@@ -77,26 +82,33 @@ func (r Receiver) ModifyMessage(ctx context.Context, msg *amqp.Message, o *amqp.
 
 // settle sends a settlement on the link (onLink), and returns its answer;
 // when the link is gone, the answer of the same settlement sent by lock
-// token. An answer that the service was busy or timed out
+// token.
+//
+// An answer that the service was busy or timed out
 // (com.microsoft:server-busy, com.microsoft:timeout,
 // com.microsoft:operation-cancelled: retried by azservicebus,
-// internal/errors.go) sends it again, up to dispositionRetries times, within
-// ctx.
+// internal/errors.go) is sent again by lock token too, after RetryWait (10 s
+// at least after server-busy), within ctx: go-amqp takes any disposition
+// the peer sends as the delivery's settlement, error or not (receiver.go:
+// the answer removes it from the in-flight settlements and marks the
+// message settled, and a later settlement of a settled message returns nil
+// writing nothing), so the link cannot carry it again, while the service
+// still holds the message's lock. The link's attempt counts in the retry
+// budget: the request by token gets the dispositionRetries - 1 retries left.
 func (r Receiver) settle(ctx context.Context, msg *amqp.Message, o pump.Outcome, onLink func() error) error {
-	for attempt := 0; ; attempt++ {
-		err := onLink()
-		switch {
-		case err == nil || ctx.Err() != nil:
-			return err
-		case linkGone(err):
-			return r.fb.settle(ctx, msg, o)
-		case attempt == dispositionRetries || !transientCond(err):
-			return err
-		}
-		if !wait.Sleep(ctx, RetryWait(err, attempt, settleRetryFloor, settleRetryMax)) {
-			return err
-		}
+	err := onLink()
+	switch {
+	case err == nil || ctx.Err() != nil:
+		return err
+	case linkGone(err):
+		return r.fb.settle(ctx, msg, o, dispositionRetries)
+	case !transientCond(err):
+		return err
 	}
+	if !wait.Sleep(ctx, RetryWait(err, 0, settleRetryFloor, settleRetryMax)) {
+		return err
+	}
+	return r.fb.settle(ctx, msg, o, dispositionRetries-1)
 }
 
 // transientCond reports whether err is an answer of the service that a
@@ -123,9 +135,12 @@ const (
 	dispositionBatch = 256
 	// dispositionTimeout bounds one request.
 	dispositionTimeout = 10 * time.Second
-	// dispositionRetries is how often a request that failed transiently
-	// is sent again (azservicebus's RetryOptions default: 3). After a
-	// server-busy answer the next waits ServerBusyWait at least.
+	// dispositionRetries is how often a settlement that failed
+	// transiently is sent again (azservicebus's RetryOptions default: 3),
+	// always by lock token: the request of a lost link's settlement up to
+	// 3 times; a settlement answered busy or timed out on its link once by
+	// token (the first of its 3), and that request up to twice more.
+	// After a server-busy answer the next waits ServerBusyWait at least.
 	dispositionRetries = 3
 	// A settlement sent again waits a jittered backoff between these
 	// (RetryWait).
@@ -156,7 +171,11 @@ type Dispositions struct {
 type disposition struct {
 	token amqp.UUID
 	o     pump.Outcome
-	done  chan error // buffered: the sender never waits for the caller
+	// retries is how often its request is sent again after a transient
+	// failure (a request carrying several sends again as often as the
+	// one of them allowed the most).
+	retries int
+	done    chan error // buffered: the sender never waits for the caller
 }
 
 // NewDispositions returns the [Dispositions] of one receive path; nodes
@@ -178,18 +197,19 @@ var errNoLock = errors.New("amqpsub: the message has no lock token (a 16-byte de
 // errNotRunning is returned once the dispositions' goroutine has ended.
 var errNotRunning = errors.New("amqpsub: the subscriber is no longer running")
 
-// settle sends o for msg by its lock token and returns the service's
-// answer: nil, an *amqp.Error of condition com.microsoft:message-lock-lost
+// settle sends o for msg by its lock token, sending it again up to retries
+// times after a transient failure, and returns the service's answer: nil,
+// an *amqp.Error of condition com.microsoft:message-lock-lost
 // (pump.ErrCondLockLost) when the service says the lock is gone, or
 // another error. It returns when ctx ends, with ctx's error; the
 // settlement is then in doubt. A release's answer is wrapped by
 // pump.SentAs(pump.Modify, …): it goes as abandoned.
-func (f *Dispositions) settle(ctx context.Context, msg *amqp.Message, o pump.Outcome) error {
+func (f *Dispositions) settle(ctx context.Context, msg *amqp.Message, o pump.Outcome, retries int) error {
 	token, ok := LockToken(msg.DeliveryTag)
 	if !ok {
 		return errNoLock
 	}
-	d := &disposition{token: token, o: o, done: make(chan error, 1)}
+	d := &disposition{token: token, o: o, retries: retries, done: make(chan error, 1)}
 	f.mu.Lock()
 	if f.stopped {
 		f.mu.Unlock()
@@ -332,15 +352,17 @@ func (f *Dispositions) send(ctx context.Context, batch []*disposition) {
 
 // request sends batch as one update-disposition on the current link's
 // $management node, waiting for a link while none is attached (nodes; not
-// once the receive path is stopping), and sends it again, up to
-// dispositionRetries times, when the service answers that it is busy or
-// timed out, or the node went while the request was out (a lost
-// connection: the next link's node takes it).
+// once the receive path is stopping), and sends it again, as often as a
+// disposition of batch allows (disposition.retries), when the service
+// answers that it is busy or timed out, or the node went while the request
+// was out (a lost connection: the next link's node takes it).
 func (f *Dispositions) request(ctx context.Context, batch []*disposition) error {
 	status, reason, desc := dispositionOf(batch[0].o)
 	tokens := make([]amqp.UUID, len(batch))
+	retries := 0
 	for i, d := range batch {
 		tokens[i] = d.token
+		retries = max(retries, d.retries)
 	}
 	body := map[string]any{"disposition-status": status, "lock-tokens": tokens}
 	if status == "suspended" {
@@ -357,7 +379,7 @@ func (f *Dispositions) request(ctx context.Context, batch []*disposition) error 
 		f.requests.Add(1)
 		_, err = m.Request(rctx, "com.microsoft:update-disposition", body)
 		cancel()
-		if err == nil || attempt == dispositionRetries || ctx.Err() != nil || !transientStatus(err) && !nodeGone(err) {
+		if err == nil || attempt >= retries || ctx.Err() != nil || !transientStatus(err) && !nodeGone(err) {
 			return err
 		}
 		d := RetryWait(err, attempt, settleRetryFloor, settleRetryMax)

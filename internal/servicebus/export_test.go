@@ -1,0 +1,25 @@
+package servicebus
+
+import (
+	"context"
+
+	"github.com/Azure/go-amqp"
+
+	"github.com/amqpsub/amqpsub/pump"
+)
+
+// ByTokenFunc stands in for [Dispositions] behind a [Receiver].
+type ByTokenFunc func(ctx context.Context, msg *amqp.Message, o pump.Outcome, retries int) error
+
+func (f ByTokenFunc) settle(ctx context.Context, msg *amqp.Message, o pump.Outcome, retries int) error {
+	return f(ctx, msg, o, retries)
+}
+
+// SettleThrough settles msg as a [Receiver] does, with onLink in place of
+// the link's settlement and fb of settlement by lock token.
+func SettleThrough(ctx context.Context, msg *amqp.Message, o pump.Outcome, onLink func() error, fb ByTokenFunc) error {
+	return Receiver{fb: fb}.settle(ctx, msg, o, onLink)
+}
+
+// DispositionRetries is the retry budget of a settlement.
+const DispositionRetries = dispositionRetries

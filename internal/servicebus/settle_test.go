@@ -1,0 +1,109 @@
+package servicebus_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/Azure/go-amqp"
+
+	"github.com/amqpsub/amqpsub/internal/servicebus"
+	"github.com/amqpsub/amqpsub/pump"
+)
+
+// goAMQPLink plays a receive link's settlement as go-amqp 1.7 does it: the
+// first call writes the disposition and returns the peer's answer; the
+// peer's disposition, error or not, marks the message settled, so every
+// later call returns nil and writes nothing.
+type goAMQPLink struct {
+	answer error
+	frames int // dispositions written
+	calls  int
+}
+
+func (l *goAMQPLink) settle() error {
+	l.calls++
+	if l.frames > 0 {
+		return nil
+	}
+	l.frames++
+	return l.answer
+}
+
+// A settlement the service answers on the link as busy or timed out is
+// sent once on the link and then by lock token, once, with the retries
+// left of the budget; after server-busy no sooner than ServerBusyWait. A
+// lost link goes by token with the whole budget; a final answer (a lost
+// lock, a refusal) is returned as it is, and nothing goes by token.
+func TestASettlementAnsweredBusyOrTimedOutIsSentAgainByLockToken(t *testing.T) {
+	cond := func(c amqp.ErrCond) error { return &amqp.Error{Condition: c, Description: "answered so by the test"} }
+	for _, tc := range []struct {
+		name      string
+		answer    error
+		byToken   bool
+		retries   int
+		waitLeast time.Duration
+	}{
+		{"server-busy", cond(servicebus.CondServerBusy), true, servicebus.DispositionRetries - 1, servicebus.ServerBusyWait},
+		{"timeout", cond(servicebus.CondTimeout), true, servicebus.DispositionRetries - 1, 0},
+		{"operation-cancelled", cond("com.microsoft:operation-cancelled"), true, servicebus.DispositionRetries - 1, 0},
+		{"link gone", &amqp.LinkError{}, true, servicebus.DispositionRetries, 0},
+		{"lock lost", cond(pump.ErrCondLockLost), false, 0, 0},
+		{"not allowed", cond(amqp.ErrCondNotAllowed), false, 0, 0},
+		{"taken", nil, false, 0, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				link := &goAMQPLink{answer: tc.answer}
+				var sent []int // the retries of each settlement by token
+				start := time.Now()
+				var waited time.Duration
+				msg := &amqp.Message{DeliveryTag: make([]byte, 16)}
+				err := servicebus.SettleThrough(context.Background(), msg, pump.Outcome{Kind: pump.Accept}, link.settle,
+					func(_ context.Context, m *amqp.Message, o pump.Outcome, retries int) error {
+						if m != msg || o.Kind != pump.Accept {
+							t.Errorf("by token: message %p outcome %v, want %p accept", m, o.Kind, msg)
+						}
+						waited = time.Since(start)
+						sent = append(sent, retries)
+						return nil
+					})
+				if link.frames != 1 {
+					t.Fatalf("%d dispositions written on the link, want 1", link.frames)
+				}
+				if !tc.byToken {
+					if len(sent) != 0 || !errors.Is(err, tc.answer) {
+						t.Fatalf("sent by token %v, returned %v: want nothing by token and the link's answer %v", sent, err, tc.answer)
+					}
+					return
+				}
+				if err != nil || len(sent) != 1 || sent[0] != tc.retries {
+					t.Fatalf("returned %v, sent by token %v (the retries of each): want nil, once with %d retries (link called %d times)",
+						err, sent, tc.retries, link.calls)
+				}
+				if waited < tc.waitLeast {
+					t.Fatalf("sent by token %v after the link's answer, want no sooner than %v", waited, tc.waitLeast)
+				}
+			})
+		})
+	}
+}
+
+// A settlement whose context ends during the wait before its resend is
+// not sent by token: it returns the link's answer.
+func TestASettlementCancelledBeforeItsResendReturnsTheAnswer(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		busy := &amqp.Error{Condition: servicebus.CondServerBusy}
+		link := &goAMQPLink{answer: busy}
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		sent := 0
+		err := servicebus.SettleThrough(ctx, &amqp.Message{DeliveryTag: make([]byte, 16)}, pump.Outcome{Kind: pump.Accept}, link.settle,
+			func(context.Context, *amqp.Message, pump.Outcome, int) error { sent++; return nil })
+		if !errors.Is(err, busy) || sent != 0 {
+			t.Fatalf("returned %v, sent by token %d times: want the server-busy answer, nothing by token", err, sent)
+		}
+	})
+}

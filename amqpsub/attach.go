@@ -195,6 +195,11 @@ func profileFor(product, version string) string {
 // (on a write to a peer that no longer reads) has its socket closed under
 // it.
 func (s *Subscriber) closeLink(ctx context.Context, l *link, why error) {
+	// A close whose time had run out before it began (a stop past its
+	// bound) did not take too long: its socket is closed at once, unsaid.
+	// One that used up CloseTimeout on the way (a peer that stopped
+	// answering) did, and says so.
+	late := ctx.Err() != nil
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.closeTimeout)
 	defer cancel()
 	s.closeSession(ctx, l, why)
@@ -204,9 +209,6 @@ func (s *Subscriber) closeLink(ctx context.Context, l *link, why error) {
 	if !l.owned {
 		return
 	}
-	// A close whose time had run out before it began (a stop past its
-	// bound) did not take too long: its socket is closed at once, unsaid.
-	late := ctx.Err() != nil
 	closed := make(chan error, 1)
 	go func() { closed <- l.conn.Close() }()
 	var err error

@@ -26,6 +26,7 @@ type peer struct {
 	mechs    chan string   // the mechanism of each sasl-init, as sent
 	accepted atomic.Int64  // TCP connections accepted
 	attached chan struct{} // one per receiver attached that gave credit
+	mute     atomic.Bool   // answer no detach, end or close (a peer that froze)
 
 	mu    sync.Mutex
 	conns map[net.Conn]bool
@@ -163,7 +164,9 @@ func (p *peer) serve(c net.Conn) error {
 				}
 			}
 		case 0x16, 0x17, 0x18: // detach, end, close: the same back
-			reply = body
+			if !p.mute.Load() {
+				reply = body
+			}
 		}
 		if reply != nil {
 			if err := write(c, peerFrame(0, ch, reply)); err != nil {

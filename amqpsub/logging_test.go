@@ -612,6 +612,32 @@ func TestLateCloseIsNotTooLong(t *testing.T) {
 	}
 }
 
+// A close that used up CloseTimeout on a peer that stopped answering did
+// take too long, and says so (TestLateCloseIsNotTooLong is the other side:
+// a close whose time had run out before it began).
+func TestFrozenCloseSaysTooLong(t *testing.T) {
+	p := newPeer(t, false)
+	core, logs := observer.New(zapcore.DebugLevel)
+	sub, err := amqpsub.New(amqpsub.Dial("amqp://"+p.addr(), nil), "orders",
+		amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+		amqpsub.Logger(zap.New(core)), amqpsub.CloseTimeout(300*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	errc := make(chan error, 1)
+	go func() { errc <- sub.Run(ctx) }()
+	<-p.attached
+	p.mute.Store(true)
+	cancel()
+	if err := <-errc; err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	if n := logs.FilterMessage("connection close took too long; closing its socket").Len(); n != 1 {
+		t.Fatalf("%d lines say the close took too long, want 1", n)
+	}
+}
+
 // Locks lost in a burst give one warning, the rest at debug; the count of
 // those is said at the stop, where no later warning would carry it: every
 // lost-lock line is counted by a line at its level.

@@ -333,7 +333,9 @@ func Backoff(initial, max time.Duration) Option {
 // FatalErrors sets the test that decides which errors end Run instead of
 // being retried by reconnecting. nil retries everything, forever. Default:
 // [IsFatal]; under [AzureServiceBus], IsFatal and amqp:not-allowed (see
-// IsFatal).
+// IsFatal). A test of your own replaces the default: under AzureServiceBus,
+// keep amqp:not-allowed fatal by testing for an *amqp.Error whose
+// Condition is amqp.ErrCondNotAllowed beside IsFatal.
 func FatalErrors(isFatal func(error) bool) Option {
 	return optionFunc(func(c *config) {
 		if isFatal == nil {

@@ -232,11 +232,14 @@ func (l *link) settle(m *amqp.Message, o Outcome, e *amqp.Error, mo *modified) (
 		return l.err
 	}
 	r, ok := l.unsettled[m]
-	if l.err != nil && ok && o == Released {
+	if l.err != nil && o == Released {
 		// By lock token, once the link is gone, there is no release: the
-		// message goes back as abandoned, counted.
-		o = Modified
+		// message goes back as abandoned, counted, and a refusal answers
+		// an abandon too.
 		defer func() { err = pump.SentAs(pump.Modify, err) }()
+		if ok {
+			o = Modified
+		}
 	}
 	if !ok {
 		if x, expired := l.expired[m]; expired {

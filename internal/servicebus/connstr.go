@@ -156,6 +156,7 @@ func ValidHost(h string) bool {
 // for a receiver, whose path comes from the queue or subscription it is
 // given (receiver.go). So only queues outside the entity are refused.
 func InEntity(entity, queue string) bool {
+	entity = strings.TrimSuffix(entity, "/")
 	if len(queue) < len(entity) || !strings.EqualFold(queue[:len(entity)], entity) {
 		return false
 	}
@@ -169,11 +170,13 @@ func InEntity(entity, queue string) bool {
 	}
 	topic := !strings.Contains(strings.ToLower(entity), "/subscriptions/")
 	if topic && len(rest) > len("Subscriptions/") && strings.EqualFold(rest[:len("Subscriptions/")], "Subscriptions/") {
-		name, dlq, _ := strings.Cut(rest[len("Subscriptions/"):], "/")
-		if name == "" {
+		// A subscription's name has no "/" and no "$" (Service Bus's
+		// naming rules allow letters, digits, ".", "-" and "_").
+		name, dlq, below := strings.Cut(rest[len("Subscriptions/"):], "/")
+		if name == "" || strings.HasPrefix(name, "$") {
 			return false
 		}
-		if dlq == "" {
+		if !below {
 			return true
 		}
 		rest = dlq

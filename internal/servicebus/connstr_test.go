@@ -92,6 +92,9 @@ func TestInEntity(t *testing.T) {
 		{"payments/Subscriptions/ledger", "payments/Subscriptions/audit", false},
 		{"payments/Subscriptions/ledger", "payments", false},
 		{"payments/Subscriptions/ledger", "payments/Subscriptions/ledger/Subscriptions/x", false},
+		{"orders/", "orders", true}, // an EntityPath written with a trailing '/'
+		{"payments", "payments/Subscriptions/ledger/", false},
+		{"payments", "payments/Subscriptions/$DeadLetterQueue", false}, // no subscription is named so
 	} {
 		if got := InEntity(tc.entity, tc.queue); got != tc.in {
 			t.Errorf("InEntity(%q, %q) = %v, want %v", tc.entity, tc.queue, got, tc.in)

@@ -23,3 +23,9 @@ func SettleThrough(ctx context.Context, msg *amqp.Message, o pump.Outcome, onLin
 
 // DispositionRetries is the retry budget of a settlement.
 const DispositionRetries = dispositionRetries
+
+// SettleByToken sends o for msg through f, as a [Receiver] whose link is
+// gone does, with the whole retry budget.
+func SettleByToken(ctx context.Context, f *Dispositions, msg *amqp.Message, o pump.Outcome) error {
+	return f.settle(ctx, msg, o, dispositionRetries)
+}

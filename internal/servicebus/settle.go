@@ -202,18 +202,18 @@ var errNotRunning = errors.New("amqpsub: the subscriber is no longer running")
 // an *amqp.Error of condition com.microsoft:message-lock-lost
 // (pump.ErrCondLockLost) when the service says the lock is gone, or
 // another error. It returns when ctx ends, with ctx's error; the
-// settlement is then in doubt. A release's answer is wrapped by
-// pump.SentAs(pump.Modify, …): it goes as abandoned.
+// settlement is then in doubt. A release's answer, whatever it is, is
+// wrapped by pump.SentAs(pump.Modify, …): it goes as abandoned.
 func (f *Dispositions) settle(ctx context.Context, msg *amqp.Message, o pump.Outcome, retries int) error {
 	token, ok := LockToken(msg.DeliveryTag)
 	if !ok {
-		return errNoLock
+		return sentAs(o, errNoLock)
 	}
 	d := &disposition{token: token, o: o, retries: retries, done: make(chan error, 1)}
 	f.mu.Lock()
 	if f.stopped {
 		f.mu.Unlock()
-		return errNotRunning
+		return sentAs(o, errNotRunning)
 	}
 	f.queue = append(f.queue, d)
 	f.mu.Unlock()

@@ -3,11 +3,13 @@ package servicebus_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"testing/synctest"
 	"time"
 
 	"github.com/Azure/go-amqp"
+	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/internal/servicebus"
 	"github.com/amqpsub/amqpsub/pump"
@@ -104,6 +106,39 @@ func TestASettlementCancelledBeforeItsResendReturnsTheAnswer(t *testing.T) {
 			func(context.Context, *amqp.Message, pump.Outcome, int) error { sent++; return nil })
 		if !errors.Is(err, busy) || sent != 0 {
 			t.Fatalf("returned %v, sent by token %d times: want the server-busy answer, nothing by token", err, sent)
+		}
+	})
+}
+
+// A release by lock token goes as an abandon, so its answer says so
+// whatever it is: unanswered before the caller's deadline, or refused
+// because the dispositions' goroutine had ended. The pump then counts one
+// outcome for it on every path.
+func TestAReleaseByTokenIsAnAbandonOnEveryAnswer(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f := servicebus.NewDispositions(func(ctx context.Context) (*servicebus.Management, error) {
+			<-ctx.Done() // no link comes
+			return nil, ctx.Err()
+		}, zap.NewNop())
+		rctx, stop := context.WithCancel(t.Context())
+		ran := make(chan struct{})
+		go func() { defer close(ran); f.Run(rctx) }()
+		msg := &amqp.Message{DeliveryTag: make([]byte, 16)}
+		release := pump.Outcome{Kind: pump.Release}
+		ctx, cancel := context.WithTimeout(t.Context(), 50*time.Millisecond)
+		late := servicebus.SettleByToken(ctx, f, msg, release)
+		cancel()
+		stop()
+		<-ran
+		after := servicebus.SettleByToken(t.Context(), f, msg, release)
+		for name, err := range map[string]error{"unanswered": late, "after Run ended": after} {
+			if err == nil || !strings.HasPrefix(err.Error(), "pump: settling as modify: ") {
+				t.Errorf("%s: %v, want the answer of an abandon (pump.SentAs(pump.Modify, …))", name, err)
+			}
+		}
+		accept := servicebus.SettleByToken(t.Context(), f, msg, pump.Outcome{Kind: pump.Accept})
+		if accept == nil || strings.HasPrefix(accept.Error(), "pump: settling as") {
+			t.Errorf("an accept after Run ended: %v, want the plain refusal", accept)
 		}
 	})
 }

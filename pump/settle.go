@@ -372,7 +372,7 @@ func (p *Pump) send(ctx context.Context, s settlement) {
 		err = errStale // it could only fail on its lost link
 	default:
 		s.d.sending.Store(true)
-		sctx, cancel := context.WithTimeout(ctx, p.settleTimeout())
+		sctx, cancel := context.WithTimeout(context.WithValue(ctx, restingKey{}, &s.d.sending), p.settleTimeout())
 		s.o.Kind, err = settleOn(sctx, s.d.src, s.d.msg.Load(), s.o)
 		cancel()
 		switch {
@@ -384,6 +384,24 @@ func (p *Pump) send(ctx context.Context, s settlement) {
 	}
 	s.done, s.err = true, err
 	p.settle.push(s)
+}
+
+type restingKey struct{}
+
+// Resting tells the pump that the settlement a [Source] is sending in ctx
+// (the context of its Accept, Release, Reject or Modify call) is not out
+// until resume is called: its first answer said to try again later, and
+// the Source waits before sending it again. Meanwhile the delivery's
+// Ticket.Sending is false, so that a lease book renews its lock while it
+// waits. Outside a settlement the pump's settlers send, it does nothing.
+// resume must be called before the Source sends again, and once.
+func Resting(ctx context.Context) (resume func()) {
+	sending, ok := ctx.Value(restingKey{}).(*atomic.Bool)
+	if !ok {
+		return func() {}
+	}
+	sending.Store(false)
+	return func() { sending.Store(true) }
 }
 
 // SentAs returns what a [Source]'s settlement call returns when it sent

@@ -3,6 +3,7 @@ package pump_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"testing"
 	"testing/synctest"
@@ -159,5 +160,39 @@ func TestSettlementsAnsweredLateOrWithLockLost(t *testing.T) {
 		}
 		cancel()
 		<-errc
+	})
+}
+
+// A Source that waits before sending a settlement again says so with
+// Resting: meanwhile the delivery's Ticket.Sending is false, so a lease
+// book renews its lock; before and after, while an answer is awaited, it
+// is true. Outside a settler's call Resting does nothing.
+func TestRestingSettlementIsNotSending(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		pump.Resting(context.Background())() // no settlement: nothing to do
+		src := fake.New(true, fake.Messages(1)...)
+		var tk pump.Ticket
+		var seen []bool
+		src.SettleErr = func(ctx context.Context, _ *amqp.Message) error {
+			seen = append(seen, tk.Sending())
+			resume := pump.Resting(ctx)
+			seen = append(seen, tk.Sending())
+			resume()
+			seen = append(seen, tk.Sending())
+			return nil
+		}
+		p := pump.New(pump.Config{Credit: 1, Settlers: 1})
+		cancel, errc := start(t, p, attachTo(src))
+		tk = <-p.Out()
+		p.Settle(tk, pump.Outcome{Kind: pump.Accept})
+		synctest.Wait()
+		cancel()
+		<-errc
+		if want := []bool{true, false, true}; !slices.Equal(seen, want) {
+			t.Fatalf("Sending before, while resting and after: %v, want %v", seen, want)
+		}
+		if n := src.Count(fake.Accepted); n != 1 {
+			t.Fatalf("%d accepted, want 1", n)
+		}
 	})
 }

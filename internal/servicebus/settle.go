@@ -105,10 +105,26 @@ func (r Receiver) settle(ctx context.Context, msg *amqp.Message, o pump.Outcome,
 	case !transientCond(err):
 		return err
 	}
-	if !wait.Sleep(ctx, RetryWait(err, 0, settleRetryFloor, settleRetryMax)) {
+	// While it waits nothing is out for the message, so its lock is
+	// renewed (pump.Resting); the wait leaves half the time left to the
+	// request by token.
+	resume := pump.Resting(ctx)
+	slept := wait.Sleep(ctx, restWait(ctx, RetryWait(err, 0, settleRetryFloor, settleRetryMax)))
+	resume()
+	if !slept {
 		return err
 	}
 	return r.fb.settle(ctx, msg, o, dispositionRetries-1)
+}
+
+// restWait is d, or half the time left before ctx's deadline if that is
+// sooner: a settlement bounded by a SettleTimeout shorter than a
+// server-busy wait is still sent again within it.
+func restWait(ctx context.Context, d time.Duration) time.Duration {
+	if dl, ok := ctx.Deadline(); ok {
+		d = min(d, time.Until(dl)/2)
+	}
+	return max(d, 0)
 }
 
 // transientCond reports whether err is an answer of the service that a
@@ -169,6 +185,9 @@ type Dispositions struct {
 
 // disposition is one settlement waiting to be sent.
 type disposition struct {
+	// ctx is its caller's: once it has ended the caller has its answer
+	// (in doubt), and the settlement is sent no more.
+	ctx   context.Context
 	token amqp.UUID
 	o     pump.Outcome
 	// retries is how often its request is sent again after a transient
@@ -209,7 +228,7 @@ func (f *Dispositions) settle(ctx context.Context, msg *amqp.Message, o pump.Out
 	if !ok {
 		return sentAs(o, errNoLock)
 	}
-	d := &disposition{token: token, o: o, retries: retries, done: make(chan error, 1)}
+	d := &disposition{ctx: ctx, token: token, o: o, retries: retries, done: make(chan error, 1)}
 	f.mu.Lock()
 	if f.stopped {
 		f.mu.Unlock()
@@ -358,24 +377,50 @@ func (f *Dispositions) send(ctx context.Context, batch []*disposition) {
 // was out (a lost connection: the next link's node takes it).
 func (f *Dispositions) request(ctx context.Context, batch []*disposition) error {
 	status, reason, desc := dispositionOf(batch[0].o)
-	tokens := make([]amqp.UUID, len(batch))
-	retries := 0
-	for i, d := range batch {
-		tokens[i] = d.token
-		retries = max(retries, d.retries)
-	}
-	body := map[string]any{"disposition-status": status, "lock-tokens": tokens}
-	if status == "suspended" {
-		body["deadletter-reason"] = reason
-		body["deadletter-description"] = desc
-	}
 	var err error
 	for attempt := 0; ; attempt++ {
+		// What its callers gave up on is not sent: they returned (the
+		// settlement in doubt), and a settlement taken after that would
+		// contradict what they were told.
+		live := batch[:0:0]
+		for _, d := range batch {
+			if d.ctx.Err() == nil {
+				live = append(live, d)
+			}
+		}
+		if len(live) == 0 {
+			if err == nil {
+				err = context.DeadlineExceeded
+			}
+			return err
+		}
+		tokens := make([]amqp.UUID, len(live))
+		retries := 0
+		var latest time.Time // the last of the callers' deadlines; zero: one has none
+		bounded := true
+		for i, d := range live {
+			tokens[i] = d.token
+			retries = max(retries, d.retries)
+			if dl, ok := d.ctx.Deadline(); ok && bounded {
+				latest = later(latest, dl)
+			} else {
+				bounded = false
+			}
+		}
+		body := map[string]any{"disposition-status": status, "lock-tokens": tokens}
+		if status == "suspended" {
+			body["deadletter-reason"] = reason
+			body["deadletter-description"] = desc
+		}
 		var m *Management
 		if m, err = f.nodes(ctx); err != nil {
 			return err
 		}
-		rctx, cancel := context.WithTimeout(ctx, dispositionTimeout)
+		deadline := time.Now().Add(dispositionTimeout)
+		if bounded && latest.Before(deadline) {
+			deadline = latest
+		}
+		rctx, cancel := context.WithDeadline(ctx, deadline)
 		f.requests.Add(1)
 		_, err = m.Request(rctx, "com.microsoft:update-disposition", body)
 		cancel()
@@ -383,12 +428,32 @@ func (f *Dispositions) request(ctx context.Context, batch []*disposition) error 
 			return err
 		}
 		d := RetryWait(err, attempt, settleRetryFloor, settleRetryMax)
-		f.log.Debug("update-disposition failed; trying again", zap.Int("locks", len(batch)),
+		if bounded {
+			d = min(d, max(time.Until(latest)/2, 0))
+		}
+		f.log.Debug("update-disposition failed; trying again", zap.Int("locks", len(live)),
 			zap.Duration("wait", d), zap.Error(err))
-		if !wait.Sleep(ctx, d) {
+		// Nothing is out for them while they wait: their locks are renewed.
+		resumes := make([]func(), len(live))
+		for i, x := range live {
+			resumes[i] = pump.Resting(x.ctx)
+		}
+		slept := wait.Sleep(ctx, d)
+		for _, resume := range resumes {
+			resume()
+		}
+		if !slept {
 			return err
 		}
 	}
+}
+
+// later returns the later of a (zero: none yet) and b.
+func later(a, b time.Time) time.Time {
+	if a.IsZero() || b.After(a) {
+		return b
+	}
+	return a
 }
 
 // nodeGone reports whether a request failed because the $management link

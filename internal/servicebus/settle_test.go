@@ -99,13 +99,31 @@ func TestASettlementCancelledBeforeItsResendReturnsTheAnswer(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		busy := &amqp.Error{Condition: servicebus.CondServerBusy}
 		link := &goAMQPLink{answer: busy}
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
+		time.AfterFunc(time.Second, cancel) // a stop, during the server-busy wait
 		sent := 0
 		err := servicebus.SettleThrough(ctx, &amqp.Message{DeliveryTag: make([]byte, 16)}, pump.Outcome{Kind: pump.Accept}, link.settle,
 			func(context.Context, *amqp.Message, pump.Outcome, int) error { sent++; return nil })
 		if !errors.Is(err, busy) || sent != 0 {
 			t.Fatalf("returned %v, sent by token %d times: want the server-busy answer, nothing by token", err, sent)
+		}
+	})
+}
+
+// A settlement bounded by less than the server-busy wait (SettleTimeout
+// may be 1 s) is still sent again by token, halfway to its deadline.
+func TestASettlementWithAShortDeadlineIsStillSentAgain(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		link := &goAMQPLink{answer: &amqp.Error{Condition: servicebus.CondServerBusy}}
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		start := time.Now()
+		var at time.Duration
+		err := servicebus.SettleThrough(ctx, &amqp.Message{DeliveryTag: make([]byte, 16)}, pump.Outcome{Kind: pump.Accept}, link.settle,
+			func(context.Context, *amqp.Message, pump.Outcome, int) error { at = time.Since(start); return nil })
+		if err != nil || at != time.Second {
+			t.Fatalf("returned %v, sent by token after %v: want nil, sent after 1s", err, at)
 		}
 	})
 }

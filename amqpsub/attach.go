@@ -40,6 +40,10 @@ type link struct {
 func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 	l, by := p.att.spare, time.Now().Add(s.cfg.dialTimeout)
 	p.att.spare = nil
+	// On the connection of a lost link attached again there (see
+	// brokerKind.reattachOn), which also carries what the lost link left
+	// open until this one is up.
+	relink := l != nil && p.att.retired != nil && l.connection == p.att.retired.connection
 	if l == nil {
 		c, cby, err := s.connect(ctx, p.att.from, !p.att.before)
 		if err != nil {
@@ -53,6 +57,19 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 	conn := c.conn
 	var err error
 	fail := func(what string, err error) (*link, error) {
+		if relink && live(conn) && ctx.Err() != nil {
+			// Cut short (a stop, or DialTimeout) on a connection still
+			// open: it stays, for the next attempt and for what the lost
+			// link left on it (a stop settles through that); only what
+			// this attempt opened goes. A refusal closes it as any other
+			// failed attach does: the next connection claims anew, and a
+			// refused claim ends Run.
+			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.closeTimeout)
+			s.closeSession(cctx, l, nil)
+			cancel()
+			p.att.spare = &link{connection: c, kind: p.kind}
+			return nil, fmt.Errorf("amqpsub: %s on %s queue %q: %w", what, c.addr, s.queue, err)
+		}
 		s.closeLink(ctx, l, nil)
 		if !c.owned && conn.Err() != nil {
 			// A connection the caller gave us is gone: we cannot dial
@@ -294,7 +311,13 @@ type attacher struct {
 	// if any) kept for the next attach: the service refused the last one
 	// for want of a session, or this slot moved on from an idle session.
 	// attach takes it; the attacher closes it when it returns without.
+	// Also the connection of a lost link that is attached again on it
+	// (brokerKind.reattachOn).
 	spare *link
+	// retired is the lost link whose connection is spare, kept open, and
+	// the pipe's current link, until the next link is up (see
+	// endRetired).
+	retired *link
 }
 
 // healthy is how long a link must have lived for its loss to count as

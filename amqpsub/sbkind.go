@@ -169,6 +169,47 @@ func (k *sbKind) release(ctx context.Context, l *link, why error, detach func())
 	}
 }
 
+// reattachOn: a link the service detached, or that the subscriber gave up
+// on (its $management node could not be attached again), is attached again
+// on its connection while that is open, as azservicebus recovers a link
+// (internal/amqpLinks.go, recoverLink: the links and their AMQP session are
+// made anew on the connection in place); only a lost connection, or the
+// conditions azservicebus recovers with a new connection
+// (amqp:connection:forced, amqp:internal-error: internal/errors.go,
+// RecoveryKindConn), get a new one. Learn's "Message transfers, locks, and
+// settlement" says that a lock is dropped when the connection breaks,
+// "since Service Bus doesn't support recovery of existing AMQP links on a
+// different connection": closing a live connection to replace a link could
+// cost the very locks the pump keeps and renews.
+//
+// A link detached with amqp:unauthorized-access (its token expired or was
+// revoked) is attached again only once fresh tokens are on the connection
+// (within DialTimeout); if they cannot be put, the connection is made anew,
+// which claims anew, and a token the service refuses then ends Run.
+func (k *sbKind) reattachOn(ctx context.Context, c *connection, lost error) bool {
+	var le *amqp.LinkError
+	var se *amqp.SessionError
+	var ce *amqp.ConnError
+	switch {
+	case errors.As(lost, &ce) || !errors.As(lost, &le) && !errors.As(lost, &se):
+		return false
+	case servicebus.IsCond(lost, amqp.ErrCondConnectionForced) || servicebus.IsCond(lost, amqp.ErrCondInternalError):
+		return false
+	case servicebus.IsCond(lost, amqp.ErrCondUnauthorizedAccess):
+		if c.reclaim == nil {
+			return false
+		}
+		rctx, cancel := context.WithTimeout(ctx, k.s.cfg.dialTimeout)
+		defer cancel()
+		if err := c.reclaim(rctx); err != nil {
+			k.s.log.Warn("could not put fresh tokens on the connection for a link detached for its token; connecting anew",
+				zap.Error(err))
+			return false
+		}
+	}
+	return true
+}
+
 // refused reads the attach errors of a session consumer that mean
 // "wait": no session became free before the service's timeout
 // (com.microsoft:timeout: ask again at once), or the session asked for is

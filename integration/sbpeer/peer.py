@@ -2170,6 +2170,14 @@ class Peer(object):
                 if ls.node == "entity" and not ls.sending and not senders:
                     continue
                 chosen.append(ls)
+        if b.get("revoke_claims"):
+            # As when the token expired or was revoked (the service then
+            # detaches with amqp:unauthorized-access): the claims that cover
+            # a chosen link go, so that attaching again on that connection
+            # needs a new put-token first.
+            for ls in chosen:
+                for path in [p for p in ls.cs.claims if covers(p, ls.address)]:
+                    del ls.cs.claims[path]
         n = 0
         for ls in chosen:
             if ls.closed:

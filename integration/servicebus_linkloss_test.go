@@ -74,8 +74,9 @@ func TestServiceBusLostLinksLoseNoFinishedWork(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	conns := after["connections_opened"] - before["connections_opened"]
-	t.Logf("detached %d times; handled again %d (of which their handler had finished: %d); update-disposition requests %d; connections opened %d; entity %+v; stats %v",
-		detached, again, againFinished, after["update_disposition_requests"]-before["update_disposition_requests"], conns, e, st)
+	t.Logf("detached %d times; handled again %d (of which their handler had finished: %d); update-disposition requests %d; connections opened %d; dispositions after a detach %d; entity %+v; stats %v",
+		detached, again, againFinished, after["update_disposition_requests"]-before["update_disposition_requests"], conns,
+		after["dispositions_after_detach"]-before["dispositions_after_detach"], e, st)
 	if detached != 3 || st.LinksLost < 3 {
 		t.Fatalf("detached %d, links lost %d: want 3", detached, st.LinksLost)
 	}

@@ -569,7 +569,7 @@ class Peer(object):
             "mgmt_requests", "settle_delayed", "faulty_deliveries",
             "locks_orphaned", "update_disposition_tokens",
             "update_disposition_lock_lost", "links_detached_idle",
-            "associated_link_activity")}
+            "associated_link_activity", "dispositions_after_detach")}
         # A high-water mark, not a sum: it restarts from what is in flight.
         self.counters["settlements_outstanding_max"] = self.outstanding
 
@@ -889,6 +889,7 @@ class Peer(object):
         ls.locks.clear()
         for dlv in ls.dlvs.values():
             dlv.sblock = None  # break delivery record -> lock -> link state -> link
+            dlv.sbgone = True  # see on_outcome
         ls.dlvs.clear()
         if sess is not None and sess.locked_by is ls:
             sess.locked_by = None
@@ -1444,6 +1445,17 @@ class Peer(object):
     def on_outcome(self, dlv):
         lock = getattr(dlv, "sblock", None)
         if lock is None:
+            if getattr(dlv, "sbgone", False):
+                # A disposition the client sent on a link this peer had
+                # already detached, read in the same pass as the detach:
+                # dropped, never settled. Settling it here would go out
+                # ahead of the detach (proton writes dispositions before
+                # detaches) and tell the client its outcome was taken
+                # when it was not: the message would come back at lock
+                # expiry. The client hears of the detach and settles by
+                # lock token instead, as it does after any detach.
+                self.count("dispositions_after_detach")
+                return
             if dlv.remote_state and not dlv.settled:
                 dlv.settle()  # e.g. a reply, or a pre-settled delivery
             return

@@ -74,8 +74,33 @@ func (k *sbKind) configure(pc *pump.Config) {
 		// A message's lock outlives its link (see servicebus.Receiver):
 		// what a lost link held is kept, and settled by lock token.
 		pc.KeepAcrossLinks = true
+		pc.DropBufferedOn = connectionLost
 		k.fallback = servicebus.NewDispositions(k.management, s.log)
 	}
+}
+
+// connectionLost reports whether a link ended with err because its
+// connection was lost (a *amqp.ConnError), or with a condition after which
+// azservicebus makes a new connection (amqp:connection:forced,
+// amqp:internal-error: internal/errors.go, RecoveryKindConn).
+//
+// What the link had delivered and no handler has taken yet is then
+// dropped (pump.Config.DropBufferedOn), since the two readings of what the
+// service keeps differ. Learn's "Message transfers, locks, and settlement"
+// says that the locks are dropped when the connection breaks: the service
+// may already have delivered those messages to another receiver, and
+// handling them here would handle them twice. The JavaScript SDK settles
+// such messages through $management after it "recovers from a broken link
+// or connection" (azure-sdk-for-js PR 8406), so the locks may survive:
+// dropping them then costs their redelivery at lock expiry, counted, and
+// for a group the order of those messages behind its later ones. What
+// handlers have already is kept either way: their settlements go by lock
+// token on the next connection, and a lock the service dropped answers
+// 410 there, counted as a lock lost at settlement.
+func connectionLost(err error) bool {
+	var ce *amqp.ConnError
+	return errors.As(err, &ce) || servicebus.IsCond(err, amqp.ErrCondConnectionForced) ||
+		servicebus.IsCond(err, amqp.ErrCondInternalError)
 }
 
 // start runs the lease book and, without sessions, the dispositions by
@@ -189,11 +214,8 @@ func (k *sbKind) release(ctx context.Context, l *link, why error, detach func())
 func (k *sbKind) reattachOn(ctx context.Context, c *connection, lost error) bool {
 	var le *amqp.LinkError
 	var se *amqp.SessionError
-	var ce *amqp.ConnError
 	switch {
-	case errors.As(lost, &ce) || !errors.As(lost, &le) && !errors.As(lost, &se):
-		return false
-	case servicebus.IsCond(lost, amqp.ErrCondConnectionForced) || servicebus.IsCond(lost, amqp.ErrCondInternalError):
+	case connectionLost(lost) || !errors.As(lost, &le) && !errors.As(lost, &se):
 		return false
 	case servicebus.IsCond(lost, amqp.ErrCondUnauthorizedAccess):
 		if c.reclaim == nil {

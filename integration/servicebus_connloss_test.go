@@ -132,3 +132,84 @@ func TestServiceBusConnectionLossLosesNoFinishedWork(t *testing.T) {
 			againFinished, st.SettleErrors)
 	}
 }
+
+// stopDuringGrace runs 8 handlers of 1.5 s on 8 messages, starts a
+// graceful stop once all 8 run, then calls hit (the connection cut, or the
+// link detached) and waits for Run. Every handler's result must still
+// reach the peer: by lock token, on the lost link's $management node while
+// its connection is open, or on a connection of its own once it is not.
+func stopDuringGrace(t *testing.T, p *sbPeer, c amqpsub.Connector, q string, hit func()) (amqpsub.Stats, map[string]int) {
+	t.Helper()
+	const n = 8
+	p.send(t, q, n)
+	var running sync.WaitGroup
+	running.Add(n)
+	s, err := amqpsub.New(c, q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		running.Done()
+		time.Sleep(1500 * time.Millisecond)
+		return nil
+	}), amqpsub.Workers(n), amqpsub.Credit(n), amqpsub.GracePeriod(20*time.Second),
+		amqpsub.Backoff(50*time.Millisecond, 200*time.Millisecond), amqpsub.Logger(logger(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := p.counters(t)
+	stop, wait := runSub(t, s)
+	running.Wait()
+	stop()
+	time.Sleep(100 * time.Millisecond) // the stop has begun
+	hit()
+	if err := wait(); err != nil {
+		t.Fatal(err)
+	}
+	after := p.counters(t)
+	delta := map[string]int{}
+	for k, v := range after {
+		delta[k] = v - before[k]
+	}
+	return s.Stats(), delta
+}
+
+// The connection is lost during a stop's grace, while 8 handlers run: the
+// subscriber connects again for $management only, and their results are
+// settled by lock token there (the peer keeps the locks: "locks survive").
+func TestServiceBusConnectionLostDuringTheGrace(t *testing.T) {
+	p := serviceBusPeer(t)
+	q := p.entity(t, map[string]any{"lock_duration_ms": 5000})
+	target := strings.TrimPrefix(strings.SplitN(strings.SplitN(p.conn, ";", 2)[0], "=", 2)[1], "sb://")
+	px := newCutProxy(t, target)
+	c, err := amqpsub.ServiceBus(strings.Replace(p.conn, target, px.ln.Addr().String(), 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, d := stopDuringGrace(t, p, c, q, px.cut)
+	e := p.info(t, q)
+	t.Logf("connections opened %d; entity %+v; stats %v", d["connections_opened"], e, st)
+	if e.Stats["completed"] != 8 || st.Locks.SettledByToken != 8 || st.SettleErrors != 0 {
+		t.Fatalf("completed %d, settled by token %d, settle errors %d: want 8, 8, 0",
+			e.Stats["completed"], st.Locks.SettledByToken, st.SettleErrors)
+	}
+	if d["connections_opened"] != 2 {
+		t.Fatalf("%d connections opened: want the first and one for $management", d["connections_opened"])
+	}
+}
+
+// The link is detached during a stop's grace, while 8 handlers run: its
+// connection is open, so its $management node settles their results by
+// lock token, and no connection is opened.
+func TestServiceBusLinkDetachedDuringTheGrace(t *testing.T) {
+	p := serviceBusPeer(t)
+	q := p.entity(t, map[string]any{"lock_duration_ms": 5000})
+	st, d := stopDuringGrace(t, p, sbConnector(t, p), q, func() {
+		p.call(t, "POST", "/faults/detach", map[string]any{"entity": q}, nil)
+	})
+	e := p.info(t, q)
+	t.Logf("connections opened %d; entity %+v; stats %v", d["connections_opened"], e, st)
+	if e.Stats["completed"] != 8 || st.Locks.SettledByToken != 8 || st.SettleErrors != 0 || st.LinksLost != 1 {
+		t.Fatalf("completed %d, settled by token %d, settle errors %d, links lost %d: want 8, 8, 0, 1",
+			e.Stats["completed"], st.Locks.SettledByToken, st.SettleErrors, st.LinksLost)
+	}
+	if d["connections_opened"] != 1 {
+		t.Fatalf("%d connections opened: want the first only", d["connections_opened"])
+	}
+}

@@ -60,12 +60,23 @@ func (p *cutProxy) cut() {
 	p.conns = nil
 }
 
-// A lost connection, not only a link detach: accepts in flight on the
-// receive link when the connection goes fall back to update-disposition,
-// which waits for the next link's $management (not the dead one's), so
-// none fails and no message whose handler had finished comes back.
+// connectionLossLocks sets what the peer does to a lost connection's
+// message locks for the rest of the test: "survive" or "drop" (see
+// sbpeer's README, POST /settings).
+func connectionLossLocks(t *testing.T, p *sbPeer, reading string) {
+	t.Helper()
+	p.call(t, "POST", "/settings", map[string]any{"connection_loss_locks": reading}, nil)
+	t.Cleanup(func() { p.call(t, "POST", "/settings", map[string]any{"connection_loss_locks": "survive"}, nil) })
+}
+
+// A lost connection, not only a link detach, under the reading that the
+// locks survive it: accepts in flight on the receive link when the
+// connection goes fall back to update-disposition, which waits for the
+// next link's $management (not the dead one's), so none fails and no
+// message whose handler had finished comes back.
 func TestServiceBusConnectionLossLosesNoFinishedWork(t *testing.T) {
 	p := serviceBusPeer(t)
+	connectionLossLocks(t, p, "survive")
 	q := p.entity(t, map[string]any{"lock_duration_ms": 5000})
 	const n = 64
 	p.send(t, q, n)
@@ -211,5 +222,91 @@ func TestServiceBusLinkDetachedDuringTheGrace(t *testing.T) {
 	}
 	if d["connections_opened"] != 1 {
 		t.Fatalf("%d connections opened: want the first only", d["connections_opened"])
+	}
+}
+
+// A lost connection under the reading that the service drops its locks
+// (Learn): the peer puts back at once every message the connection held
+// and delivers it again on the next. What was buffered here, and in no
+// handler, when the connection went never reaches a handler from this
+// process's first copy; only the messages whose handler was already
+// running are handled a second time (their first result is answered 410,
+// a lock lost at settlement), as the service's redelivery makes them.
+func TestServiceBusConnectionLossUnderLocksDropped(t *testing.T) {
+	p := serviceBusPeer(t)
+	connectionLossLocks(t, p, "drop")
+	q := p.entity(t, map[string]any{"lock_duration_ms": 30000})
+	const n = 40
+	p.send(t, q, n)
+	target := strings.TrimPrefix(strings.SplitN(strings.SplitN(p.conn, ";", 2)[0], "=", 2)[1], "sb://")
+	px := newCutProxy(t, target)
+	c, err := amqpsub.ServiceBus(strings.Replace(p.conn, target, px.ln.Addr().String(), 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	first := make([]time.Time, n) // when its first handler call began
+	calls := make([]int, n)
+	starts := 0
+	cut := make(chan struct{})
+	s, err := amqpsub.New(c, q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		i := sbIndex(d)
+		mu.Lock()
+		if calls[i]++; calls[i] == 1 {
+			first[i] = time.Now()
+		}
+		if starts++; starts == 6 {
+			close(cut) // both lanes have just begun a call: the rest is buffered
+		}
+		mu.Unlock()
+		time.Sleep(200 * time.Millisecond)
+		return nil
+	}), amqpsub.Workers(2), amqpsub.Credit(20), amqpsub.FixedCredit(),
+		amqpsub.Backoff(50*time.Millisecond, 200*time.Millisecond), amqpsub.Logger(logger(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := p.counters(t)
+	stop, wait := runSub(t, s)
+	<-cut
+	mu.Lock()
+	cutAt := time.Now()
+	mu.Unlock()
+	px.cut()
+	waitFor(t, 2*time.Minute, "all completed", func() bool { return p.info(t, q).Stats["completed"] == n })
+	stop()
+	if err := wait(); err != nil {
+		t.Fatal(err)
+	}
+	after := p.counters(t)
+	st := s.Stats()
+	mu.Lock()
+	defer mu.Unlock()
+	twice, twiceAfterCut := 0, 0
+	for i, c := range calls {
+		if c > 1 {
+			twice++
+			if first[i].After(cutAt) {
+				twiceAfterCut++
+			}
+		}
+		if c == 0 {
+			t.Fatalf("message %d never handled", i)
+		}
+	}
+	dropped := after["locks_dropped_connection_lost"] - before["locks_dropped_connection_lost"]
+	t.Logf("locks dropped by the peer %d; handled twice %d (first call after the cut: %d); stats %v", dropped, twice, twiceAfterCut, st)
+	if dropped < 10 || st.LinksLost < 1 {
+		t.Fatalf("the peer dropped %d locks, links lost %d: the cut caught little", dropped, st.LinksLost)
+	}
+	if twiceAfterCut != 0 {
+		t.Fatalf("%d messages buffered at the cut went to a handler, and came again", twiceAfterCut)
+	}
+	// Handled twice: those whose handler began before the cut (6) and
+	// whose result had not reached the peer by then; each such result was
+	// answered 410.
+	if twice > 6 || st.Locks.LostAtSettle < uint64(twice) || st.SettleErrors != 0 {
+		t.Fatalf("handled twice %d, locks lost at settlement %d, settle errors %d: want at most the 6 begun before the cut, each lost at settlement, no error",
+			twice, st.Locks.LostAtSettle, st.SettleErrors)
 	}
 }

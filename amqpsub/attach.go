@@ -57,13 +57,12 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 	conn := c.conn
 	var err error
 	fail := func(what string, err error) (*link, error) {
-		if relink && live(conn) && ctx.Err() != nil {
-			// Cut short (a stop, or DialTimeout) on a connection still
-			// open: it stays, for the next attempt and for what the lost
-			// link left on it (a stop settles through that); only what
-			// this attempt opened goes. A refusal closes it as any other
-			// failed attach does: the next connection claims anew, and a
-			// refused claim ends Run.
+		if relink && live(conn) && (ctx.Err() != nil || p.kind.reattachOn(ctx, c, err, true)) {
+			// Cut short (a stop, or DialTimeout), or refused as the kind
+			// says is worth asking again on the same connection: it
+			// stays, for the next attempt and for what the lost link
+			// left on it (what it held settles through that meanwhile);
+			// only what this attempt opened goes.
 			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.closeTimeout)
 			s.closeSession(cctx, l, nil)
 			cancel()

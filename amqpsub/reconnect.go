@@ -39,7 +39,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			s.closeSession(cctx, a.current, lost)
 			cancel()
 			a.spare = &link{connection: a.current.connection, kind: a.p.kind}
-		case !moveOn && lost != nil && live(a.current.conn) && a.p.kind.reattachOn(ctx, a.current.connection, lost):
+		case !moveOn && lost != nil && live(a.current.conn) && a.p.kind.reattachOn(ctx, a.current.connection, lost, false):
 			// The link is attached again on its connection. The lost one
 			// stays the pipe's current link until the next is up: what
 			// its kind added beside it (Service Bus's $management node,

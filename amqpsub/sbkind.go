@@ -280,12 +280,19 @@ func (k *sbKind) release(ctx context.Context, l *link, why error, detach func())
 // A link detached with amqp:unauthorized-access (its token expired or was
 // revoked) is attached again only once fresh tokens are on the connection
 // (within DialTimeout); if they cannot be put, the connection is made anew,
-// which claims anew, and a token the service refuses then ends Run.
-func (k *sbKind) reattachOn(ctx context.Context, c *connection, lost error) bool {
+// which claims anew, and a token the service refuses then ends Run. So is
+// an attach on the connection refused with amqp:unauthorized-access
+// (refused): the fresh tokens did not help. Other refusals of that attach
+// are asked again there, after the backoff, as azservicebus recovers its
+// links on the connection it has.
+func (k *sbKind) reattachOn(ctx context.Context, c *connection, lost error, refused bool) bool {
 	var le *amqp.LinkError
 	var se *amqp.SessionError
+	var ae *amqp.Error
 	switch {
-	case connectionLost(lost) || !errors.As(lost, &le) && !errors.As(lost, &se):
+	case connectionLost(lost) || !errors.As(lost, &le) && !errors.As(lost, &se) && !(refused && errors.As(lost, &ae)):
+		return false
+	case refused && servicebus.IsCond(lost, amqp.ErrCondUnauthorizedAccess):
 		return false
 	case servicebus.IsCond(lost, amqp.ErrCondUnauthorizedAccess):
 		if c.reclaim == nil {

@@ -236,3 +236,51 @@ func TestServiceBusUnauthorizedDetachReclaimsOnTheConnection(t *testing.T) {
 		}
 	}
 }
+
+// While a lost link waits for its reattach (here the peer refuses the
+// entity's receivers for 2 s), the lost link's $management node still
+// serves: the results of the 4 handlers that finish meanwhile are settled
+// by lock token at once, not once the next link is up; the refused
+// attaches are asked again on the same connection.
+func TestServiceBusSettlesByTokenWhileTheLinkIsReattached(t *testing.T) {
+	p := serviceBusPeer(t)
+	q := p.entity(t, map[string]any{"lock_duration_ms": 30000})
+	p.send(t, q, 4)
+	gate := make(chan struct{})
+	var running sync.WaitGroup
+	running.Add(4)
+	s, err := amqpsub.New(sbConnector(t, p), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		running.Done()
+		<-gate
+		return nil
+	}), amqpsub.Workers(4), amqpsub.Backoff(50*time.Millisecond, 200*time.Millisecond), amqpsub.Logger(logger(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := p.counters(t)
+	stop, wait := runSub(t, s)
+	running.Wait()
+	p.call(t, "POST", "/faults/detach", map[string]any{"entity": q, "refuse_attach_ms": 2000}, nil)
+	waitFor(t, 5*time.Second, "the link lost", func() bool { return s.Stats().LinksLost == 1 })
+	close(gate)
+	start := time.Now()
+	waitFor(t, 10*time.Second, "4 completed", func() bool { return p.info(t, q).Stats["completed"] == 4 })
+	took := time.Since(start)
+	st := s.Stats()
+	waitFor(t, 10*time.Second, "reattached", func() bool { return s.Stats().Reconnects == 1 })
+	stop()
+	if err := wait(); err != nil {
+		t.Fatal(err)
+	}
+	after := p.counters(t)
+	refused, conns := after["links_refused"]-before["links_refused"], after["connections_opened"]-before["connections_opened"]
+	t.Logf("completed %v after the handlers returned; reconnects then %d; attaches refused %d; connections opened %d; stats %v",
+		took.Round(time.Millisecond), st.Reconnects, refused, conns, st)
+	if st.Reconnects != 0 || took > time.Second || st.Locks.SettledByToken != 4 {
+		t.Fatalf("completed after %v with %d reconnects, %d settled by token: want within 1 s, before the reattach, by token",
+			took, st.Reconnects, st.Locks.SettledByToken)
+	}
+	if refused == 0 || conns != 1 {
+		t.Fatalf("%d attaches refused, %d connections opened: want some refused, all on the first connection", refused, conns)
+	}
+}

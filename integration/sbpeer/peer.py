@@ -445,6 +445,7 @@ class Entity(object):
         self.sessions = {}
         self.deferred = {}
         self.receivers = []  # LinkStates delivering from this entity
+        self.refuse_until = 0.0  # receiver attaches refused until then (POST /faults/detach refuse_attach_ms)
         self.waiters = []  # LinkStates waiting for a session
         self.subscriptions = []  # topics only
         self.parent = None  # subscription -> topic, dlq -> entity
@@ -1234,6 +1235,9 @@ class Peer(object):
     def attach_receiver(self, ls):
         ent = ls.entity
         link = ls.link
+        if now_s() < ent.refuse_until:
+            self.count("links_refused")
+            return self.refuse(ls, COND_DETACH_FORCED, "The entity is refusing receivers for a while (sbpeer fault).")
         filt = data_object(link.remote_source.filter)
         sfilter = None
         if isinstance(filt, dict):
@@ -2226,6 +2230,9 @@ class Peer(object):
                 if ls.node == "entity" and not ls.sending and not senders:
                     continue
                 chosen.append(ls)
+        if b.get("refuse_attach_ms"):
+            # The receivers that attach again are refused for that long.
+            ent.refuse_until = now_s() + float(b["refuse_attach_ms"]) / 1000.0
         if b.get("revoke_claims"):
             # As when the token expired or was revoked (the service then
             # detaches with amqp:unauthorized-access): the claims that cover

@@ -40,12 +40,21 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			cancel()
 			a.spare = &link{connection: a.current.connection, kind: a.p.kind}
 		case !moveOn && lost != nil && live(a.current.conn) && a.p.kind.reattachOn(ctx, a.current.connection, lost, false):
-			// The link is attached again on its connection. The lost one
-			// stays the pipe's current link until the next is up: what
-			// its kind added beside it (Service Bus's $management node,
-			// on its AMQP session) serves the lost link's deliveries
-			// meanwhile.
-			a.retired = a.current
+			// The link is attached again on its connection. Where a lost
+			// link's deliveries stay settleable (KeepAcrossLinks), the
+			// lost one stays the pipe's current link until the next is
+			// up: what its kind added beside it (Service Bus's
+			// $management node, on its AMQP session) serves them
+			// meanwhile. Otherwise (a Service Bus session, whose locks
+			// went with its link) its AMQP session goes now.
+			if a.p.keeps {
+				a.retired = a.current
+			} else {
+				a.p.current.Store(nil)
+				cctx, cancel := context.WithTimeout(ctx, s.cfg.closeTimeout)
+				s.closeSession(cctx, a.current, lost)
+				cancel()
+			}
 			a.spare = &link{connection: a.current.connection, kind: a.p.kind}
 		default:
 			if !moveOn {

@@ -289,8 +289,10 @@ func (k *sbKind) reattachOn(ctx context.Context, c *connection, lost error, refu
 	var le *amqp.LinkError
 	var se *amqp.SessionError
 	var ae *amqp.Error
+	// A link's or session's end; or, for a refused attach, the refusal.
+	linkLevel := errors.As(lost, &le) || errors.As(lost, &se) || refused && errors.As(lost, &ae)
 	switch {
-	case connectionLost(lost) || !errors.As(lost, &le) && !errors.As(lost, &se) && !(refused && errors.As(lost, &ae)):
+	case connectionLost(lost) || !linkLevel:
 		return false
 	case refused && servicebus.IsCond(lost, amqp.ErrCondUnauthorizedAccess):
 		return false

@@ -32,11 +32,13 @@ type link struct {
 //
 // It attaches on the connection (and session) the attacher kept
 // (attacher.spare) when it has one: the pipe's kind said that the broker
-// refused the last link for want of something to give it (refused), or the
-// last source ended by itself (pump.ErrSourceDone). A new connection is
+// refused the last link for want of something to give it (refused), the
+// last source ended by itself (pump.ErrSourceDone), or the kind attaches a
+// lost link again on its connection (reattachOn). A new connection is
 // opened only when that one is lost. On Service Bus this is how a session
 // consumer asks for the next session, as azservicebus does (see
-// sbKind.refused).
+// sbKind.refused), and how a detached link is recovered (see
+// sbKind.reattachOn).
 func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 	l, by := p.att.spare, time.Now().Add(s.cfg.dialTimeout)
 	p.att.spare = nil

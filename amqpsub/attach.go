@@ -32,14 +32,20 @@ type link struct {
 //
 // It attaches on the connection (and session) the attacher kept
 // (attacher.spare) when it has one: the pipe's kind said that the broker
-// refused the last link for want of something to give it (refused), or the
-// last source ended by itself (pump.ErrSourceDone). A new connection is
+// refused the last link for want of something to give it (refused), the
+// last source ended by itself (pump.ErrSourceDone), or the kind attaches a
+// lost link again on its connection (reattachOn). A new connection is
 // opened only when that one is lost. On Service Bus this is how a session
 // consumer asks for the next session, as azservicebus does (see
-// sbKind.refused).
+// sbKind.refused), and how a detached link is recovered (see
+// sbKind.reattachOn).
 func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 	l, by := p.att.spare, time.Now().Add(s.cfg.dialTimeout)
 	p.att.spare = nil
+	// On the connection of a lost link attached again there (see
+	// brokerKind.reattachOn), which also carries what the lost link left
+	// open until this one is up.
+	relink := l != nil && p.att.retired != nil && l.connection == p.att.retired.connection
 	if l == nil {
 		c, cby, err := s.connect(ctx, p.att.from, !p.att.before)
 		if err != nil {
@@ -53,6 +59,18 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 	conn := c.conn
 	var err error
 	fail := func(what string, err error) (*link, error) {
+		if relink && live(conn) && (ctx.Err() != nil || p.kind.reattachOn(ctx, c, err, true)) {
+			// Cut short (a stop, or DialTimeout), or refused as the kind
+			// says is worth asking again on the same connection: it
+			// stays, for the next attempt and for what the lost link
+			// left on it (what it held settles through that meanwhile);
+			// only what this attempt opened goes.
+			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.closeTimeout)
+			s.closeSession(cctx, l, nil)
+			cancel()
+			p.att.spare = &link{connection: c, kind: p.kind}
+			return nil, fmt.Errorf("amqpsub: %s on %s queue %q: %w", what, c.addr, s.queue, err)
+		}
 		s.closeLink(ctx, l, nil)
 		if !c.owned && conn.Err() != nil {
 			// A connection the caller gave us is gone: we cannot dial
@@ -301,7 +319,13 @@ type attacher struct {
 	// if any) kept for the next attach: the service refused the last one
 	// for want of a session, or this slot moved on from an idle session.
 	// attach takes it; the attacher closes it when it returns without.
+	// Also the connection of a lost link that is attached again on it
+	// (brokerKind.reattachOn).
 	spare *link
+	// retired is the lost link whose connection is spare, kept open, and
+	// the pipe's current link, until the next link is up (see
+	// endRetired).
+	retired *link
 }
 
 // healthy is how long a link must have lived for its loss to count as

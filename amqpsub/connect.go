@@ -57,6 +57,11 @@ type connection struct {
 	// stop, when not nil, ends what runs beside the connection (a token
 	// refresher) and waits for it.
 	stop func()
+	// reclaim, when not nil, puts fresh credentials on the live connection
+	// (Service Bus's CBS tokens), within ctx: for a link the broker
+	// detached for an expired or revoked token, before it is attached
+	// again there.
+	reclaim func(ctx context.Context) error
 	// addr names the address connected to, without credentials; index is
 	// its place in a DialFailover list (0 for other connectors).
 	addr  string

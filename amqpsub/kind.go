@@ -49,6 +49,12 @@ type brokerKind interface {
 	// ends before (a session's lock renewal) and what it waits for after.
 	// why is what ended the link (nil: a stop), for the log.
 	release(ctx context.Context, l *link, why error, detach func())
+	// reattachOn says whether a link lost with lost (not a source done)
+	// is attached again on c, its connection, still open (true), or c is
+	// closed and a new connection made (false). It may first prepare c
+	// for the link, within ctx (fresh credentials). refused says that
+	// lost is the broker's refusal of such an attach on c.
+	reattachOn(ctx context.Context, c *connection, lost error, refused bool) bool
 	// refused reads an attach error of the attempt-th attempt in a row
 	// (from 0); for refusedHeld, wait is how long to wait before the next.
 	refused(err error, attempt int) (r refusal, wait time.Duration)
@@ -93,6 +99,7 @@ func (plainKind) ready(context.Context, *link) error                         { r
 func (plainKind) attachedSource(pump.Source)                                 {}
 func (plainKind) refused(error, int) (refusal, time.Duration)                { return refusedNot, 0 }
 func (plainKind) addLocks(*Locks)                                            {}
+func (plainKind) reattachOn(context.Context, *connection, error, bool) bool  { return false }
 func (plainKind) returnsCounted() bool                                       { return false }
 func (plainKind) release(_ context.Context, _ *link, _ error, detach func()) { detach() }
 

@@ -28,19 +28,39 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 	first := 0
 	moveOn := errors.Is(lost, pump.ErrSourceDone) // a session consumer's next session
 	defer a.closeSpare(ctx)
+	defer a.endRetired(ctx, lost)
 	if a.current != nil {
 		a.from = a.current.index
-		if !moveOn {
-			a.from++ // a lost link: its address is tried last
-		}
-		a.p.current.Store(nil)
-		if moveOn && live(a.current.conn) {
+		switch {
+		case moveOn && live(a.current.conn):
 			// The next session is asked for on the same connection.
+			a.p.current.Store(nil)
 			cctx, cancel := context.WithTimeout(ctx, s.cfg.closeTimeout)
 			s.closeSession(cctx, a.current, lost)
 			cancel()
 			a.spare = &link{connection: a.current.connection, kind: a.p.kind}
-		} else {
+		case !moveOn && lost != nil && live(a.current.conn) && a.p.kind.reattachOn(ctx, a.current.connection, lost, false):
+			// The link is attached again on its connection. Where a lost
+			// link's deliveries stay settleable (KeepAcrossLinks), the
+			// lost one stays the pipe's current link until the next is
+			// up: what its kind added beside it (Service Bus's
+			// $management node, on its AMQP session) serves them
+			// meanwhile. Otherwise (a Service Bus session, whose locks
+			// went with its link) its AMQP session goes now.
+			if a.p.keeps {
+				a.retired = a.current
+			} else {
+				a.p.current.Store(nil)
+				cctx, cancel := context.WithTimeout(ctx, s.cfg.closeTimeout)
+				s.closeSession(cctx, a.current, lost)
+				cancel()
+			}
+			a.spare = &link{connection: a.current.connection, kind: a.p.kind}
+		default:
+			if !moveOn {
+				a.from++ // a lost link: its address is tried last
+			}
+			a.p.current.Store(nil)
 			s.closeLink(ctx, a.current, lost)
 		}
 		a.current = nil
@@ -76,6 +96,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 		if err == nil {
 			a.current, a.attachedAt = l, time.Now()
 			a.p.attachedLink(l)
+			a.endRetired(ctx, lost)
 			s.attached(a.p, l)
 			if l == nil {
 				a.p.kind.attachedSource(src)
@@ -197,6 +218,39 @@ func (s *Subscriber) attachOnce(ctx context.Context, p *pipe) (pump.Source, *lin
 		return nil, nil, err
 	}
 	return l.src, l, nil
+}
+
+// endRetired closes what the lost link kept open while the next was
+// attached (see attach): once the next link is up (a.current), its AMQP
+// session and what the kind added there, or the whole connection if the
+// next link is on another one. When attach returns without a link
+// (stopping), the lost link is kept as the current one while its
+// connection is open, so that what its kind added beside it serves the
+// stop (Service Bus: the deliveries decided during the grace settle by
+// lock token on its $management node); Run closes it with the rest.
+func (a *attacher) endRetired(ctx context.Context, lost error) {
+	old := a.retired
+	if old == nil {
+		return
+	}
+	a.retired = nil
+	switch {
+	case a.current != nil && a.current.connection == old.connection:
+		cctx, cancel := context.WithTimeout(ctx, a.s.cfg.closeTimeout)
+		a.s.closeSession(cctx, old, lost)
+		cancel()
+	case a.current == nil && live(old.conn) && a.spare != nil && a.spare.connection == old.connection:
+		a.spare = nil
+		a.current = old
+	default:
+		if a.p.current.Load() == old {
+			a.p.current.Store(nil)
+		}
+		if a.spare != nil && a.spare.connection == old.connection {
+			a.spare = nil // closed with old
+		}
+		a.s.closeLink(context.WithoutCancel(ctx), old, lost)
+	}
 }
 
 // closeSpare closes the connection kept for the next attach, if the

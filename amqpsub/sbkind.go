@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -36,6 +37,16 @@ type sbKind struct {
 	// when the pipe receives from a test source that can (package
 	// amqpsubtest's Service Bus queue); nil on a broker's link.
 	sourceRenewer atomic.Pointer[servicebus.Renewer]
+
+	// stopMu guards stopLink and stopped.
+	stopMu sync.Mutex
+	// stopLink is the stop node: a connection of its own with the entity's
+	// $management node only, for a pipe that stops without a link whose
+	// node can serve (its connection was lost during the grace, or while
+	// the link was being replaced). Opened by the first renewal or
+	// settlement by lock token that needs it; closed by start's stop.
+	stopLink *link
+	stopped  bool
 }
 
 // sbLink is what Service Bus adds to one link.
@@ -74,8 +85,33 @@ func (k *sbKind) configure(pc *pump.Config) {
 		// A message's lock outlives its link (see servicebus.Receiver):
 		// what a lost link held is kept, and settled by lock token.
 		pc.KeepAcrossLinks = true
+		pc.DropBufferedOn = connectionLost
 		k.fallback = servicebus.NewDispositions(k.management, s.log)
 	}
+}
+
+// connectionLost reports whether a link ended with err because its
+// connection was lost (a *amqp.ConnError), or with a condition after which
+// azservicebus makes a new connection (amqp:connection:forced,
+// amqp:internal-error: internal/errors.go, RecoveryKindConn).
+//
+// What the link had delivered and no handler has taken yet is then
+// dropped (pump.Config.DropBufferedOn), since the two readings of what the
+// service keeps differ. Learn's "Message transfers, locks, and settlement"
+// says that the locks are dropped when the connection breaks: the service
+// may already have delivered those messages to another receiver, and
+// handling them here would handle them twice. The JavaScript SDK settles
+// such messages through $management after it "recovers from a broken link
+// or connection" (azure-sdk-for-js PR 8406), so the locks may survive:
+// dropping them then costs their redelivery at lock expiry, counted, and
+// for a group the order of those messages behind its later ones. What
+// handlers have already is kept either way: their settlements go by lock
+// token on the next connection, and a lock the service dropped answers
+// 410 there, counted as a lock lost at settlement.
+func connectionLost(err error) bool {
+	var ce *amqp.ConnError
+	return errors.As(err, &ce) || servicebus.IsCond(err, amqp.ErrCondConnectionForced) ||
+		servicebus.IsCond(err, amqp.ErrCondInternalError)
 }
 
 // start runs the lease book and, without sessions, the dispositions by
@@ -98,6 +134,65 @@ func (k *sbKind) start(ctx context.Context) func() {
 		<-fallbackDone
 		stopBook()
 		<-bookDone
+		k.closeStopNode()
+	}
+}
+
+// stopNode returns the $management node of the stop node (see
+// sbKind.stopLink), opening it within ctx and DialTimeout when there is
+// none, or the one there is was lost: while a pipe stops, what was decided
+// is settled, and what handlers still have renewed, on a connection of its
+// own when the pipe's was lost. Under the reading that the service drops a
+// connection's locks with it (Learn), the service answers those with 410,
+// counted as locks lost; under the other (azure-sdk-for-js PR 8406) it
+// takes them.
+func (k *sbKind) stopNode(ctx context.Context) (*servicebus.Management, error) {
+	k.stopMu.Lock()
+	defer k.stopMu.Unlock()
+	if l := k.stopLink; l != nil {
+		if l.conn.Err() == nil && !wait.Closed(l.sb.mgmt.Done()) {
+			return l.sb.mgmt, nil
+		}
+		k.stopLink = nil
+		k.s.closeWithin(l, time.Now().Add(k.s.cfg.closeTimeout/4))
+	}
+	if k.stopped {
+		return nil, errNoLink
+	}
+	s := k.s
+	if _, ok := s.connector.(sourceConnector); ok {
+		return nil, errNoLink // a test source: no broker to connect to
+	}
+	c, by, err := s.connect(ctx, 0, false)
+	if err != nil {
+		return nil, fmt.Errorf("%w: stopping, and could not connect for $management: %w", errNoLink, err)
+	}
+	l := &link{connection: c, kind: k}
+	cctx, cancel := context.WithDeadline(ctx, by)
+	defer cancel()
+	if l.sess, err = c.conn.NewSession(cctx, nil); err == nil {
+		var mgmt *servicebus.Management
+		if mgmt, err = servicebus.NewManagement(cctx, l.sess, s.cfg.profile.address(s.queue), ""); err == nil {
+			l.sb = &sbLink{mgmt: mgmt}
+			k.stopLink = l
+			s.log.Info("stopping without a connection: opened one for $management, to settle what was decided",
+				zap.String("broker", c.addr))
+			return mgmt, nil
+		}
+	}
+	s.closeWithin(l, time.Now().Add(s.cfg.closeTimeout/4))
+	return nil, fmt.Errorf("%w: stopping, and could not attach $management: %w", errNoLink, err)
+}
+
+// closeStopNode closes the stop node, if it was opened, within a quarter
+// of CloseTimeout; none opens after it.
+func (k *sbKind) closeStopNode() {
+	k.stopMu.Lock()
+	l := k.stopLink
+	k.stopLink, k.stopped = nil, true
+	k.stopMu.Unlock()
+	if l != nil {
+		k.s.closeWithin(l, time.Now().Add(k.s.cfg.closeTimeout/4))
 	}
 }
 
@@ -176,6 +271,53 @@ func (k *sbKind) release(ctx context.Context, l *link, why error, detach func())
 		case <-ctx.Done():
 		}
 	}
+}
+
+// reattachOn: a link the service detached, or that the subscriber gave up
+// on (its $management node could not be attached again), is attached again
+// on its connection while that is open, as azservicebus recovers a link
+// (internal/amqpLinks.go, recoverLink: the links and their AMQP session are
+// made anew on the connection in place); only a lost connection, or the
+// conditions azservicebus recovers with a new connection
+// (amqp:connection:forced, amqp:internal-error: internal/errors.go,
+// RecoveryKindConn), get a new one. Learn's "Message transfers, locks, and
+// settlement" says that a lock is dropped when the connection breaks,
+// "since Service Bus does not support recovery of existing AMQP links on a
+// different connection": closing a live connection to replace a link could
+// cost the very locks the pump keeps and renews.
+//
+// A link detached with amqp:unauthorized-access (its token expired or was
+// revoked) is attached again only once fresh tokens are on the connection
+// (within DialTimeout); if they cannot be put, the connection is made anew,
+// which claims anew, and a token the service refuses then ends Run. So is
+// an attach on the connection refused with amqp:unauthorized-access
+// (refused): the fresh tokens did not help. Other refusals of that attach
+// are asked again there, after the backoff, as azservicebus recovers its
+// links on the connection it has.
+func (k *sbKind) reattachOn(ctx context.Context, c *connection, lost error, refused bool) bool {
+	var le *amqp.LinkError
+	var se *amqp.SessionError
+	var ae *amqp.Error
+	// A link's or session's end; or, for a refused attach, the refusal.
+	linkLevel := errors.As(lost, &le) || errors.As(lost, &se) || refused && errors.As(lost, &ae)
+	switch {
+	case connectionLost(lost) || !linkLevel:
+		return false
+	case refused && servicebus.IsCond(lost, amqp.ErrCondUnauthorizedAccess):
+		return false
+	case servicebus.IsCond(lost, amqp.ErrCondUnauthorizedAccess):
+		if c.reclaim == nil {
+			return false
+		}
+		rctx, cancel := context.WithTimeout(ctx, k.s.cfg.dialTimeout)
+		defer cancel()
+		if err := c.reclaim(rctx); err != nil {
+			k.s.log.Warn("could not put fresh tokens on the connection for a link detached for its token; connecting anew",
+				zap.Error(err))
+			return false
+		}
+	}
+	return true
 }
 
 // refused reads the attach errors of a session consumer that mean
@@ -264,9 +406,18 @@ type renewer struct{ k *sbKind }
 func (r renewer) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
 	p := r.k.p
 	l := p.current.Load()
-	if l == nil || l.sb == nil {
+	if l == nil || l.sb == nil || wait.Closed(p.pump.Stopping()) && l.conn.Err() != nil {
 		if sr := r.k.sourceRenewer.Load(); sr != nil {
 			return (*sr).RenewLocks(ctx, tokens)
+		}
+		if wait.Closed(p.pump.Stopping()) && r.k.fallback != nil {
+			// Stopping without a live link: what handlers still have is
+			// renewed on the stop node.
+			m, err := r.k.stopNode(ctx)
+			if err != nil {
+				return nil, err
+			}
+			return m.RenewLocks(ctx, tokens)
 		}
 		return nil, errNoLink
 	}
@@ -280,8 +431,9 @@ func (r renewer) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Tim
 
 // management returns the $management node of the pipe's current link,
 // waiting, within ctx, for a link while none is attached, or while the one
-// recorded is of a lost connection; it fails at once with errNoLink while
-// the pipe stops.
+// recorded is of a lost connection. While the pipe stops no link comes:
+// the lost link's node serves while its connection is open (see
+// attacher.endRetired), and the stop node (stopNode) once it is not.
 func (k *sbKind) management(ctx context.Context) (*servicebus.Management, error) {
 	p := k.p
 	for {
@@ -294,7 +446,8 @@ func (k *sbKind) management(ctx context.Context) (*servicebus.Management, error)
 		select {
 		case <-*up:
 		case <-p.pump.Stopping():
-			return nil, errNoLink
+			// No link will come: the attacher is cancelled.
+			return k.stopNode(ctx)
 		case <-ctx.Done():
 			return nil, fmt.Errorf("%w: %w", errNoLink, ctx.Err())
 		}

@@ -112,3 +112,53 @@ func runPipe(t *testing.T, s *Subscriber, src pump.Source) (*pipe, *sbKind) {
 	t.Cleanup(func() { cancel(); <-done })
 	return p, k
 }
+
+// Which lost links Service Bus attaches again on their connection: link
+// and session ends, and refusals of such an attach, but not a lost
+// connection nor what azservicebus recovers with a new one; a link
+// detached for its token only once fresh tokens are on the connection.
+func TestServiceBusReattachOn(t *testing.T) {
+	s, err := New(ServiceBusSourceOf(fake.New(false)), "q", HandlerFunc(func(context.Context, *Delivery) error { return nil }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := s.pipes[0].kind
+	detached := func(c amqp.ErrCond) error { return &amqp.LinkError{RemoteErr: &amqp.Error{Condition: c}} }
+	errPut := errors.New("put-token: no answer")
+	var reclaims int
+	reclaim := func(err error) func(context.Context) error {
+		return func(context.Context) error { reclaims++; return err }
+	}
+	for _, tc := range []struct {
+		name    string
+		lost    error
+		refused bool
+		reclaim func(context.Context) error
+		want    bool
+		claims  int
+	}{
+		{"forced detach", detached(amqp.ErrCondDetachForced), false, nil, true, 0},
+		{"closed here", &amqp.LinkError{}, false, nil, true, 0},
+		{"session ended", &amqp.SessionError{}, false, nil, true, 0},
+		{"connection lost", &amqp.ConnError{}, false, nil, false, 0},
+		{"connection forced", detached(amqp.ErrCondConnectionForced), false, nil, false, 0},
+		{"internal error", detached(amqp.ErrCondInternalError), false, nil, false, 0},
+		{"not a link's error", errors.New("pump: issue credit: draining"), false, nil, false, 0},
+		{"attach refused", &amqp.Error{Condition: amqp.ErrCondDetachForced}, true, nil, true, 0},
+		{"attach refused for the token", &amqp.Error{Condition: amqp.ErrCondUnauthorizedAccess}, true, reclaim(nil), false, 0},
+		{"detached for the token, no refresher", detached(amqp.ErrCondUnauthorizedAccess), false, nil, false, 0},
+		{"detached for the token, fresh tokens put", detached(amqp.ErrCondUnauthorizedAccess), false, reclaim(nil), true, 1},
+		{"detached for the token, put fails", detached(amqp.ErrCondUnauthorizedAccess), false, reclaim(errPut), false, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			reclaims = 0
+			c := &connection{reclaim: tc.reclaim}
+			if got := k.reattachOn(t.Context(), c, tc.lost, tc.refused); got != tc.want || reclaims != tc.claims {
+				t.Fatalf("reattachOn(%v, refused %v) = %v with %d put-token rounds; want %v, %d", tc.lost, tc.refused, got, reclaims, tc.want, tc.claims)
+			}
+		})
+	}
+	if (plainKind{}).reattachOn(t.Context(), &connection{}, detached(amqp.ErrCondDetachForced), false) {
+		t.Fatal("plainKind reattaches on the connection")
+	}
+}

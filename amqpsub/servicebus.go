@@ -164,7 +164,7 @@ func (c *sbConnector) connect(ctx context.Context, req connectRequest) (*connect
 		conn.abort()
 		return nil, err
 	}
-	conn.stop = r.Stop
+	conn.stop, conn.reclaim = r.Stop, r.PutNow
 	return conn, nil
 }
 

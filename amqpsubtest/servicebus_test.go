@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"testing/synctest"
@@ -627,5 +628,93 @@ func (r *settledRecorder) Settled(o amqpsub.Outcome, err error) {
 		r.mu.Lock()
 		r.took[o]++
 		r.mu.Unlock()
+	}
+}
+
+// IssueCredit fails every 20 ms, as go-amqp's does while a drain is
+// pending: the pump gives each link up with deliveries its receive loop
+// had received and the pump had not yet seen. Service Bus keeps their
+// locks (the queue too), so they go to the handlers like the rest of what
+// the link brought, and are settled through the ended link (the stand-in
+// for settling by lock token): none is dropped to come back at lock
+// expiry, counted, after later messages of its group. Over every lane
+// mode.
+func TestServiceBusRefusedCreditDropsNothingUnseen(t *testing.T) {
+	for _, l := range shapes.Lanes() {
+		t.Run(l.Name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				q := serviceBus(amqpsubtest.LockDuration(5 * time.Second))
+				const groups, each = 20, 20
+				publishGroups(q, groups, each)
+				var mu sync.Mutex
+				handled := map[string]int{}
+				var order []string
+				failed := map[string]bool{}
+				sub := shapeSub(t, q, shapes.Profile{}, l, func() time.Duration { return 5 * time.Millisecond },
+					func(_ context.Context, d *amqpsub.Delivery) error {
+						body := text(d)
+						mu.Lock()
+						defer mu.Unlock()
+						if l.Retries() && !failed[body] && strings.HasSuffix(body, "/3") {
+							failed[body] = true
+							return errors.New("first attempt fails")
+						}
+						handled[body]++
+						order = append(order, body)
+						return nil
+					}, amqpsub.Backoff(time.Millisecond, time.Millisecond))
+				stop := start(sub)
+				ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+				defer cancel()
+				drained := make(chan error, 1)
+				go func() { drained <- q.Wait(ctx) }()
+				refusals := 0
+				for done := false; !done; {
+					select {
+					case err := <-drained:
+						if err != nil {
+							t.Fatal(err)
+						}
+						done = true
+					case <-time.After(20 * time.Millisecond):
+						q.FailIssueCredit(1)
+						refusals++
+					}
+				}
+				q.FailIssueCredit(0)
+				if err := stop(); err != nil && !errors.Is(err, context.Canceled) {
+					t.Fatal(err)
+				}
+				st := sub.Stats()
+				mu.Lock()
+				defer mu.Unlock()
+				redelivered := 0
+				for _, r := range q.Records() {
+					if len(r.Deliveries) > 1 {
+						redelivered++
+					}
+				}
+				t.Logf("%d refusals; links lost %d; dropped %d; redelivered %d; stats %v", refusals, st.LinksLost, st.Dropped, redelivered, st)
+				if st.LinksLost < 5 {
+					t.Fatalf("links lost %d: the refusals did not end links", st.LinksLost)
+				}
+				if st.Dropped != 0 || redelivered != 0 {
+					t.Fatalf("dropped %d, redelivered %d: want 0, 0", st.Dropped, redelivered)
+				}
+				if len(handled) != groups*each {
+					t.Fatalf("handled %d distinct, want %d", len(handled), groups*each)
+				}
+				for b, n := range handled {
+					if n != 1 {
+						t.Fatalf("%s handled %d times", b, n)
+					}
+				}
+				if l.Ordered() {
+					if err := amqpsubtest.GroupOrder(order, seq); err != nil {
+						t.Fatal(err)
+					}
+				}
+			})
+		})
 	}
 }

@@ -246,8 +246,11 @@ func (p *Pump) release(d *Delivery) {
 // dropStale stops counting as held every buffered delivery of a lost link:
 // its settlement could not reach the broker, which redelivers it, so the
 // next link gets all the credit its limit allows at once instead of as the
-// lanes reach these deliveries.
-func (p *Pump) dropStale() {
+// lanes reach these deliveries. all says that no lock of the lost link
+// can be renewed any more, those of deliveries in handlers included;
+// otherwise (KeepAcrossLinks, DropBufferedOn) only the dropped ones leave
+// the lease book.
+func (p *Pump) dropStale(all bool) {
 	cur := p.link.Load()
 	n, bytes := 0, int64(0)
 	for _, d := range p.book { // the pump is the book's only writer
@@ -270,7 +273,7 @@ func (p *Pump) dropStale() {
 		// handlers or settling too, rather than spend a refused request on
 		// each.
 		for _, d := range p.book {
-			if st := d.State(); st == Dropped || st == Reclaiming || (d.link != cur && st != Free) {
+			if st := d.State(); st == Dropped || st == Reclaiming || (all && d.link != cur && st != Free) {
 				p.cfg.Leases.Remove(d)
 			}
 		}

@@ -79,6 +79,18 @@ type Config struct {
 	// drops what a lost link held, and skips the settlements of its
 	// deliveries ([Stats.Stale]): the broker redelivers them.
 	KeepAcrossLinks bool
+	// DropBufferedOn, with KeepAcrossLinks, says whether a source that
+	// ended with err (its Receive's or IssueCredit's error) took the
+	// broker's hold on its deliveries with it, as far as the consumer
+	// can tell: what no handler has taken yet is then dropped, as without
+	// KeepAcrossLinks, and never goes to a handler (the broker delivers
+	// it again), while what handlers have stays held and is settled
+	// through its source. Service Bus after a lost connection, whose
+	// locks Microsoft documents as dropped. nil (the default) never drops:
+	// what the receive loop had received when the source ended goes to the
+	// consumers like the rest. It is called on the pump's goroutine,
+	// maybe more than once for one loss, and must not block.
+	DropBufferedOn func(err error) bool
 	// SettleTimeout bounds each settlement sent by a settler; 0 means 30 s.
 	SettleTimeout time.Duration
 	// Leases, when set, hears of every delivery entering and leaving the
@@ -398,12 +410,25 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 		}
 		lost = err
 		p.link.Add(1)
-		if !p.cfg.KeepAcrossLinks {
+		switch {
+		case !p.cfg.KeepAcrossLinks:
 			// Deliveries of the lost link are stale from here on.
 			p.dropBacklog()
-			p.dropStale()
+			p.dropStale(true)
+		case p.dropsBuffered(err):
+			// Kept for what handlers have, but nothing buffered goes to a
+			// handler any more.
+			p.dropBacklog()
+			p.dropStale(false)
 		}
 	}
+}
+
+// dropsBuffered reports whether, under KeepAcrossLinks, a source that
+// ended with err leaves its buffered deliveries unsettleable
+// (Config.DropBufferedOn).
+func (p *Pump) dropsBuffered(err error) bool {
+	return p.cfg.DropBufferedOn != nil && p.cfg.DropBufferedOn(err)
 }
 
 // waitReturned waits for n reports on returned, until by at the latest.
@@ -438,21 +463,35 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 		cancelReceive()
 		wg.Wait()
 		// Whatever the receive loop still handed over was never seen by a
-		// consumer: give it back. Not once the link is lost under
-		// KeepAcrossLinks: its source would fall back to settling without
-		// the link, which waits for the next link, which this return
-		// brings; the broker delivers those again when their hold ends.
+		// consumer. Once the link is lost under KeepAcrossLinks (a
+		// refused IssueCredit ends serve with deliveries in hand), the
+		// broker's hold on them outlives the link like that on the rest
+		// of what it brought: they are held and go to the consumers, after
+		// everything the link brought before them, unless the source took
+		// that hold with it (DropBufferedOn: dropped, the broker delivers
+		// them again). Otherwise they are given back on the link.
 		msgs, _ := in.take()
-		lost := p.cfg.KeepAcrossLinks && err != nil && !errors.Is(err, ErrStopped) && ctx.Err() == nil
+		keep := p.cfg.KeepAcrossLinks && err != nil && !errors.Is(err, ErrStopped) && ctx.Err() == nil
+		drop := keep && p.dropsBuffered(err)
+		if pf, ok := src.(prefetcher); ok && keep {
+			// And what came on the link's credit that no Receive took
+			// (go-amqp's prefetch): a link given up while still attached
+			// (a refused IssueCredit) keeps it there, where nothing would
+			// ever settle or renew it.
+			for m := pf.Prefetched(); m != nil; m = pf.Prefetched() {
+				msgs = append(msgs, m)
+			}
+		}
 		for _, m := range msgs {
-			if m == nil {
-				continue
-			}
-			if lost {
+			switch {
+			case m == nil:
+			case drop:
 				p.dropUnheld()
-				continue
+			case keep:
+				p.received(p.take(m, src, gen), wait.Closed(p.stop))
+			default:
+				p.releaseUnheld(ctx, src, m)
 			}
-			p.releaseUnheld(ctx, src, m)
 		}
 	}()
 
@@ -610,6 +649,12 @@ func (p *Pump) drainThenRelease(ctx, rctx context.Context, src Source, wg *sync.
 		t.Stop()
 	}
 	p.releaseBuffered(ctx)
+}
+
+// prefetcher is a source that holds deliveries no Receive has taken yet
+// (*amqp.Receiver: Prefetched returns the next, or nil).
+type prefetcher interface {
+	Prefetched() *amqp.Message
 }
 
 // drainer is a source that can take its credit back (*amqp.Receiver).

@@ -656,3 +656,124 @@ func TestAnIdleLinkDoesNotTick(t *testing.T) {
 		})
 	}
 }
+
+// creditRefused is a source whose first IssueCredit adds the credit, lets
+// the receive loop take what it brings, and then fails, as go-amqp's does
+// while a drain is pending; prefetch, when set, is what came on that
+// credit that no Receive took (go-amqp's Prefetched).
+type creditRefused struct {
+	*fake.Source
+	calls    int
+	prefetch []*amqp.Message
+}
+
+func (s *creditRefused) IssueCredit(n uint32) error {
+	if err := s.Source.IssueCredit(n); err != nil {
+		return err
+	}
+	if s.calls++; s.calls > 1 {
+		return nil
+	}
+	for s.Queued() > 0 { // until the receive loop has taken the deliveries
+		time.Sleep(time.Microsecond)
+	}
+	return errors.New("link is currently draining, no credits can be added")
+}
+
+// Prefetched hands out prefetch, then nil.
+func (s *creditRefused) Prefetched() *amqp.Message {
+	if len(s.prefetch) == 0 {
+		return nil
+	}
+	m := s.prefetch[0]
+	s.prefetch = s.prefetch[1:]
+	return m
+}
+
+// KeepAcrossLinks: a link that fails to take credit ends, and what its
+// receive loop had taken and the pump had not yet seen, and what the link
+// had prefetched, is held like the rest of what it brought, not dropped:
+// the broker keeps those locks too. Each is settled through the source it
+// came on.
+func TestKeepAcrossLinksKeepsWhatTheReceiveLoopHadAtTheEnd(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		first := &creditRefused{Source: fake.New(true, fake.Messages(3)...), prefetch: fake.Messages(2)}
+		first.KeepLocks = true
+		second := fake.New(true)
+		p := pump.New(pump.Config{Credit: 8, Settlers: 2, KeepAcrossLinks: true})
+		_, errc := start(t, p, attachTo(first, second))
+		time.Sleep(time.Second)
+		synctest.Wait()
+		if st := p.Stats(); st.Held != 5 || st.Dropped != 0 || st.LinksLost != 1 {
+			t.Fatalf("after the refused credit: held %d, dropped %d, links lost %d; want 5, 0, 1", st.Held, st.Dropped, st.LinksLost)
+		}
+		for range 5 {
+			d := <-p.Out()
+			if !d.Begin() {
+				t.Fatal("Begin refused a delivery under KeepAcrossLinks")
+			}
+			p.Settle(d, pump.Outcome{Kind: pump.Accept})
+		}
+		synctest.Wait()
+		p.Stop()
+		if err := <-errc; !errors.Is(err, pump.ErrStopped) {
+			t.Fatalf("Run = %v", err)
+		}
+		if st := p.Stats(); st.Accepted != 5 || st.Dropped != 0 || first.Count(fake.Accepted) != 5 || st.LinksLost != 1 {
+			t.Fatalf("accepted %d (through the first link %d), dropped %d, links lost %d; want 5, 5, 0, 1",
+				st.Accepted, first.Count(fake.Accepted), st.Dropped, st.LinksLost)
+		}
+	})
+}
+
+// KeepAcrossLinks with DropBufferedOn saying that the source's end took
+// the broker's hold with it (a lost connection on Service Bus): nothing
+// buffered goes to a consumer after that, neither what waits in Out nor
+// what the receive loop had; what a handler has stays held and is settled
+// through its source.
+func TestDropBufferedOnDropsWhatNoHandlerHas(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		connLost := errors.New("connection lost")
+		first := fake.New(true, fake.Messages(4)...)
+		first.KeepLocks = true
+		second := fake.New(true)
+		var told []error
+		p := pump.New(pump.Config{Credit: 4, Settlers: 2, KeepAcrossLinks: true,
+			DropBufferedOn: func(err error) bool { told = append(told, err); return errors.Is(err, connLost) }})
+		_, errc := start(t, p, attachTo(first, second))
+		synctest.Wait()
+		inHandler := <-p.Out()
+		if !inHandler.Begin() {
+			t.Fatal("Begin refused")
+		}
+		first.Fail(connLost)
+		synctest.Wait()
+		if st := p.Stats(); st.Held != 1 || st.Dropped != 3 || st.LinksLost != 1 {
+			t.Fatalf("after the loss: held %d, dropped %d, links lost %d; want 1, 3, 1", st.Held, st.Dropped, st.LinksLost)
+		}
+		for range 3 {
+			d := <-p.Out()
+			if d.Begin() {
+				t.Fatal("a delivery buffered at the loss went to a handler")
+			}
+			p.Settle(d, pump.Outcome{Kind: pump.Drop})
+		}
+		p.Settle(inHandler, pump.Outcome{Kind: pump.Accept})
+		synctest.Wait()
+		p.Stop()
+		if err := <-errc; !errors.Is(err, pump.ErrStopped) {
+			t.Fatalf("Run = %v", err)
+		}
+		if st := p.Stats(); st.Accepted != 1 || first.Count(fake.Accepted) != 1 || st.Dropped != 3 {
+			t.Fatalf("accepted %d (through the first link %d), dropped %d; want 1, 1, 3", st.Accepted, first.Count(fake.Accepted), st.Dropped)
+		}
+		for _, err := range told {
+			if !errors.Is(err, connLost) {
+				t.Fatalf("DropBufferedOn told %v, want the loss only", told)
+			}
+		}
+		if len(told) == 0 {
+			t.Fatal("DropBufferedOn was not asked")
+		}
+	})
+}

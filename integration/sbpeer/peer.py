@@ -448,6 +448,7 @@ class Entity(object):
         self.sessions = {}
         self.deferred = {}
         self.receivers = []  # LinkStates delivering from this entity
+        self.refuse_until = 0.0  # receiver attaches refused until then (POST /faults/detach refuse_attach_ms)
         self.waiters = []  # LinkStates waiting for a session
         self.subscriptions = []  # topics only
         self.parent = None  # subscription -> topic, dlq -> entity
@@ -537,6 +538,7 @@ class Peer(object):
         self.require_claims = True
         self.session_timeout_ms = args.session_timeout_ms
         self.settle_delay_ms = 0
+        self.conn_loss_locks = args.connection_loss_locks  # see conn_gone
         self.outstanding = 0  # link dispositions taken and not yet answered
         self.idle_ms = args.idle_detach_ms or 0
         self.idle_senders = False
@@ -575,7 +577,8 @@ class Peer(object):
             "mgmt_requests", "settle_delayed", "faulty_deliveries",
             "locks_orphaned", "update_disposition_tokens",
             "update_disposition_lock_lost", "links_detached_idle",
-            "associated_link_activity", "disposition_faults")}
+            "associated_link_activity", "disposition_faults", "dispositions_after_detach",
+            "locks_dropped_connection_lost")}
         # A high-water mark, not a sum: it restarts from what is in flight.
         self.counters["settlements_outstanding_max"] = self.outstanding
 
@@ -670,12 +673,47 @@ class Peer(object):
             return
         cs.closed = True
         self.count("connections_closed")
+        if self.conn_loss_locks == "drop":
+            self.drop_connection_locks(cs)
         for ls in list(cs.links):
             self.link_gone(ls)
         self.conns.pop(cs.cid, None)
         cs.conn.sbstate = GONE
         cs.conn = None
         log.info("conn %d closed", cs.cid)
+
+    def drop_connection_locks(self, cs):
+        """The reading "locks dropped" of a lost connection (POST /settings
+        {"connection_loss_locks": "drop"}). Microsoft Learn, "Message
+        transfers, locks, and settlement": "If the reason is a broken
+        network connection, the lock is dropped since Service Bus doesn't
+        support recovery of existing AMQP links on a different
+        connection." Every lock the connection's receive links held (not
+        a session's: those go with the session link anyway) is dropped at
+        once and its message comes back, its delivery count raised; a
+        renew-lock or update-disposition for it is answered 410.
+
+        The other reading, "locks survive" (the default), keeps them until
+        they expire, renewable and settleable from any connection: the
+        JavaScript SDK settles such messages through $management after it
+        "recovers from a broken link or connection" (azure-sdk-for-js PR
+        8406), and a Service Bus engineer says lock renewals keep
+        succeeding after a reconnect (azure-sdk-for-net #37676)."""
+        touched = set()
+        for ls in list(cs.links):
+            if ls.node != "entity" or ls.sb_session is not None or not ls.sending:
+                continue
+            for lock in list(ls.locks.values()):
+                if lock.state != "held":
+                    continue
+                self.drop_lock(lock)
+                ls.locks.pop(lock.tag, None)
+                self.count("locks_dropped_connection_lost")
+                if lock.msg is not None and lock.msg.entity is not None:
+                    touched.add(lock.msg.entity)
+                    self.return_msg(lock.msg, True, "connection lost")
+        for ent in touched:
+            self.pump(ent)
 
     def on_session_remote_open(self, event):
         ssn = event.session
@@ -895,6 +933,7 @@ class Peer(object):
         ls.locks.clear()
         for dlv in ls.dlvs.values():
             dlv.sblock = None  # break delivery record -> lock -> link state -> link
+            dlv.sbgone = True  # see on_outcome
         ls.dlvs.clear()
         if sess is not None and sess.locked_by is ls:
             sess.locked_by = None
@@ -1202,6 +1241,9 @@ class Peer(object):
     def attach_receiver(self, ls):
         ent = ls.entity
         link = ls.link
+        if now_s() < ent.refuse_until:
+            self.count("links_refused")
+            return self.refuse(ls, COND_DETACH_FORCED, "The entity is refusing receivers for a while (sbpeer fault).")
         filt = data_object(link.remote_source.filter)
         sfilter = None
         if isinstance(filt, dict):
@@ -1450,6 +1492,17 @@ class Peer(object):
     def on_outcome(self, dlv):
         lock = getattr(dlv, "sblock", None)
         if lock is None:
+            if getattr(dlv, "sbgone", False):
+                # A disposition the client sent on a link this peer had
+                # already detached, read in the same pass as the detach:
+                # dropped, never settled. Settling it here would go out
+                # ahead of the detach (proton writes dispositions before
+                # detaches) and tell the client its outcome was taken
+                # when it was not: the message would come back at lock
+                # expiry. The client hears of the detach and settles by
+                # lock token instead, as it does after any detach.
+                self.count("dispositions_after_detach")
+                return
             if dlv.remote_state and not dlv.settled:
                 dlv.settle()  # e.g. a reply, or a pre-settled delivery
             return
@@ -2070,6 +2123,11 @@ class Peer(object):
                 self.session_timeout_ms = max(1, int(b["session_timeout_ms"]))
             if "idle_detach_ms" in b:
                 self.set_idle(b["idle_detach_ms"], b.get("idle_detach_senders"))
+            if "connection_loss_locks" in b:
+                v = str(b["connection_loss_locks"])
+                if v not in ("survive", "drop"):
+                    raise ControlError(400, "connection_loss_locks: survive or drop")
+                self.conn_loss_locks = v
             return self.settings_info()
         if method == "POST" and path == "/faults/idle-detach":
             self.set_idle(b.get("idle_ms"), b.get("senders"))
@@ -2148,6 +2206,7 @@ class Peer(object):
             self.require_claims = True
             self.session_timeout_ms = self.args.session_timeout_ms
             self.settle_delay_ms = 0
+            self.conn_loss_locks = self.args.connection_loss_locks
             self.set_idle(self.args.idle_detach_ms, False)
             self.renew_rules = []
             self.renew_batch_mode = "reject-all-410"
@@ -2164,7 +2223,8 @@ class Peer(object):
                 "session_timeout_ms": self.session_timeout_ms,
                 "cbs_deadline_s": self.cbs_deadline_s,
                 "max_token_lifetime_s": self.max_token_lifetime_s,
-                "require_claims": self.require_claims}
+                "require_claims": self.require_claims,
+                "connection_loss_locks": self.conn_loss_locks}
 
     def auth_info(self):
         return {"key_names": sorted(self.keys), "jwt_tokens": len(self.jwt_tokens),
@@ -2254,6 +2314,17 @@ class Peer(object):
                 if ls.node == "entity" and not ls.sending and not senders:
                     continue
                 chosen.append(ls)
+        if b.get("refuse_attach_ms"):
+            # The receivers that attach again are refused for that long.
+            ent.refuse_until = now_s() + float(b["refuse_attach_ms"]) / 1000.0
+        if b.get("revoke_claims"):
+            # As when the token expired or was revoked (the service then
+            # detaches with amqp:unauthorized-access): the claims that cover
+            # a chosen link go, so that attaching again on that connection
+            # needs a new put-token first.
+            for ls in chosen:
+                for path in [p for p in ls.cs.claims if covers(p, ls.address)]:
+                    del ls.cs.claims[path]
         n = 0
         for ls in chosen:
             if ls.closed:
@@ -2366,6 +2437,8 @@ def main():
                    help="max-message-size on entity links (Standard tier: 256 KiB; 0: none)")
     p.add_argument("--idle-detach-ms", type=int, default=0,
                    help="detach an entity receive link idle this long (the service: 600000; 0: never)")
+    p.add_argument("--connection-loss-locks", choices=("survive", "drop"), default="survive",
+                   help="what a lost connection does to its receive links' message locks (see Peer.drop_connection_locks)")
     p.add_argument("--entities", help="JSON file: a list of entity specs as POST /entities takes")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args()

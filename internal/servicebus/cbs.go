@@ -91,6 +91,16 @@ type Refresher struct {
 	log    *zap.Logger
 	cancel context.CancelFunc
 	done   chan struct{}
+	// now carries PutNow's requests to the refresher's goroutine, which
+	// owns the claims.
+	now chan putNow
+}
+
+// putNow is a request of PutNow: put every claim's token again, within
+// ctx, and answer on done (buffered).
+type putNow struct {
+	ctx  context.Context
+	done chan error
 }
 
 // NewRefresher puts a token for each audience on conn's $cbs node, within
@@ -132,7 +142,7 @@ func startRefresher(claims []claim, put func(context.Context, string) (time.Time
 	if log == nil {
 		log = zap.NewNop()
 	}
-	r := &Refresher{put: put, abort: abort, log: log, cancel: cancel, done: make(chan struct{})}
+	r := &Refresher{put: put, abort: abort, log: log, cancel: cancel, done: make(chan struct{}), now: make(chan putNow)}
 	go r.run(ctx, claims)
 	return r
 }
@@ -148,15 +158,24 @@ func (r *Refresher) run(ctx context.Context, claims []claim) {
 				c = &claims[i]
 			}
 		}
-		if c == nil {
-			<-ctx.Done()
-			return
+		var due <-chan time.Time
+		if c != nil {
+			timer.Reset(time.Until(c.next))
+			due = timer.C
 		}
-		timer.Reset(time.Until(c.next))
 		select {
 		case <-ctx.Done():
 			return
-		case <-timer.C:
+		case req := <-r.now:
+			timer.Stop()
+			// Stop cuts it short too.
+			pctx, cancel := context.WithCancel(req.ctx)
+			stop := context.AfterFunc(ctx, cancel)
+			req.done <- r.putAll(pctx, claims)
+			stop()
+			cancel()
+			continue
+		case <-due:
 		}
 		issued := time.Now()
 		// No later than the token in place expires: a refresh that ends
@@ -186,6 +205,46 @@ func (r *Refresher) run(ctx context.Context, claims []claim) {
 		c.next = minTime(now.Add(retryWait(c.failures)), c.giveUpAt())
 		r.log.Warn("token refresh failed; trying again", zap.String("audience", c.audience),
 			zap.Int("attempt", c.failures), zap.Duration("wait", time.Until(c.next)), zap.Time("expiry", c.expiry), zap.Error(err))
+	}
+}
+
+// putAll puts a fresh token for every claim, within ctx, and returns the
+// first error; each claim put anew starts its refresh schedule afresh.
+func (r *Refresher) putAll(ctx context.Context, claims []claim) error {
+	for i := range claims {
+		issued := time.Now()
+		expiry, err := r.put(ctx, claims[i].audience)
+		if err != nil {
+			return err
+		}
+		claims[i] = newClaim(claims[i].audience, issued, expiry)
+	}
+	return nil
+}
+
+// errRefresherStopped is PutNow's error once the Refresher has stopped.
+var errRefresherStopped = errors.New("amqpsub: the connection's token refresher has stopped")
+
+// PutNow puts a fresh token for every audience on the connection now, and
+// returns once $cbs has answered them all, or ctx ends (the tokens are then
+// in doubt). The service detaches a link with amqp:unauthorized-access
+// when the token it was attached under expired or was revoked: the link is
+// attached again on the same connection after this (see amqpsub's
+// sbKind.reattachOn).
+func (r *Refresher) PutNow(ctx context.Context) error {
+	req := putNow{ctx: ctx, done: make(chan error, 1)}
+	select {
+	case r.now <- req:
+	case <-r.done:
+		return errRefresherStopped
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	select {
+	case err := <-req.done:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
 	}
 }
 

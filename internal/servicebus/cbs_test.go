@@ -158,3 +158,38 @@ func (b *blockedProvider) calls() int {
 	defer b.mu.Unlock()
 	return b.n
 }
+
+// PutNow puts every claim's token at once, on the refresher's goroutine,
+// and the claim's schedule starts from the new token: the next refresh is
+// halfway through its life, not the old one's.
+func TestRefresherPutNow(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		start := time.Now()
+		var mu sync.Mutex
+		var puts []string
+		r := startRefresher([]claim{
+			newClaim("amqp://ns/q", start, start.Add(8*time.Second)),
+			newClaim("amqp://ns/q/$management", start, start.Add(8*time.Second)),
+		}, func(ctx context.Context, audience string) (time.Time, error) {
+			mu.Lock()
+			puts = append(puts, fmt.Sprintf("%v %s", time.Since(start), audience))
+			mu.Unlock()
+			return time.Now().Add(8 * time.Second), nil
+		}, func() { t.Error("aborted") }, nil)
+		time.Sleep(3 * time.Second)
+		if err := r.PutNow(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(6 * time.Second) // to 9 s: the old schedule would have refreshed at 4 s and 8 s
+		r.Stop()
+		mu.Lock()
+		defer mu.Unlock()
+		want := []string{"3s amqp://ns/q", "3s amqp://ns/q/$management", "7s amqp://ns/q", "7s amqp://ns/q/$management"}
+		if fmt.Sprint(puts) != fmt.Sprint(want) {
+			t.Fatalf("puts %v, want %v", puts, want)
+		}
+		if err := r.PutNow(context.Background()); !errors.Is(err, errRefresherStopped) {
+			t.Fatalf("PutNow after Stop = %v", err)
+		}
+	})
+}

@@ -68,7 +68,12 @@ func errorCondition(m *amqp.Message) amqp.ErrCond {
 //
 // ctx bounds it; when ctx ends first, the operation is in doubt.
 func (m *Management) Request(ctx context.Context, operation string, body map[string]any) (*amqp.Message, error) {
-	props := map[string]any{"operation": operation, "associated-link-name": m.linkName}
+	props := map[string]any{"operation": operation}
+	if m.linkName != "" {
+		// None for a node that serves no receive link of its connection
+		// (amqpsub's stop node, sbkind.go).
+		props["associated-link-name"] = m.linkName
+	}
 	if dl, ok := ctx.Deadline(); ok {
 		props["com.microsoft:server-timeout"] = millis32(time.Until(dl))
 	}

@@ -91,12 +91,13 @@ func TestSessionIdleSlotsKeepTheirConnections(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	conns0, timeouts0 := p.counter(t, "connections_opened"), p.counter(t, "session_accept_timeouts")
+	// Connections are counted for q alone: other tests connect to the same peer.
+	conns0, timeouts0 := p.stat(t, q, "connections"), p.counter(t, "session_accept_timeouts")
 	runSessions(t, s)
 	timeouts := func() int { return p.counter(t, "session_accept_timeouts") - timeouts0 }
 	// Each slot has connected and been told "no session" at least once.
 	waitUntil(t, 30*time.Second, "a timeout per slot", func() bool { return timeouts() >= slots })
-	first := p.counter(t, "connections_opened") - conns0
+	first := p.stat(t, q, "connections") - conns0
 	began, t0 := time.Now(), timeouts()
 	if window > 0 {
 		time.Sleep(window) // a measurement of a wall-clock minute, not a wait for an event
@@ -105,7 +106,7 @@ func TestSessionIdleSlotsKeepTheirConnections(t *testing.T) {
 		waitUntil(t, 30*time.Second, "three more timeouts per slot", func() bool { return timeouts() >= t0+3*slots })
 	}
 	elapsed, n := time.Since(began), timeouts()-t0
-	opened := p.counter(t, "connections_opened") - conns0 - first
+	opened := p.stat(t, q, "connections") - conns0 - first
 	t.Logf("Sessions(%d), empty queue: %d connections at first; then %d accept timeouts and %d connections opened in %v",
 		slots, first, n, opened, elapsed.Round(time.Millisecond))
 	if first != slots {
@@ -373,7 +374,7 @@ func TestSessionIDsLockedByAnotherReceiver(t *testing.T) {
 	if by := <-handledBy; by != "first" {
 		t.Fatalf("handled by %s", by)
 	}
-	conns0, refused0 := p.counter(t, "connections_opened"), p.counter(t, "session_cannot_be_locked")
+	conns0, refused0 := p.stat(t, q, "connections"), p.counter(t, "session_cannot_be_locked")
 	refused := func() int { return p.counter(t, "session_cannot_be_locked") - refused0 }
 	runSessions(t, consumer("second"))
 	waitUntil(t, 30*time.Second, "3 refusals", func() bool { return refused() >= 3 })
@@ -390,7 +391,7 @@ func TestSessionIDsLockedByAnotherReceiver(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("the second consumer did not take the session within 30 s of the first letting it go")
 	}
-	n, opened := refused(), p.counter(t, "connections_opened")-conns0
+	n, opened := refused(), p.stat(t, q, "connections")-conns0
 	t.Logf("%d refusals (session-cannot-be-locked), %d connections opened by the second consumer", n, opened)
 	if opened != 1 {
 		t.Errorf("the second consumer opened %d connections, want 1", opened)

@@ -26,7 +26,10 @@ started=()
 cleanup() {
   local s
   for s in "${started[@]}"; do
-    bash "$s" stop || true
+    case $s in
+    fn:*) "${s#fn:}" stop || true ;; # a function of this script
+    *) bash "$s" stop || true ;;
+    esac
   done
 }
 trap cleanup EXIT
@@ -127,6 +130,26 @@ else
   echo "FAIL: could not start the Service Bus peer with $SBPEER_CTL start" >&2
   sbconf_rc=1
 fi
+# A second peer for ./amqpsub's own Service Bus tests, which run beside
+# ./integration's: the peer's settings (a link idle timeout, what a lost
+# connection does to locks) and its global counters are shared by every
+# test that uses it, so the two packages get one each.
+sbpeer2() {
+  AMQPSUB_CACHE="${AMQPSUB_CACHE:-${HOME:-/root}/.cache/amqpsub}/peer2" \
+    AMQPSUB_SBPEER_PORT=5675 AMQPSUB_SBPEER_CONTROL_PORT=5676 bash "$SBPEER_CTL" "$@"
+}
+SBPEER2_CONN= SBPEER2_CONTROL=
+if [ "$sbconf_rc" = 0 ]; then
+  if ! sbpeer2 status >/dev/null 2>&1; then
+    started+=(fn:sbpeer2)
+  fi
+  if sbpeer2 start; then
+    SBPEER2_CONN=$(sbpeer2 url) SBPEER2_CONTROL=$(sbpeer2 ctl-url)
+  else
+    echo "FAIL: could not start the second Service Bus peer" >&2
+    sbconf_rc=1
+  fi
+fi
 # ==== end of the Service Bus peer block ====
 
 # The brokers' addresses, for the integration stage and the contrib stage.
@@ -136,18 +159,27 @@ rabbitmq4_url=${AMQPSUB_RABBITMQ4_URL:-$(bash "$RABBITMQ4_CTL" url)}
 [ -z "${no_rabbitmq4:-}" ] || rabbitmq4_url=
 
 section "integration tests"
-# ./amqpsub again, with the brokers and the peer up: its Service Bus tests
-# against the peer (servicebus_test.go) skip without them.
+# ./amqpsub again, with the brokers and the second peer up, beside
+# ./integration/...: its Service Bus tests against the peer
+# (servicebus_test.go) skip without them.
 integ_rc=0
-AMQPSUB_ARTEMIS_URL=$artemis_url \
-AMQPSUB_RABBITMQ_URL=$rabbitmq_url \
-AMQPSUB_RABBITMQ4_URL=$rabbitmq4_url \
-AMQPSUB_ARTEMIS_CTL=$ARTEMIS_CTL \
-AMQPSUB_RABBITMQ_CTL=$RABBITMQ_CTL \
-AMQPSUB_RABBITMQ4_CTL=$RABBITMQ4_CTL \
-AMQPSUB_CLUSTER_CTL=${AMQPSUB_CLUSTER_CTL-$CLUSTER_CTL} \
-  "$GO" test -race -count=1 -timeout "${INTEGRATION_TIMEOUT:-40m}" "${EXTRA[@]}" ./integration/... ./amqpsub \
-  || integ_rc=$?
+amqpsub_rc=0
+export AMQPSUB_ARTEMIS_URL=$artemis_url \
+  AMQPSUB_RABBITMQ_URL=$rabbitmq_url \
+  AMQPSUB_RABBITMQ4_URL=$rabbitmq4_url \
+  AMQPSUB_ARTEMIS_CTL=$ARTEMIS_CTL \
+  AMQPSUB_RABBITMQ_CTL=$RABBITMQ_CTL \
+  AMQPSUB_RABBITMQ4_CTL=$RABBITMQ4_CTL \
+  AMQPSUB_CLUSTER_CTL=${AMQPSUB_CLUSTER_CTL-$CLUSTER_CTL}
+amqpsub_out=$(mktemp)
+AMQPSUB_SBPEER_CONN=${SBPEER2_CONN:-${AMQPSUB_SBPEER_CONN:-}} AMQPSUB_SBPEER_CONTROL=${SBPEER2_CONTROL:-${AMQPSUB_SBPEER_CONTROL:-}} \
+  "$GO" test -race -count=1 -timeout "${INTEGRATION_TIMEOUT:-40m}" "${EXTRA[@]}" ./amqpsub >"$amqpsub_out" 2>&1 &
+amqpsub_pid=$!
+"$GO" test -race -count=1 -timeout "${INTEGRATION_TIMEOUT:-40m}" "${EXTRA[@]}" ./integration/... || integ_rc=$?
+wait "$amqpsub_pid" || amqpsub_rc=$?
+cat "$amqpsub_out"
+rm -f "$amqpsub_out"
+[ "$amqpsub_rc" = 0 ] || integ_rc=$amqpsub_rc
 
 section "contrib modules"
 # Each adapter under contrib/ (amqpotel, amqpprom, ...) is a module of its

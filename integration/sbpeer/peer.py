@@ -460,6 +460,13 @@ class Entity(object):
                       "lock_expired": 0, "deferred": 0,
                       "update_disposition_requests": 0, "update_disposition_tokens": 0,
                       "disposition_faults": 0}
+        # The connections that asked to attach a receiver, or the
+        # $management pair, to this entity, less those that sent to it
+        # (azservicebus's sender attaches a $management pair too): a test reads how many
+        # connections a subscriber opened for it alone, while other tests
+        # open theirs on the same peer.
+        self.conn_ids = set()
+        self.sender_conn_ids = set()  # connections that sent to it: a sender's own $management pair is not counted
 
     def available_count(self):
         return len(self.heap) + sum(len(s.heap) for s in self.sessions.values())
@@ -761,6 +768,7 @@ class Peer(object):
                 if ent is None:
                     return self.refuse(ls, COND_NOT_FOUND, "The messaging entity '%s' could not be found." % addr)
                 ls.node, ls.entity = "mgmt", ent
+                ent.conn_ids.add(cs.cid)
                 return self.open_link(ls)
             ent = self.entities.get(low)
             if not self.authorized(cs, addr):
@@ -770,6 +778,7 @@ class Peer(object):
             if ent.kind == "topic":
                 return self.refuse(ls, COND_NOT_ALLOWED, "Cannot receive from topic '%s'; receive from a subscription." % addr)
             ls.node, ls.entity = "entity", ent
+            ent.conn_ids.add(cs.cid)  # a receiver's, even one waiting for a session
             ls.presettled = link.remote_snd_settle_mode == Link.SND_SETTLED
             return self.attach_receiver(ls)
         # The client sends: to $cbs, <entity>/$management or a queue/topic.
@@ -782,6 +791,7 @@ class Peer(object):
             if ent is None:
                 return self.refuse(ls, COND_NOT_FOUND, "The messaging entity '%s' could not be found." % addr)
             ls.node, ls.entity = "mgmt", ent
+            ent.conn_ids.add(cs.cid)
         else:
             ent = self.entities.get(low)
             if not self.authorized(cs, addr):
@@ -791,6 +801,7 @@ class Peer(object):
             if ent.kind not in ("queue", "topic"):
                 return self.refuse(ls, COND_NOT_ALLOWED, "Cannot send to '%s'." % addr)
             ls.node, ls.entity = "entity", ent
+            ent.sender_conn_ids.add(cs.cid)
         self.open_link(ls)
         link.flow(1000)
 
@@ -2021,7 +2032,8 @@ class Peer(object):
         info.update({"available": ent.available_count(), "locked": self.locked_count(ent),
                      "deferred": len(ent.deferred), "receivers": len(ent.receivers),
                      "waiting_session_receivers": len(ent.waiters),
-                     "next_sequence_number": ent.next_seq, "stats": dict(ent.stats)})
+                     "next_sequence_number": ent.next_seq,
+                     "stats": dict(ent.stats, connections=len(ent.conn_ids - ent.sender_conn_ids))})
         if ent.requires_session:
             info["sessions"] = {
                 s.sid: {"available": len(s.heap), "locked": s.locked_by is not None,

@@ -71,7 +71,10 @@ func Retry(err error) error {
 // DeadLetterReason = reason, the key Service Bus reads). Artemis moves it
 // to the queue's dead-letter address (without one it is dropped) but keeps
 // no trace of the reason; see [DeadLetterCopy] for a way to keep it. On a
-// RabbitMQ 4 quorum queue the dead letter keeps it (see [RabbitMQ4]).
+// RabbitMQ 4 quorum queue the dead letter keeps it (see [RabbitMQ4]). On
+// Service Bus, a reader of the dead-letter queue ("<queue>/$DeadLetterQueue")
+// finds it in the dead letter's ApplicationProperties()["DeadLetterReason"]
+// (and the description in "DeadLetterErrorDescription").
 func Reject(reason string) error { return &OutcomeError{kind: ResultReject, reason: reason} }
 
 // RejectWith is [Reject] with a longer description besides the reason (info

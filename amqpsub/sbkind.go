@@ -298,8 +298,12 @@ func (k *sbKind) reattachOn(ctx context.Context, c *connection, lost error, refu
 	var le *amqp.LinkError
 	var se *amqp.SessionError
 	var ae *amqp.Error
-	// A link's or session's end; or, for a refused attach, the refusal.
-	linkLevel := errors.As(lost, &le) || errors.As(lost, &se) || refused && errors.As(lost, &ae)
+	// A link's or session's end; or, for a refused attach, the refusal. A
+	// link the pump gave up by itself (go-amqp refused IssueCredit) ended
+	// on a live connection too: what it held goes to the lanes, so its
+	// locks must stay, and so must the connection. An attach that failed
+	// with no answer (a timeout) may be on a connection that hangs.
+	linkLevel := errors.As(lost, &le) || errors.As(lost, &se) || refused && errors.As(lost, &ae) || !refused
 	switch {
 	case connectionLost(lost) || !linkLevel:
 		return false

@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
-	"github.com/amqpsub/amqpsub/pump"
+	"github.com/amqpsub/amqpsub/internal/pump"
 	"go.uber.org/zap"
 )
 

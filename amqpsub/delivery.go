@@ -6,7 +6,7 @@ import (
 
 	"github.com/Azure/go-amqp"
 
-	"github.com/amqpsub/amqpsub/pump"
+	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 // BodyKind says which AMQP body section a message carries.

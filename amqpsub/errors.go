@@ -5,9 +5,9 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
+	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
 	"github.com/amqpsub/amqpsub/internal/wire"
-	"github.com/amqpsub/amqpsub/pump"
 )
 
 // IsFatal is the default test of [FatalErrors]. It takes as fatal what

@@ -4,7 +4,7 @@ import (
 	"context"
 	"fmt"
 
-	"github.com/amqpsub/amqpsub/pump"
+	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 // SourceOf returns a Connector that attaches to src, on every attach,

@@ -11,8 +11,8 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/amqpsub/amqpsub/internal/backoff"
-	"github.com/amqpsub/amqpsub/lanes"
-	"github.com/amqpsub/amqpsub/pump"
+	"github.com/amqpsub/amqpsub/internal/lanes"
+	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 // laneConfig wires the lanes to the pump and the handler. ctx is the

@@ -3,7 +3,7 @@ package amqpsub
 import (
 	"time"
 
-	"github.com/amqpsub/amqpsub/pump"
+	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 // Metrics makes a Recorder for each [Subscriber] given it ([WithMetrics]), so

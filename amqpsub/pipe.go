@@ -5,9 +5,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/amqpsub/amqpsub/internal/lanes"
+	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/wait"
-	"github.com/amqpsub/amqpsub/lanes"
-	"github.com/amqpsub/amqpsub/pump"
 )
 
 // pipe is one receive path: a pump, the lanes behind it, the links its

@@ -3,8 +3,8 @@ package amqpsub
 import (
 	"github.com/Azure/go-amqp"
 
-	"github.com/amqpsub/amqpsub/credit"
-	"github.com/amqpsub/amqpsub/pump"
+	"github.com/amqpsub/amqpsub/internal/credit"
+	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 // Profile holds what differs between brokers on the wire. Use one of

@@ -12,7 +12,7 @@ import (
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
 
-	"github.com/amqpsub/amqpsub/pump"
+	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 // The RabbitMQ 4 kind (rabbit4Kind) adds one thing to the plain kind: at

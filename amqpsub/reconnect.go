@@ -9,8 +9,8 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/internal/backoff"
+	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/wait"
-	"github.com/amqpsub/amqpsub/pump"
 )
 
 // reconnectWait is the wait before reconnect attempt k after err: the

@@ -15,9 +15,9 @@ import (
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/internal/backoff"
 	"github.com/amqpsub/amqpsub/internal/fake"
+	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
 	"github.com/amqpsub/amqpsub/internal/wire"
-	"github.com/amqpsub/amqpsub/pump"
 )
 
 // sources hands out the given sources and errors in turn, then blocks.

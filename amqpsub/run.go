@@ -10,9 +10,9 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/amqpsub/amqpsub/internal/lanes"
+	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/wait"
-	"github.com/amqpsub/amqpsub/lanes"
-	"github.com/amqpsub/amqpsub/pump"
 )
 
 // Run connects, attaches a receiver to the queue and consumes until ctx is

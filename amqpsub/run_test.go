@@ -15,7 +15,7 @@ import (
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/amqpsubtest"
 	"github.com/amqpsub/amqpsub/internal/fake"
-	"github.com/amqpsub/amqpsub/lanes"
+	"github.com/amqpsub/amqpsub/internal/lanes"
 )
 
 func TestShutdownWaitsForRun(t *testing.T) {

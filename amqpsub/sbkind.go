@@ -12,9 +12,9 @@ import (
 	"github.com/cespare/xxhash/v2"
 	"go.uber.org/zap"
 
+	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
 	"github.com/amqpsub/amqpsub/internal/wait"
-	"github.com/amqpsub/amqpsub/pump"
 )
 
 // sbKind is Service Bus's brokerKind for one pipe: peek-lock links with

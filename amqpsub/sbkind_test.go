@@ -10,8 +10,8 @@ import (
 	"github.com/Azure/go-amqp"
 
 	"github.com/amqpsub/amqpsub/internal/fake"
+	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
-	"github.com/amqpsub/amqpsub/pump"
 )
 
 type eventCatcher struct {

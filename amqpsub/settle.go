@@ -3,7 +3,7 @@ package amqpsub
 import (
 	"errors"
 
-	"github.com/amqpsub/amqpsub/pump"
+	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 // settle maps a handler's result to the broker settlement, and counts it.

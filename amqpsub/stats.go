@@ -4,7 +4,7 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/amqpsub/amqpsub/pump"
+	"github.com/amqpsub/amqpsub/internal/pump"
 
 	"go.uber.org/zap/zapcore"
 )

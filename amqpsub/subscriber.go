@@ -11,7 +11,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/internal/loglimit"
-	"github.com/amqpsub/amqpsub/pump"
+	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 // Subscriber consumes one queue. Build it with [New] or [NewBatch], start it

@@ -5,9 +5,9 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/testhook"
 	"github.com/amqpsub/amqpsub/internal/wire"
-	"github.com/amqpsub/amqpsub/pump"
 )
 
 func init() {

@@ -11,8 +11,8 @@ import (
 
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/amqpsubtest"
+	"github.com/amqpsub/amqpsub/internal/lanes"
 	"github.com/amqpsub/amqpsub/internal/shapes"
-	"github.com/amqpsub/amqpsub/lanes"
 )
 
 // The adaptive credit (the default) through the whole pipeline, on the

@@ -13,8 +13,8 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
-	"github.com/amqpsub/amqpsub/pump"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }

@@ -11,8 +11,8 @@ import (
 	"github.com/Azure/go-amqp"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
-	"github.com/amqpsub/amqpsub/pump"
 )
 
 // Service Bus peek-lock, as the queue plays it under

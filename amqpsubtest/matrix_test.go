@@ -13,7 +13,7 @@ import (
 
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/amqpsubtest"
-	"github.com/amqpsub/amqpsub/credit"
+	"github.com/amqpsub/amqpsub/internal/credit"
 	"github.com/amqpsub/amqpsub/internal/shapes"
 )
 

@@ -12,8 +12,8 @@ import (
 	"github.com/Azure/go-amqp"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/testhook"
-	"github.com/amqpsub/amqpsub/pump"
 )
 
 // Queue is an in-memory queue that plays the broker for Subscribers. Make

@@ -14,7 +14,7 @@ import (
 	"time"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
-	"github.com/amqpsub/amqpsub/lanes"
+	"github.com/amqpsub/amqpsub/internal/lanes"
 )
 
 // TestArtemisCreditFairness measures, for docs/performance.md, how three

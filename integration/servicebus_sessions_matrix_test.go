@@ -12,7 +12,7 @@ import (
 	"time"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
-	"github.com/amqpsub/amqpsub/credit"
+	"github.com/amqpsub/amqpsub/internal/credit"
 )
 
 // The session rows of the shape matrix: every lane mode inside a Service

@@ -6,7 +6,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/amqpsub/amqpsub/lanes"
+	"github.com/amqpsub/amqpsub/internal/lanes"
 )
 
 // series is every run of one scenario on one broker and payload.

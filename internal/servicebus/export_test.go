@@ -5,7 +5,7 @@ import (
 
 	"github.com/Azure/go-amqp"
 
-	"github.com/amqpsub/amqpsub/pump"
+	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 // ByTokenFunc stands in for [Dispositions] behind a [Receiver].

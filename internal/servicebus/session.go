@@ -13,7 +13,7 @@ import (
 	"github.com/amqpsub/amqpsub/internal/amqpint"
 	"github.com/amqpsub/amqpsub/internal/backoff"
 	"github.com/amqpsub/amqpsub/internal/loglimit"
-	"github.com/amqpsub/amqpsub/pump"
+	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 // The session filter, as the service reads it.

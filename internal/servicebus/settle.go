@@ -11,8 +11,8 @@ import (
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
 
+	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/wait"
-	"github.com/amqpsub/amqpsub/pump"
 )
 
 // Service Bus keeps a message's lock until it expires, whether or not the

@@ -11,8 +11,8 @@ import (
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
 
+	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
-	"github.com/amqpsub/amqpsub/pump"
 )
 
 // goAMQPLink plays a receive link's settlement as go-amqp 1.7 does it: the

@@ -6,8 +6,8 @@ package testhook
 import (
 	"context"
 
+	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/wire"
-	"github.com/amqpsub/amqpsub/pump"
 )
 
 // Attach gives a source to receive from, one call per attach (the first,

@@ -8,7 +8,7 @@ import (
 	"testing"
 
 	"github.com/amqpsub/amqpsub/internal/fake"
-	"github.com/amqpsub/amqpsub/pump"
+	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 // BenchmarkPump measures the pump alone: the fake source hands a message to

@@ -2,8 +2,6 @@ package lanes
 
 import (
 	"time"
-
-	"github.com/amqpsub/amqpsub/batch"
 )
 
 // batchLoop assembles the items of one lane or worker into batches and
@@ -15,7 +13,7 @@ func (r *runner[T]) batchLoop(lane int, f feed[T]) {
 	// The dispatcher counted a hash lane's items already.
 	_, counted := f.(*queue[T])
 	cfg := r.cfg
-	b := batch.New[T](cfg.BatchSize, cfg.BatchWait)
+	b := newBatcher[T](cfg.BatchSize, cfg.BatchWait)
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
 	defer timer.Stop()
@@ -26,22 +24,22 @@ func (r *runner[T]) batchLoop(lane int, f feed[T]) {
 			timer.Stop()
 			armed = false
 		}
-		r.handOver(lane, b.Flush(), &keys)
+		r.handOver(lane, b.flush(), &keys)
 	}
 	add := func(item T) {
 		if !counted {
 			r.gauge.lanes[lane].load.Add(1)
 		}
 		var now time.Time
-		if b.Len() == 0 && cfg.BatchWait > 0 {
+		if b.count() == 0 && cfg.BatchWait > 0 {
 			now = time.Now()
 		}
-		b.Add(now, item)
+		b.add(now, item)
 	}
 	stop := cfg.Stop
 	for {
 		// Take what is waiting, up to a full batch, without waiting.
-		for b.Len() < cfg.BatchSize {
+		for b.count() < cfg.BatchSize {
 			item, st := f.poll()
 			if st == closed {
 				flush()
@@ -52,16 +50,16 @@ func (r *runner[T]) batchLoop(lane int, f feed[T]) {
 			}
 			add(item)
 		}
-		if b.Len() >= cfg.BatchSize || b.Len() > 0 && (cfg.BatchWait == 0 || r.stopped() || r.flushing()) {
+		if b.count() >= cfg.BatchSize || b.count() > 0 && (cfg.BatchWait == 0 || r.stopped() || r.flushing()) {
 			flush()
 			continue
 		}
 		var fire <-chan time.Time
 		var flushing <-chan struct{}
-		if b.Len() > 0 {
+		if b.count() > 0 {
 			flushing = cfg.Flush
 			if !armed {
-				d, _ := b.UntilNext(time.Now())
+				d, _ := b.untilNext(time.Now())
 				if d <= 0 {
 					flush()
 					continue
@@ -88,7 +86,7 @@ func (r *runner[T]) batchLoop(lane int, f feed[T]) {
 				timer.Stop()
 				armed = false
 			}
-			for _, it := range b.Flush() {
+			for _, it := range b.flush() {
 				r.drop(lane, it)
 			}
 		}

@@ -11,7 +11,7 @@ import (
 
 	"go.uber.org/goleak"
 
-	"github.com/amqpsub/amqpsub/lanes"
+	"github.com/amqpsub/amqpsub/internal/lanes"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }

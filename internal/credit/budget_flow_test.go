@@ -4,7 +4,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/amqpsub/amqpsub/credit"
+	"github.com/amqpsub/amqpsub/internal/credit"
 )
 
 // A byte budget of 1000 B, then a long run of 1000 B messages each settled

@@ -11,7 +11,7 @@ import (
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
 
-	"github.com/amqpsub/amqpsub/credit"
+	"github.com/amqpsub/amqpsub/internal/credit"
 	"github.com/amqpsub/amqpsub/internal/wait"
 )
 

@@ -1,4 +1,4 @@
-package batch
+package lanes
 
 import (
 	"testing"
@@ -22,26 +22,26 @@ func TestBatchClosesAtSizeOrWait(t *testing.T) {
 		{"size one", 1, 0, []time.Duration{0}, 0, 0, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			b := New[int](tc.size, tc.wait)
-			if _, ok := b.UntilNext(t0); ok {
+			b := newBatcher[int](tc.size, tc.wait)
+			if _, ok := b.untilNext(t0); ok {
 				t.Fatal("UntilNext ok on an empty batch")
 			}
 			full := -1
 			for i, off := range tc.adds {
-				if b.Add(t0.Add(off), i) && full == -1 {
+				if b.add(t0.Add(off), i) && full == -1 {
 					full = i
 				}
 			}
 			if full != tc.wantFull {
 				t.Fatalf("full at %d, want %d", full, tc.wantFull)
 			}
-			d, ok := b.UntilNext(t0.Add(tc.checkAt))
+			d, ok := b.untilNext(t0.Add(tc.checkAt))
 			if !ok || d != tc.wantUntil {
 				t.Fatalf("UntilNext = %v,%v want %v", d, ok, tc.wantUntil)
 			}
-			got := b.Flush()
-			if len(got) != len(tc.adds) || b.Len() != 0 {
-				t.Fatalf("flushed %d, left %d", len(got), b.Len())
+			got := b.flush()
+			if len(got) != len(tc.adds) || b.count() != 0 {
+				t.Fatalf("flushed %d, left %d", len(got), b.count())
 			}
 			for i, v := range got {
 				if v != i {
@@ -54,19 +54,19 @@ func TestBatchClosesAtSizeOrWait(t *testing.T) {
 
 func TestFlushRestartsTheWait(t *testing.T) {
 	t0 := time.Unix(0, 0)
-	b := New[string](5, 10*time.Millisecond)
-	b.Add(t0, "a")
-	b.Flush()
-	b.Add(t0.Add(50*time.Millisecond), "b")
-	if d, _ := b.UntilNext(t0.Add(50 * time.Millisecond)); d != 10*time.Millisecond {
+	b := newBatcher[string](5, 10*time.Millisecond)
+	b.add(t0, "a")
+	b.flush()
+	b.add(t0.Add(50*time.Millisecond), "b")
+	if d, _ := b.untilNext(t0.Add(50 * time.Millisecond)); d != 10*time.Millisecond {
 		t.Fatalf("UntilNext after flush = %v", d)
 	}
 }
 
 func TestNewRejectsBadArguments(t *testing.T) {
 	for _, f := range []func(){
-		func() { New[int](0, 0) },
-		func() { New[int](1, -1) },
+		func() { newBatcher[int](0, 0) },
+		func() { newBatcher[int](1, -1) },
 	} {
 		func() {
 			defer func() {
@@ -80,12 +80,12 @@ func TestNewRejectsBadArguments(t *testing.T) {
 }
 
 func BenchmarkAddFlush(b *testing.B) {
-	bt := New[int](100, 10*time.Millisecond)
+	bt := newBatcher[int](100, 10*time.Millisecond)
 	now := time.Now()
 	b.ReportAllocs()
 	for i := range b.N {
-		if bt.Add(now, i) {
-			bt.Flush()
+		if bt.add(now, i) {
+			bt.flush()
 		}
 	}
 }

@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/amqpsub/amqpsub/lanes"
+	"github.com/amqpsub/amqpsub/internal/lanes"
 )
 
 type benchItem struct{ key string }

@@ -8,7 +8,7 @@ import (
 	"testing/synctest"
 	"time"
 
-	"github.com/amqpsub/amqpsub/lanes"
+	"github.com/amqpsub/amqpsub/internal/lanes"
 )
 
 func TestBatchesCloseAtSizeAndAtWait(t *testing.T) {

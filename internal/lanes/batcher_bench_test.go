@@ -1,4 +1,4 @@
-package batch
+package lanes
 
 import (
 	"testing"
@@ -10,13 +10,13 @@ import (
 func BenchmarkBatcher(b *testing.B) {
 	type item struct{}
 	it := &item{}
-	bt := New[*item](100, 10*time.Millisecond)
+	bt := newBatcher[*item](100, 10*time.Millisecond)
 	now := time.Now()
 	b.ReportAllocs()
 	for range b.N {
-		if bt.Add(now, it) {
-			bt.Flush()
+		if bt.add(now, it) {
+			bt.flush()
 		}
-		bt.UntilNext(now)
+		bt.untilNext(now)
 	}
 }

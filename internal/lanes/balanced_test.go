@@ -9,7 +9,7 @@ import (
 	"testing/synctest"
 	"time"
 
-	"github.com/amqpsub/amqpsub/lanes"
+	"github.com/amqpsub/amqpsub/internal/lanes"
 )
 
 // orderCheck records, per key, the order items were handled in and which

@@ -12,9 +12,9 @@ import (
 	"github.com/Azure/go-amqp"
 	"go.uber.org/goleak"
 
-	"github.com/amqpsub/amqpsub/credit"
+	"github.com/amqpsub/amqpsub/internal/credit"
 	"github.com/amqpsub/amqpsub/internal/fake"
-	"github.com/amqpsub/amqpsub/pump"
+	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }

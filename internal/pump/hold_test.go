@@ -10,7 +10,7 @@ import (
 	"github.com/Azure/go-amqp"
 
 	"github.com/amqpsub/amqpsub/internal/fake"
-	"github.com/amqpsub/amqpsub/pump"
+	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 // Hold while the pump has no link (attach blocking, as during a

@@ -2,6 +2,7 @@ package amqpsub
 
 import (
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/amqpsub/amqpsub/internal/pump"
@@ -273,92 +274,46 @@ func (s *Subscriber) Stats() Stats {
 // String returns the counters on one line: held and its census, the
 // longest lane's load, received, settlements by outcome
 // (accepted/released/modified/rejected), handler results
-// (accept/release/retry/reject), then the counters that are usually zero,
-// only when they are not.
+// (accept/release/retry/reject), then the numbers of [StatFields] that are
+// usually zero, only when they are not.
 func (st Stats) String() string {
 	s := fmt.Sprintf("held=%d max=%d (buffered=%d handling=%d settling=%d) longest_lane=%d received=%d settled(acc/rel/mod/rej)=%d/%d/%d/%d results(acc/rel/retry/rej)=%d/%d/%d/%d",
 		st.Held, st.MaxHeld, st.Buffered, st.Handling, st.Settling, st.LongestLane(), st.Received,
 		st.Settled.Accepted, st.Settled.Released, st.Settled.Modified, st.Settled.Rejected,
 		st.Results.Accept, st.Results.Release, st.Results.Retry, st.Results.Reject)
-	for _, c := range []struct {
-		name string
-		n    uint64
-	}{
-		{"bytes_held", count(st.BytesHeld)}, {"groups_held", count(int64(st.GroupsHeld))}, {"parked", count(int64(st.Parked))}, {"panics", st.Results.Panics}, {"local_retries", st.Results.LocalRetries}, {"poisoned", st.Results.Poisoned}, {"oversize", st.Results.Oversize},
-		{"settle_errors", st.SettleErrors}, {"stale", st.Stale}, {"unsent", st.Unsent}, {"dropped", st.Dropped},
-		{"overshoot", count(st.Overshoot)}, {"links_lost", st.LinksLost}, {"reconnects", st.Reconnects},
-		{"locks_renewed", st.Locks.Renewed}, {"lock_renew_requests", st.Locks.RenewRequests},
-		{"lock_renew_failures", st.Locks.RenewFailures}, {"locks_lost", st.Locks.Lost}, {"locks_dropped", st.Locks.Dropped},
-		{"locks_skipped", st.Locks.Skipped}, {"locks_lost_at_settle", st.Locks.LostAtSettle}, {"settle_timeouts", st.Locks.SettleTimeouts},
-		{"locks_unrenewable", st.Locks.Unrenewable}, {"settled_by_token", st.Locks.SettledByToken}, {"disposition_requests", st.Locks.DispositionRequests},
-		{"dead_letter_copies", st.DeadLetterCopies}, {"dead_letter_copy_failures", st.DeadLetterCopyFailures}, {"abandoned", st.Abandoned}, {"events_dropped", st.EventsDropped},
-	} {
-		if c.n != 0 {
-			s += fmt.Sprintf(" %s=%d", c.name, c.n)
+	for _, f := range statFields {
+		if f.show != strTail {
+			continue
+		}
+		v := f.Value(st)
+		if f.logAs == logUint64 {
+			if v != 0 {
+				s += " " + f.Name + "=" + strconv.FormatUint(uint64(v), 10) //nolint:gosec // G115: the uint64 the row converted
+			}
+		} else if v > 0 { // a signed number below 0 is no count (overshoot never is)
+			s += " " + f.Name + "=" + strconv.FormatInt(v, 10)
 		}
 	}
 	return s
 }
 
-// MarshalLogObject logs the counters as fields of a zap object:
-// zap.Object("stats", sub.Stats()). Every counter is written, zero or
-// not, under a snake_case name (the lanes summed up in longest_lane); the
-// "stopped" log line carries them.
+// MarshalLogObject logs the numbers of [StatFields] as fields of a zap
+// object: zap.Object("stats", sub.Stats()). Every one is written, zero or
+// not, under its snake_case name and with its Go type (the lanes summed up
+// in longest_lane); the "stopped" log line carries them.
 func (st Stats) MarshalLogObject(enc zapcore.ObjectEncoder) error {
-	enc.AddInt("held", st.Held)
-	enc.AddInt("max_held", st.MaxHeld)
-	enc.AddInt64("bytes_held", st.BytesHeld)
-	enc.AddInt64("max_bytes_held", st.MaxBytesHeld)
-	enc.AddInt("buffered", st.Buffered)
-	enc.AddInt("handling", st.Handling)
-	enc.AddInt("settling", st.Settling)
-	enc.AddInt("longest_lane", st.LongestLane())
-	enc.AddInt("groups_held", st.GroupsHeld)
-	enc.AddInt("parked", st.Parked)
-	enc.AddUint64("received", st.Received)
-	enc.AddUint64("accepted", st.Settled.Accepted)
-	enc.AddUint64("released", st.Settled.Released)
-	enc.AddUint64("modified", st.Settled.Modified)
-	enc.AddUint64("rejected", st.Settled.Rejected)
-	enc.AddUint64("result_accept", st.Results.Accept)
-	enc.AddUint64("result_release", st.Results.Release)
-	enc.AddUint64("result_retry", st.Results.Retry)
-	enc.AddUint64("result_reject", st.Results.Reject)
-	enc.AddUint64("panics", st.Results.Panics)
-	enc.AddUint64("local_retries", st.Results.LocalRetries)
-	enc.AddUint64("poisoned", st.Results.Poisoned)
-	enc.AddUint64("oversize", st.Results.Oversize)
-	enc.AddUint64("settle_errors", st.SettleErrors)
-	enc.AddUint64("stale", st.Stale)
-	enc.AddUint64("unsent", st.Unsent)
-	enc.AddUint64("dropped", st.Dropped)
-	enc.AddInt64("overshoot", st.Overshoot)
-	enc.AddUint64("links", st.Links)
-	enc.AddUint64("links_lost", st.LinksLost)
-	enc.AddUint64("reconnects", st.Reconnects)
-	enc.AddInt("locks_held", st.Locks.Held)
-	enc.AddUint64("locks_renewed", st.Locks.Renewed)
-	enc.AddUint64("lock_renew_requests", st.Locks.RenewRequests)
-	enc.AddUint64("lock_renew_failures", st.Locks.RenewFailures)
-	enc.AddUint64("locks_lost", st.Locks.Lost)
-	enc.AddUint64("locks_dropped", st.Locks.Dropped)
-	enc.AddUint64("locks_skipped", st.Locks.Skipped)
-	enc.AddUint64("locks_unrenewable", st.Locks.Unrenewable)
-	enc.AddUint64("settled_by_token", st.Locks.SettledByToken)
-	enc.AddUint64("disposition_requests", st.Locks.DispositionRequests)
-	enc.AddUint64("locks_lost_at_settle", st.Locks.LostAtSettle)
-	enc.AddUint64("settle_timeouts", st.Locks.SettleTimeouts)
-	enc.AddUint64("dead_letter_copies", st.DeadLetterCopies)
-	enc.AddUint64("dead_letter_copy_failures", st.DeadLetterCopyFailures)
-	enc.AddUint64("abandoned", st.Abandoned)
-	enc.AddUint64("events_dropped", st.EventsDropped)
-	return nil
-}
-
-// count is a counter that cannot be negative as a uint64 (0 if it were).
-func count(n int64) uint64 {
-	if n < 0 {
-		return 0
+	for _, f := range statFields {
+		v := f.Value(st)
+		switch f.logAs {
+		case logInt:
+			enc.AddInt(f.Name, int(v))
+		case logInt64:
+			enc.AddInt64(f.Name, v)
+		case logDuration:
+			enc.AddDuration(f.Name, time.Duration(v))
+		default:
+			enc.AddUint64(f.Name, uint64(v)) //nolint:gosec // G115: the uint64 the row converted
+		}
 	}
-	return uint64(n)
+	return nil
 }

@@ -3,6 +3,7 @@ package amqpprom
 import (
 	"errors"
 	"strconv"
+	"strings"
 	"sync"
 	"weak"
 
@@ -163,7 +164,7 @@ func (m *Metrics) Recorder(info amqpsub.MetricsInfo) amqpsub.Recorder {
 		r.batch = m.batch.WithLabelValues(sys, q)
 	}
 	if info.Stats != nil {
-		r.sub = subscriber{system: sys, queue: q, credit: info.Credit, stats: info.Stats, done: info.Done}
+		r.sub = subscriber{system: sys, queue: q, stats: info.Stats, done: info.Done}
 		m.gauges.add(r)
 	}
 	return r
@@ -240,7 +241,6 @@ func (r *recorder) Dropped(n int) { r.dropped.Add(float64(n)) }
 // subscriber is what the gauges read at a scrape.
 type subscriber struct {
 	system, queue string
-	credit        int
 	stats         func() amqpsub.Stats
 	done          <-chan struct{} // closed when its Run returned
 }
@@ -259,7 +259,8 @@ func (s subscriber) ended() bool {
 
 // gauges is a collector that reads each Subscriber's Stats when scraped.
 type gauges struct {
-	held, credit, creditLimit, bytes, groups, parked, locks, lane *prometheus.Desc
+	stats []gauge // the gauges of amqpsub.StatFields
+	lane  *prometheus.Desc
 
 	mu sync.Mutex
 	// recs are the recorders of the subscribers, held weakly: one that is
@@ -268,21 +269,59 @@ type gauges struct {
 	recs []weak.Pointer[recorder]
 }
 
+// gauge is a row of amqpsub.StatFields as a series.
+type gauge struct {
+	f     amqpsub.StatField
+	desc  *prometheus.Desc
+	scale float64 // from the row's unit to the series'
+}
+
+// legacyNames are the names the series of these rows had before
+// amqpsub.StatFields named them; they keep them.
+var legacyNames = map[string]string{
+	"held":       "amqpsub_held_deliveries",
+	"bytes_held": "amqpsub_held_bytes",
+	"parked":     "amqpsub_parked_deliveries",
+}
+
+// seriesName returns the series name of a row, amqpsub_<name> with its
+// unit's suffix (a legacy name aside), and the scale from the row's unit
+// to the series' base unit; ok is false for a unit it does not know.
+func seriesName(f amqpsub.StatField) (name string, scale float64, ok bool) {
+	name, scale = "amqpsub_"+f.Name, 1
+	switch {
+	case f.Unit == "ns":
+		name, scale = name+"_seconds", 1e-9
+	case f.Unit == "By":
+		if !strings.Contains(f.Name, "bytes") {
+			name += "_bytes"
+		}
+	case !strings.HasPrefix(f.Unit, "{"): // a count of {things} has no suffix
+		return "", 0, false
+	}
+	if n, ok := legacyNames[f.Name]; ok {
+		name = n
+	}
+	return name, scale, true
+}
+
+// newGauges makes a gauge of every row of amqpsub.StatFields that is no
+// counter (the counters are counted as they happen, by the recorder, which
+// a Subscriber's end does not take back) and of a unit it knows.
 func newGauges(constLabels prometheus.Labels) *gauges {
 	base := []string{"messaging_system", "messaging_destination_name"}
-	d := func(name, help string, more ...string) *prometheus.Desc {
-		return prometheus.NewDesc(name, help, append(append([]string(nil), base...), more...), constLabels)
+	g := &gauges{
+		lane: prometheus.NewDesc("amqpsub_lane_load", "Deliveries waiting for each lane and in its handler.",
+			append(append([]string(nil), base...), "lane"), constLabels),
 	}
-	return &gauges{
-		held:        d("amqpsub_held_deliveries", "Deliveries held in the process now (at most the credit on a broker that keeps within it)."),
-		credit:      d("amqpsub_credit", "The credit now: the most deliveries the broker may send ahead and the process hold (adaptive, within amqpsub_credit_limit, unless FixedCredit)."),
-		creditLimit: d("amqpsub_credit_limit", "The credit's bound: the Credit option."),
-		bytes:       d("amqpsub_held_bytes", "Bytes of the bodies held now."),
-		groups:      d("amqpsub_groups_held", "Groups with deliveries in the lanes now (BalanceKeys)."),
-		parked:      d("amqpsub_parked_deliveries", "Deliveries held now that wait behind an earlier one of their group, or behind a handler call running over four times the mean (a hot, slow or stuck group)."),
-		locks:       d("amqpsub_locks_held", "Service Bus deliveries whose locks are kept now."),
-		lane:        d("amqpsub_lane_load", "Deliveries waiting for each lane and in its handler.", "lane"),
+	for _, f := range amqpsub.StatFields() {
+		name, scale, ok := seriesName(f)
+		if f.Kind == amqpsub.StatCounter || !ok {
+			continue
+		}
+		g.stats = append(g.stats, gauge{f: f, desc: prometheus.NewDesc(name, f.Help, base, constLabels), scale: scale})
 	}
+	return g
 }
 
 func (g *gauges) add(r *recorder) {
@@ -293,15 +332,17 @@ func (g *gauges) add(r *recorder) {
 
 // Describe implements prometheus.Collector.
 func (g *gauges) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{g.held, g.credit, g.creditLimit, g.bytes, g.groups, g.parked, g.locks, g.lane} {
-		ch <- d
+	for _, s := range g.stats {
+		ch <- s.desc
 	}
+	ch <- g.lane
 }
 
 // Collect implements prometheus.Collector: one Stats call per Subscriber
 // whose Run has not returned (those that have are forgotten), summed over
-// the Subscribers of one queue and broker (replicas in one process), so
-// that each series is collected once.
+// the Subscribers of one queue and broker (replicas in one process), or
+// the highest of them for a StatMaxGauge, so that each series is collected
+// once.
 func (g *gauges) Collect(ch chan<- prometheus.Metric) {
 	g.mu.Lock()
 	var subs []subscriber
@@ -317,8 +358,7 @@ func (g *gauges) Collect(ch chan<- prometheus.Metric) {
 	g.mu.Unlock()
 	type key struct{ system, queue string }
 	type sums struct {
-		held, credit, limit, bytes, groups, parked, locks float64
-		lanes                                             []float64
+		stats, lanes []float64
 	}
 	var order []key
 	byKey := map[key]*sums{}
@@ -326,18 +366,19 @@ func (g *gauges) Collect(ch chan<- prometheus.Metric) {
 		k := key{s.system, s.queue}
 		t := byKey[k]
 		if t == nil {
-			t = &sums{}
+			t = &sums{stats: make([]float64, len(g.stats))}
 			byKey[k] = t
 			order = append(order, k)
 		}
 		st := s.stats()
-		t.held += float64(st.Held)
-		t.credit += float64(st.Credit)
-		t.limit += float64(s.credit)
-		t.bytes += float64(st.BytesHeld)
-		t.groups += float64(st.GroupsHeld)
-		t.parked += float64(st.Parked)
-		t.locks += float64(st.Locks.Held)
+		for i, gs := range g.stats {
+			x := float64(gs.f.Value(st)) * gs.scale
+			if gs.f.Kind == amqpsub.StatMaxGauge {
+				t.stats[i] = max(t.stats[i], x)
+			} else {
+				t.stats[i] += x
+			}
+		}
 		for i, l := range st.Lanes {
 			if i == len(t.lanes) {
 				t.lanes = append(t.lanes, 0)
@@ -350,13 +391,9 @@ func (g *gauges) Collect(ch chan<- prometheus.Metric) {
 		v := func(d *prometheus.Desc, x float64, more ...string) {
 			ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, x, append([]string{k.system, k.queue}, more...)...)
 		}
-		v(g.held, t.held)
-		v(g.credit, t.credit)
-		v(g.creditLimit, t.limit)
-		v(g.bytes, t.bytes)
-		v(g.groups, t.groups)
-		v(g.parked, t.parked)
-		v(g.locks, t.locks)
+		for i, gs := range g.stats {
+			v(gs.desc, t.stats[i])
+		}
 		for i, l := range t.lanes {
 			v(g.lane, l, strconv.Itoa(i))
 		}

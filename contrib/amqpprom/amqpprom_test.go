@@ -165,11 +165,11 @@ func TestGaugesSumStatsPerQueue(t *testing.T) {
 # TYPE amqpsub_groups_held gauge
 amqpsub_groups_held{messaging_destination_name="audit",messaging_system="activemq"} 0
 amqpsub_groups_held{messaging_destination_name="orders",messaging_system="activemq"} 4
-# HELP amqpsub_held_bytes Bytes of the bodies held now.
+# HELP amqpsub_held_bytes Bytes of the message bodies held now.
 # TYPE amqpsub_held_bytes gauge
 amqpsub_held_bytes{messaging_destination_name="audit",messaging_system="activemq"} 0
 amqpsub_held_bytes{messaging_destination_name="orders",messaging_system="activemq"} 1000
-# HELP amqpsub_held_deliveries Deliveries held in the process now (at most the credit on a broker that keeps within it).
+# HELP amqpsub_held_deliveries Deliveries held in the process now: waiting for a handler, in one, or waiting for their settlement (at most the credit on a broker that keeps within it).
 # TYPE amqpsub_held_deliveries gauge
 amqpsub_held_deliveries{messaging_destination_name="audit",messaging_system="activemq"} 0
 amqpsub_held_deliveries{messaging_destination_name="orders",messaging_system="activemq"} 10

@@ -54,16 +54,28 @@
 //	    Consumed = settlements + dropped once the subscriber's Run has
 //	    returned.
 //
-// and gauges read from Subscriber.Stats at each scrape, summed over the
-// Subscribers of one queue and broker (replicas in one process); a
-// Subscriber whose Run has returned is forgotten:
+// and gauges read from Subscriber.Stats at each scrape, one for each row
+// of amqpsub.StatFields that is no counter, with the row's help: summed
+// over the Subscribers of one queue and broker (replicas in one process),
+// the highest of them for an amqpsub.StatMaxGauge; a Subscriber whose Run
+// has returned is forgotten. A row's series is amqpsub_<name>, with
+// _seconds for a duration (in seconds) and _bytes for a size whose name
+// does not say bytes; three keep the names they had before the table:
 //
-//	amqpsub_held_deliveries, amqpsub_credit (now: adaptive unless FixedCredit),
-//	amqpsub_credit_limit (the Credit option; summed, as the others), amqpsub_held_bytes,
-//	amqpsub_groups_held, amqpsub_parked_deliveries (held deliveries waiting
-//	behind an earlier one of their group or a handler call that runs long),
-//	amqpsub_locks_held,
+//	amqpsub_held_deliveries (held), amqpsub_held_bytes (bytes_held),
+//	amqpsub_parked_deliveries (parked: held deliveries waiting behind an
+//	earlier one of their group or a handler call that runs long),
+//	amqpsub_max_held, amqpsub_max_bytes_held, amqpsub_buffered,
+//	amqpsub_handling, amqpsub_settling, amqpsub_longest_lane,
+//	amqpsub_groups_held, amqpsub_credit (now: adaptive unless FixedCredit),
+//	amqpsub_credit_limit (the Credit option; summed, as the others),
+//	amqpsub_round_trip_seconds, amqpsub_locks_held,
 //	amqpsub_lane_load{lane}  (deliveries waiting for each lane or in it)
+//
+// The table's counters are no series of their own: the counters above
+// count what happens as it happens (amqpsub_events_total by kind among
+// them), and keep what a Subscriber counted once its Run returned, which
+// gauges read from Stats would lose.
 //
 // On the delivery path a call costs an atomic add, or a histogram
 // observation, on a series resolved when the Subscriber was made; nothing

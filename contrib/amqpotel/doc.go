@@ -44,16 +44,25 @@
 //     the subscriber's Run has returned.
 //
 // And, read from amqpsub.MetricsInfo.Stats in one callback per collection,
-// summed over the running subscribers of a queue (one whose Run returned
-// is left out): amqpsub.messages.held (held now,
-// against amqpsub.credit, the credit now, within amqpsub.credit.limit),
-// amqpsub.lane.load (per lane, amqpsub.lane),
-// amqpsub.groups.held, amqpsub.messages.parked (held deliveries waiting
-// behind an earlier one of their group or a handler call that runs long),
-// amqpsub.bytes.held (By) and amqpsub.locks.held.
-// They are asynchronous up-down counters, as the OpenTelemetry guidelines
-// want for values that add up across attributes (a Prometheus exporter
-// shows them as gauges).
+// an instrument for each row of amqpsub.StatFields that is no counter,
+// with the row's unit and help, named by InstrumentName: summed over the
+// running subscribers of a queue (one whose Run returned is left out), as
+// asynchronous up-down counters, which the OpenTelemetry guidelines want
+// for values that add up across attributes (a Prometheus exporter shows
+// them as gauges); an amqpsub.StatMaxGauge (amqpsub.longest_lane,
+// amqpsub.round_trip in ns) is an asynchronous gauge of the highest.
+// Those that had a name before the table keep it: amqpsub.messages.held
+// (held now, against amqpsub.credit, the credit now, within
+// amqpsub.credit.limit), amqpsub.groups.held, amqpsub.messages.parked
+// (held deliveries waiting behind an earlier one of their group or a
+// handler call that runs long), amqpsub.bytes.held (By) and
+// amqpsub.locks.held; the others are amqpsub.<name>: amqpsub.max_held,
+// amqpsub.max_bytes_held, amqpsub.buffered, amqpsub.handling,
+// amqpsub.settling. Beside them, amqpsub.lane.load is each lane's load
+// (per lane, amqpsub.lane). The table's counters are no instruments of
+// their own: the counters above count what happens as it happens
+// (amqpsub.events by kind among them), and keep what a subscriber counted
+// once its Run returned, which a read of Stats would lose.
 //
 // A Recorder's methods allocate nothing of their own: every attribute set
 // is made when the subscriber is created, and passed with

@@ -94,8 +94,9 @@ type Metrics struct {
 	dlCopies     metric.Int64Counter
 	dlFailures   metric.Int64Counter
 
-	held, credit, creditLimit, laneLoad, groupsHeld, parked, bytesHeld, locksHeld metric.Int64ObservableUpDownCounter
-	reg                                                                           metric.Registration
+	stats    []statGauge // the gauges of amqpsub.StatFields
+	laneLoad metric.Int64ObservableUpDownCounter
+	reg      metric.Registration
 
 	mu sync.Mutex
 	// recs are the recorders made, weakly: a subscriber that is garbage
@@ -147,27 +148,62 @@ func NewMetrics(opts ...Option) (*Metrics, error) {
 	m.dlFailures, err = meter.Int64Counter(DeadLetterCopyFailuresName, metric.WithUnit("{message}"),
 		metric.WithDescription("Dead-letter copies the broker did not take; those deliveries were rejected without their reason."))
 	add(err)
-	gauge := func(name, unit, desc string) metric.Int64ObservableUpDownCounter {
-		g, err := meter.Int64ObservableUpDownCounter(name, metric.WithUnit(unit), metric.WithDescription(desc))
+	m.laneLoad, err = meter.Int64ObservableUpDownCounter(LaneLoadName, metric.WithUnit("{message}"),
+		metric.WithDescription("Deliveries waiting for a lane and in its handler now."))
+	add(err)
+	observed := []metric.Observable{m.laneLoad}
+	for _, f := range amqpsub.StatFields() {
+		if f.Kind == amqpsub.StatCounter {
+			continue
+		}
+		g := statGauge{f: f}
+		unit, desc := metric.WithUnit(f.Unit), metric.WithDescription(f.Help)
+		if f.Kind == amqpsub.StatMaxGauge { // a value that does not add up across attributes
+			g.inst, err = meter.Int64ObservableGauge(InstrumentName(f), unit, desc)
+		} else {
+			g.inst, err = meter.Int64ObservableUpDownCounter(InstrumentName(f), unit, desc)
+		}
 		add(err)
-		return g
+		m.stats = append(m.stats, g)
+		observed = append(observed, g.inst)
 	}
-	m.held = gauge(HeldName, "{message}", "Deliveries held in the process now: buffered, in a handler, or waiting for their settlement.")
-	m.credit = gauge(CreditName, "{message}", "The credit now: the most deliveries the broker may send ahead and the process hold.")
-	m.creditLimit = gauge(CreditLimitName, "{message}", "The credit's bound: the Credit option.")
-	m.laneLoad = gauge(LaneLoadName, "{message}", "Deliveries waiting for a lane and in its handler now.")
-	m.groupsHeld = gauge(GroupsHeldName, "{group}", "Groups (group-ids) with deliveries in the lanes now.")
-	m.parked = gauge(ParkedName, "{message}", "Deliveries held now that wait behind an earlier one of their group, or behind a handler call running over four times the mean.")
-	m.bytesHeld = gauge(BytesHeldName, "By", "Size of the message bodies held now.")
-	m.locksHeld = gauge(LocksHeldName, "{lock}", "Service Bus message locks kept now.")
 	if err := errors.Join(errs...); err != nil {
 		return nil, fmt.Errorf("amqpotel: creating instruments: %w", err)
 	}
-	m.reg, err = meter.RegisterCallback(m.observe, m.held, m.credit, m.creditLimit, m.laneLoad, m.groupsHeld, m.parked, m.bytesHeld, m.locksHeld)
+	m.reg, err = meter.RegisterCallback(m.observe, observed...)
 	if err != nil {
 		return nil, fmt.Errorf("amqpotel: registering the gauges' callback: %w", err)
 	}
 	return m, nil
+}
+
+// statGauge is a row of amqpsub.StatFields as an instrument.
+type statGauge struct {
+	f    amqpsub.StatField
+	inst metric.Int64Observable
+}
+
+// legacyNames are the instrument names of the rows that had one before
+// amqpsub.StatFields named them; they keep them.
+var legacyNames = map[string]string{
+	"held":         HeldName,
+	"credit":       CreditName,
+	"credit_limit": CreditLimitName,
+	"groups_held":  GroupsHeldName,
+	"parked":       ParkedName,
+	"bytes_held":   BytesHeldName,
+	"locks_held":   LocksHeldName,
+}
+
+// InstrumentName returns the name of the instrument NewMetrics makes of a
+// row of amqpsub.StatFields that is no counter: "amqpsub." and the row's
+// name, or the constant above of a row that had an instrument before the
+// table (HeldName for "held", ParkedName for "parked"...).
+func InstrumentName(f amqpsub.StatField) string {
+	if n, ok := legacyNames[f.Name]; ok {
+		return n
+	}
+	return "amqpsub." + f.Name
 }
 
 // Close unregisters the callback that reads the gauges, so that the meter
@@ -215,7 +251,6 @@ type recorder struct {
 	system string
 	stats  func() amqpsub.Stats
 	done   <-chan struct{} // closed when the subscriber's Run returned
-	credit int64
 	base   attribute.Set
 	lanes  []attribute.Set // base and amqpsub.lane, for the gauges
 
@@ -250,7 +285,7 @@ func newRecorder(m *Metrics, info amqpsub.MetricsInfo) *recorder {
 	rec := func(kv ...attribute.KeyValue) []metric.RecordOption {
 		return []metric.RecordOption{metric.WithAttributeSet(set(kv...))}
 	}
-	r := &recorder{m: m, system: info.System, stats: info.Stats, done: info.Done, credit: int64(info.Credit), base: set()}
+	r := &recorder{m: m, system: info.System, stats: info.Stats, done: info.Done, base: set()}
 	r.plain = add()
 	r.received = add(semconv.MessagingOperationNameKey.String("receive"))
 	process := semconv.MessagingOperationNameKey.String("process")
@@ -378,10 +413,10 @@ func (r *recorder) ended() bool {
 
 // gauges sums the gauges of the subscribers of one queue.
 type gauges struct {
-	base                                              attribute.Set
-	lanes                                             []attribute.Set
-	held, credit, limit, groups, parked, bytes, locks int64
-	load                                              []int64
+	base  attribute.Set
+	lanes []attribute.Set
+	stats []int64 // by Metrics.stats
+	load  []int64
 }
 
 // observe reads every live subscriber's Stats, once each per collection,
@@ -406,18 +441,18 @@ func (m *Metrics) observe(_ context.Context, o metric.Observer) error {
 	for _, r := range live {
 		g := sums[r.base.Equivalent()]
 		if g == nil {
-			g = &gauges{base: r.base}
+			g = &gauges{base: r.base, stats: make([]int64, len(m.stats))}
 			sums[r.base.Equivalent()] = g
 			order = append(order, g)
 		}
 		st := r.stats()
-		g.held += int64(st.Held)
-		g.credit += int64(st.Credit)
-		g.limit += r.credit
-		g.groups += int64(st.GroupsHeld)
-		g.parked += int64(st.Parked)
-		g.bytes += st.BytesHeld
-		g.locks += int64(st.Locks.Held)
+		for i, sg := range m.stats {
+			if v := sg.f.Value(st); sg.f.Kind == amqpsub.StatMaxGauge {
+				g.stats[i] = max(g.stats[i], v)
+			} else {
+				g.stats[i] += v
+			}
+		}
 		for i, l := range st.Lanes {
 			if i == len(g.load) {
 				g.load = append(g.load, 0)
@@ -432,13 +467,9 @@ func (m *Metrics) observe(_ context.Context, o metric.Observer) error {
 	}
 	for _, g := range order {
 		at := metric.WithAttributeSet(g.base)
-		o.ObserveInt64(m.held, g.held, at)
-		o.ObserveInt64(m.credit, g.credit, at)
-		o.ObserveInt64(m.creditLimit, g.limit, at)
-		o.ObserveInt64(m.groupsHeld, g.groups, at)
-		o.ObserveInt64(m.parked, g.parked, at)
-		o.ObserveInt64(m.bytesHeld, g.bytes, at)
-		o.ObserveInt64(m.locksHeld, g.locks, at)
+		for i, sg := range m.stats {
+			o.ObserveInt64(sg.inst, g.stats[i], at)
+		}
 		for i, n := range g.load {
 			o.ObserveInt64(m.laneLoad, n, metric.WithAttributeSet(g.lanes[i]))
 		}

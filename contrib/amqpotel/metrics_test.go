@@ -309,7 +309,7 @@ func info(queue string, st func() amqpsub.Stats) amqpsub.MetricsInfo {
 // The recorder's every method, called directly: the attributes of each.
 func TestRecorderAttributes(t *testing.T) {
 	m, reader := newMetrics(t)
-	fs := &fakeStats{st: amqpsub.Stats{Held: 3, Credit: 6, GroupsHeld: 2, Parked: 5, BytesHeld: 300, Locks: amqpsub.Locks{Held: 3},
+	fs := &fakeStats{st: amqpsub.Stats{Held: 3, Credit: 6, CreditLimit: 10, GroupsHeld: 2, Parked: 5, BytesHeld: 300, Locks: amqpsub.Locks{Held: 3},
 		Lanes: []amqpsub.LaneStats{{Load: 1}, {Load: 2}}}}
 	r := m.Recorder(info("sbq", fs.get))
 	r.Received()
@@ -375,7 +375,7 @@ func TestRecorderAttributes(t *testing.T) {
 func TestGaugesSumAndForget(t *testing.T) {
 	m, reader := newMetrics(t)
 	st := func() amqpsub.Stats {
-		return amqpsub.Stats{Held: 4, Credit: 7, Lanes: []amqpsub.LaneStats{{Load: 4}, {}}}
+		return amqpsub.Stats{Held: 4, Credit: 7, CreditLimit: 10, Lanes: []amqpsub.LaneStats{{Load: 4}, {}}}
 	}
 	a := m.Recorder(info("q", st))
 	b := m.Recorder(info("q", st))

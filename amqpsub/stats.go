@@ -179,96 +179,71 @@ type Results struct {
 // Stats returns the subscriber's counters. It may be called at any time from
 // any goroutine.
 func (s *Subscriber) Stats() Stats {
-	var p pump.Stats
-	var locks Locks
-	lanesSt := make([]LaneStats, s.cfg.workers)
-	groups, parked, creditLimit := 0, 0, 0
+	st := Stats{Lanes: make([]LaneStats, s.cfg.workers)}
 	now := time.Now()
 	for _, pp := range s.pipes {
 		g := pp.gauge.Read()
-		for i := range lanesSt {
-			lanesSt[i].Load += g.Load[i]
-			lanesSt[i].Finished += g.Finished[i]
+		for i := range st.Lanes {
+			st.Lanes[i].Load += g.Load[i]
+			st.Lanes[i].Finished += g.Finished[i]
 		}
-		groups += g.Keys
+		st.GroupsHeld += g.Keys
 		q := pp.pump.Stats()
 		// A lane counts a batch's deliveries until its call returns, some
 		// perhaps settled already (LocalRetry): at most what is held.
 		group, stalled := pp.gauge.Parked(now)
-		parked += min(group+stalled, q.Held)
-		p.Held += q.Held
-		p.MaxHeld += q.MaxHeld
-		p.BytesHeld += q.BytesHeld
-		p.Credit += q.Credit
-		p.RoundTrip = max(p.RoundTrip, q.RoundTrip)
-		creditLimit += pp.pump.Credit()
-		p.MaxBytesHeld += q.MaxBytesHeld
-		p.Buffered += q.Buffered
-		p.Handling += q.Handling
-		p.Settling += q.Settling
-		p.Received += q.Received
-		p.Accepted += q.Accepted
-		p.Released += q.Released
-		p.Modified += q.Modified
-		p.Rejected += q.Rejected
-		p.SettleErrors += q.SettleErrors
-		p.Stale += q.Stale
-		p.Unsent += q.Unsent
-		p.Dropped += q.Dropped
-		p.Overshoot += q.Overshoot
-		p.Links += q.Links
-		p.LinksLost += q.LinksLost
-		locks.Dropped += q.LockLostDropped
-		locks.Skipped += q.LockLostSkipped
-		locks.LostAtSettle += q.LockLostAnswers
-		locks.SettleTimeouts += q.SettleTimeouts
-		pp.kind.addLocks(&locks)
+		st.Parked += min(group+stalled, q.Held)
+		st.CreditLimit += pp.pump.Credit()
+		addPump(&st, q)
+		pp.kind.addLocks(&st.Locks)
 	}
-	return Stats{
-		Lanes:        lanesSt,
-		GroupsHeld:   groups,
-		Parked:       parked,
-		Locks:        locks,
-		Held:         p.Held,
-		MaxHeld:      p.MaxHeld,
-		BytesHeld:    p.BytesHeld,
-		MaxBytesHeld: p.MaxBytesHeld,
-		Credit:       p.Credit,
-		CreditLimit:  creditLimit,
-		RoundTrip:    p.RoundTrip,
-		Buffered:     p.Buffered,
-		Handling:     p.Handling,
-		Settling:     p.Settling,
-		Received:     p.Received,
-		Settled: Settlements{
-			Accepted: p.Accepted,
-			Released: p.Released,
-			Modified: p.Modified,
-			Rejected: p.Rejected,
-		},
-		Results: Results{
-			Accept:       s.results.accept.Load(),
-			Release:      s.results.release.Load(),
-			Retry:        s.results.retry.Load(),
-			Reject:       s.results.reject.Load(),
-			Panics:       s.results.panics.Load(),
-			LocalRetries: s.results.localRetries.Load(),
-			Poisoned:     s.results.poisoned.Load(),
-			Oversize:     s.results.oversize.Load(),
-		},
-		SettleErrors:           p.SettleErrors,
-		Stale:                  p.Stale,
-		Unsent:                 p.Unsent,
-		Dropped:                p.Dropped,
-		Overshoot:              p.Overshoot,
-		Links:                  p.Links,
-		LinksLost:              p.LinksLost,
-		Reconnects:             s.reconnects.Load(),
-		DeadLetterCopies:       s.deadLetterCopies.Load(),
-		DeadLetterCopyFailures: s.deadLetterCopyFailures.Load(),
-		Abandoned:              s.abandoned.Load(),
-		EventsDropped:          s.events.droppedCount(),
+	st.Results = Results{
+		Accept:       s.results.accept.Load(),
+		Release:      s.results.release.Load(),
+		Retry:        s.results.retry.Load(),
+		Reject:       s.results.reject.Load(),
+		Panics:       s.results.panics.Load(),
+		LocalRetries: s.results.localRetries.Load(),
+		Poisoned:     s.results.poisoned.Load(),
+		Oversize:     s.results.oversize.Load(),
 	}
+	st.Reconnects = s.reconnects.Load()
+	st.DeadLetterCopies = s.deadLetterCopies.Load()
+	st.DeadLetterCopyFailures = s.deadLetterCopyFailures.Load()
+	st.Abandoned = s.abandoned.Load()
+	st.EventsDropped = s.events.droppedCount()
+	return st
+}
+
+// addPump adds one pump's figures to st: the one place that maps the
+// engine's numbers to the public ones (a session consumer has a pump per
+// session; the round trip is the longest of theirs).
+func addPump(st *Stats, q pump.Stats) {
+	st.Held += q.Held
+	st.MaxHeld += q.MaxHeld
+	st.BytesHeld += q.BytesHeld
+	st.MaxBytesHeld += q.MaxBytesHeld
+	st.Buffered += q.Buffered
+	st.Handling += q.Handling
+	st.Settling += q.Settling
+	st.Credit += q.Credit
+	st.RoundTrip = max(st.RoundTrip, q.RoundTrip)
+	st.Received += q.Received
+	st.Settled.Accepted += q.Accepted
+	st.Settled.Released += q.Released
+	st.Settled.Modified += q.Modified
+	st.Settled.Rejected += q.Rejected
+	st.SettleErrors += q.SettleErrors
+	st.Stale += q.Stale
+	st.Unsent += q.Unsent
+	st.Dropped += q.Dropped
+	st.Overshoot += q.Overshoot
+	st.Links += q.Links
+	st.LinksLost += q.LinksLost
+	st.Locks.Dropped += q.LockLostDropped
+	st.Locks.Skipped += q.LockLostSkipped
+	st.Locks.LostAtSettle += q.LockLostAnswers
+	st.Locks.SettleTimeouts += q.SettleTimeouts
 }
 
 // String returns the counters on one line: held and its census, the

@@ -2,7 +2,6 @@ package amqpotel_test
 
 import (
 	"fmt"
-	"os"
 	"runtime"
 	"slices"
 	"strings"
@@ -14,6 +13,7 @@ import (
 
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/contrib/amqpotel"
+	"github.com/amqpsub/amqpsub/internal/golden"
 )
 
 // describe returns an instrument as "name unit kind attributes": its data's
@@ -81,11 +81,6 @@ func instruments(t *testing.T) []string {
 // is still made, of its unit and kind and with its attributes; those added
 // since are listed here, so that none comes or goes unseen.
 func TestInstrumentsOf85a6eb9Stay(t *testing.T) {
-	b, err := os.ReadFile("testdata/instruments-85a6eb9.txt")
-	if err != nil {
-		t.Fatal(err)
-	}
-	golden := strings.Split(strings.TrimSpace(string(b)), "\n")
 	base := "messaging.destination.name,messaging.system"
 	added := []string{
 		"amqpsub.messages.parked {message} sum_int64 monotonic=false " + base,
@@ -98,25 +93,7 @@ func TestInstrumentsOf85a6eb9Stay(t *testing.T) {
 		"amqpsub.longest_lane {message} gauge_int64 " + base,
 		"amqpsub.round_trip ns gauge_int64 " + base,
 	}
-	got := instruments(t)
-	for _, s := range golden {
-		if !slices.Contains(got, s) {
-			t.Errorf("85a6eb9's %q is gone", s)
-		}
-	}
-	for _, s := range got {
-		if !slices.Contains(golden, s) && !slices.Contains(added, s) {
-			t.Errorf("%q is new: add it to the list of instruments added since 85a6eb9", s)
-		}
-	}
-	for _, s := range added {
-		if !slices.Contains(got, s) {
-			t.Errorf("added %q is not made", s)
-		}
-	}
-	if len(golden) != 16 {
-		t.Errorf("%d instruments in testdata, 85a6eb9 had 16", len(golden))
-	}
+	golden.Check(t, "testdata/instruments-85a6eb9.txt", 16, added, instruments(t))
 }
 
 // Every row of amqpsub.StatFields but the counters (which the recorder

@@ -1,7 +1,6 @@
 package amqpprom_test
 
 import (
-	"os"
 	"runtime"
 	"slices"
 	"strings"
@@ -13,6 +12,7 @@ import (
 
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/contrib/amqpprom"
+	"github.com/amqpsub/amqpsub/internal/golden"
 )
 
 // series returns every series family a Metrics exports, with a Subscriber
@@ -47,11 +47,6 @@ func series(t *testing.T) []string {
 // still exported, of its type and with its labels; the series added since
 // are listed here, so that none comes or goes unseen.
 func TestSeriesOf85a6eb9Stay(t *testing.T) {
-	b, err := os.ReadFile("testdata/series-85a6eb9.txt")
-	if err != nil {
-		t.Fatal(err)
-	}
-	golden := strings.Split(strings.TrimSpace(string(b)), "\n")
 	base := "gauge messaging_destination_name,messaging_system"
 	added := []string{
 		"amqpsub_parked_deliveries " + base,
@@ -64,25 +59,7 @@ func TestSeriesOf85a6eb9Stay(t *testing.T) {
 		"amqpsub_max_bytes_held " + base,
 		"amqpsub_round_trip_seconds " + base,
 	}
-	got := series(t)
-	for _, s := range golden {
-		if !slices.Contains(got, s) {
-			t.Errorf("85a6eb9's %q is gone", s)
-		}
-	}
-	for _, s := range got {
-		if !slices.Contains(golden, s) && !slices.Contains(added, s) {
-			t.Errorf("%q is new: add it to the list of series added since 85a6eb9", s)
-		}
-	}
-	for _, s := range added {
-		if !slices.Contains(got, s) {
-			t.Errorf("added %q is not exported", s)
-		}
-	}
-	if len(golden) != 16 {
-		t.Errorf("%d series in testdata, 85a6eb9 had 16", len(golden))
-	}
+	golden.Check(t, "testdata/series-85a6eb9.txt", 16, added, series(t))
 }
 
 // Every row of amqpsub.StatFields but the counters (which the recorder

@@ -1,6 +1,7 @@
 package amqpsub_test
 
 import (
+	"fmt"
 	"reflect"
 	"regexp"
 	"strings"
@@ -173,4 +174,22 @@ func TestStatsString(t *testing.T) {
 	if got := (amqpsub.Stats{Overshoot: -1, Links: 3, CreditLimit: 5}).String(); got != zero {
 		t.Errorf("String of zeros, links and a negative overshoot:\n got %s\nwant %s", got, zero)
 	}
+}
+
+// A report of a subscriber's levels, from the table rather than a list of
+// fields of its own: a number added to Stats shows up here too.
+func ExampleStatFields() {
+	st := amqpsub.Stats{Held: 12, Buffered: 8, Handling: 4, Credit: 32, CreditLimit: 256, RoundTrip: 3 * time.Millisecond}
+	for _, f := range amqpsub.StatFields() {
+		if v := f.Value(st); f.Kind != amqpsub.StatCounter && v != 0 {
+			fmt.Printf("%s %d %s (%s)\n", f.Name, v, f.Unit, f.Kind)
+		}
+	}
+	// Output:
+	// held 12 {message} (gauge)
+	// buffered 8 {message} (gauge)
+	// handling 4 {message} (gauge)
+	// credit 32 {message} (gauge)
+	// credit_limit 256 {message} (gauge)
+	// round_trip 3000000 ns (max_gauge)
 }

@@ -17,7 +17,8 @@ func Check(t testing.TB, file string, n int, added, got []string) {
 	t.Helper()
 	b, err := os.ReadFile(file) //nolint:gosec // G304: a testdata file the test names
 	if err != nil {
-		t.Fatal(err)
+		t.Errorf("%v", err)
+		return
 	}
 	old := strings.Split(strings.TrimSpace(string(b)), "\n")
 	if len(old) != n {

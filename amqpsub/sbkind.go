@@ -12,6 +12,8 @@ import (
 	"github.com/cespare/xxhash/v2"
 	"go.uber.org/zap"
 
+	"github.com/amqpsub/amqpsub/internal/driver"
+
 	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
 	"github.com/amqpsub/amqpsub/internal/wait"
@@ -207,7 +209,7 @@ func (k *sbKind) receiverOptions(ro *amqp.ReceiverOptions) {
 
 // attached attaches the $management node beside l's receiver and, for a
 // session consumer, accepts the session the service granted.
-func (k *sbKind) attached(ctx context.Context, l *link) (pump.Source, string, error) {
+func (k *sbKind) attached(ctx context.Context, l *link) (driver.Source, string, error) {
 	s := k.s
 	mgmt, err := servicebus.NewManagement(ctx, l.sess, s.cfg.profile.address(s.queue), l.rcv.LinkName())
 	if err != nil {
@@ -237,7 +239,7 @@ func (k *sbKind) ready(ctx context.Context, l *link) error {
 	return k.awaitSession(ctx, l.sb.session)
 }
 
-func (k *sbKind) attachedSource(src pump.Source) {
+func (k *sbKind) attachedSource(src driver.Source) {
 	if rn, ok := src.(servicebus.Renewer); ok {
 		// A test source that renews its own locks (see renewer).
 		k.sourceRenewer.Store(&rn)
@@ -252,13 +254,13 @@ func (k *sbKind) attachedSource(src pump.Source) {
 func (k *sbKind) release(ctx context.Context, l *link, why error, detach func()) {
 	if l.sb != nil && l.sb.session != nil {
 		l.sb.session.Stop()
-		// An idle session (pump.ErrSourceDone) is let go as it should be:
+		// An idle session (driver.ErrSourceDone) is let go as it should be:
 		// no error to report, only the reason.
 		reason, err := "link lost", why
 		switch {
 		case why == nil:
 			reason = "stop"
-		case errors.Is(why, pump.ErrSourceDone):
+		case errors.Is(why, driver.ErrSourceDone):
 			reason, err = "idle", nil
 		}
 		k.s.log.Info("session released", zap.String("session_id", l.sb.session.ID()), zap.Int("slot", l.sb.session.Slot()),
@@ -348,7 +350,7 @@ func (k *sbKind) refused(err error, attempt int) (refusal, time.Duration) {
 
 // handlerContext returns a context that is cancelled (cause ErrLockLost)
 // when the lock of any of ts is lost.
-func (k *sbKind) handlerContext(ctx context.Context, ts ...pump.Ticket) (context.Context, func()) {
+func (k *sbKind) handlerContext(ctx context.Context, ts ...driver.Ticket) (context.Context, func()) {
 	hctx, cancel := context.WithCancelCause(ctx)
 	for _, t := range ts {
 		if !k.book.Bind(t, cancel) {
@@ -382,7 +384,7 @@ func (k *sbKind) addLocks(l *Locks) {
 // ErrLockLost): the delivery is dropped if no handler has it, its
 // settlement skipped if one has (the book has cancelled the handler's
 // context).
-func (k *sbKind) lockLost(t pump.Ticket, m *amqp.Message, why error) {
+func (k *sbKind) lockLost(t driver.Ticket, m *amqp.Message, why error) {
 	// Reported only when it changed anything: a delivery already settling
 	// or settled hears of its lock from the settlement's answer.
 	if k.p.pump.LoseLock(t) && m != nil {
@@ -467,8 +469,8 @@ const sessionBusyPoll = 20 * time.Millisecond
 func (s *Subscriber) handlersOf(id string) int {
 	n := 0
 	for _, p := range s.pipes {
-		p.pump.Each(func(d *pump.Delivery) bool {
-			if m := d.Message(); m != nil && d.State() == pump.Handling && groupID(m) == id {
+		p.pump.Each(func(d *driver.Delivery) bool {
+			if m := d.Message(); m != nil && d.State() == driver.Handling && groupID(m) == id {
 				n++
 			}
 			return true
@@ -514,7 +516,7 @@ func (k *sbKind) awaitSession(ctx context.Context, src *servicebus.Session) erro
 // link cannot leave a group's earlier message to come back after a later
 // one was settled. Keyless deliveries under WorkersByKey are ordered by
 // lane; the others not at all.
-func (k *sbKind) settle(t pump.Ticket, o pump.Outcome, lane int) {
+func (k *sbKind) settle(t driver.Ticket, o driver.Outcome, lane int) {
 	switch g := groupID(t.Message()); {
 	case g != "":
 		k.p.pump.SettleInOrder(t, o, xxhash.Sum64String(g))

@@ -12,24 +12,9 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/internal/credit"
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/wait"
 )
-
-// Source is the set of receiver calls the pump makes. *amqp.Receiver
-// implements it; tests and benchmarks use a fake.
-//
-// A source that settles a delivery with another outcome than the one it
-// was asked for (a release the broker can only take as modified, say)
-// returns its answer wrapped by [SentAs]: the pump counts and reports the
-// outcome that went out.
-type Source interface {
-	Receive(ctx context.Context, opts *amqp.ReceiveOptions) (*amqp.Message, error)
-	IssueCredit(credit uint32) error
-	AcceptMessage(ctx context.Context, msg *amqp.Message) error
-	ReleaseMessage(ctx context.Context, msg *amqp.Message) error
-	RejectMessage(ctx context.Context, msg *amqp.Message, e *amqp.Error) error
-	ModifyMessage(ctx context.Context, msg *amqp.Message, opts *amqp.ModifyMessageOptions) error
-}
 
 // AttachFunc returns a source to receive from. Run calls it at start, with
 // lost nil, and again after the source it gave failed, with lost the error
@@ -37,7 +22,7 @@ type Source interface {
 // off between attempts as it sees fit); an error it returns ends Run. The
 // source must be attached with manual credit (go-amqp ReceiverOptions.Credit
 // = -1). Cancelling ctx means the pump is stopping.
-type AttachFunc func(ctx context.Context, lost error) (Source, error)
+type AttachFunc func(ctx context.Context, lost error) (driver.Source, error)
 
 // Config configures a [Pump].
 type Config struct {
@@ -67,7 +52,7 @@ type Config struct {
 	// RabbitMQ).
 	Settlers int
 	// KeepAcrossLinks says that the broker's hold on a delivery outlives
-	// the link it came on, and that its [Source] can still settle it once
+	// the link it came on, and that its [driver.Source] can still settle it once
 	// that link is gone: Service Bus keeps a message's lock until it
 	// expires, and takes its settlement by lock token on the entity's
 	// $management node (the source falls back to that). Requires
@@ -121,9 +106,9 @@ type Meter interface {
 	// Received is called for each delivery received.
 	Received()
 	// Settled is called for each settlement applied: err is nil when the
-	// broker took it, [ErrNotSent] when it was not sent (the delivery's link
+	// broker took it, [driver.ErrNotSent] when it was not sent (the delivery's link
 	// or lock was lost), else what the broker or link answered.
-	Settled(k Kind, err error)
+	Settled(k driver.Kind, err error)
 	// Dropped is called for deliveries freed without a settlement, before
 	// a handler took them: their link, or their lock, was lost (n at once
 	// when a lost link's buffered deliveries are dropped together).
@@ -134,8 +119,8 @@ type Meter interface {
 // pump's goroutine when a delivery enters the book; Remove when its entry
 // leaves it (settled, dropped or released). Neither may block.
 type Leases interface {
-	Add(t Ticket)
-	Remove(d *Delivery)
+	Add(t driver.Ticket)
+	Remove(d *driver.Delivery)
 }
 
 // Pump is the receiving end of one subscription. Create it with [New], start it
@@ -143,7 +128,7 @@ type Leases interface {
 type Pump struct {
 	cfg    Config
 	log    *zap.Logger
-	out    chan Ticket
+	out    chan driver.Ticket
 	settle *burst[settlement]
 
 	stopOnce     sync.Once
@@ -159,7 +144,7 @@ type Pump struct {
 	done         chan struct{}
 	running      atomic.Bool
 
-	link atomic.Uint64 // generation of the current link; 0 before the first
+	links *driver.Links // generation of the current link; 0 before the first
 
 	// flushBy is when, once Run's ctx has ended, the settlers stop sending
 	// what was decided (Unix ns; 0: at once). See FlushBy.
@@ -167,8 +152,8 @@ type Pump struct {
 
 	// Owned by the Run goroutine.
 	acct     *credit.Account
-	free     []*Delivery
-	backlog  []Ticket        // received, waiting for room in out
+	free     []*driver.Delivery
+	backlog  []driver.Ticket // received, waiting for room in out
 	shards   []*shard        // one per settler (Settlers > 0)
 	anyq     chan settlement // unordered settlements, for whichever settler is free
 	next     int             // the settler the next unordered settlement goes to
@@ -176,7 +161,7 @@ type Pump struct {
 	ended    bool            // Run is returning: nothing more is sent
 
 	bookMu sync.RWMutex
-	book   []*Delivery // every entry ever made; written by the Run goroutine only
+	book   []*driver.Delivery // every entry ever made; written by the Run goroutine only
 
 	stats counters
 }
@@ -191,7 +176,8 @@ func New(cfg Config) *Pump {
 	p := &Pump{
 		cfg:      cfg,
 		log:      log,
-		out:      make(chan Ticket, cfg.Credit),
+		out:      make(chan driver.Ticket, cfg.Credit),
+		links:    driver.NewLinks(cfg.KeepAcrossLinks),
 		settle:   newBurst[settlement](min(2*cfg.Credit, 1024)),
 		stop:     make(chan struct{}),
 		released: make(chan struct{}),
@@ -218,10 +204,10 @@ func New(cfg Config) *Pump {
 	if cfg.Settlers > 0 {
 		p.anyq = make(chan settlement, cfg.Credit)
 	}
-	p.book = make([]*Delivery, cfg.Credit)
-	p.free = make([]*Delivery, cfg.Credit)
+	p.book = make([]*driver.Delivery, cfg.Credit)
+	p.free = make([]*driver.Delivery, cfg.Credit)
 	for i := range p.book {
-		d := &Delivery{p: p}
+		d := driver.NewDelivery(p.links)
 		p.book[i] = d
 		p.free[i] = d
 	}
@@ -231,7 +217,7 @@ func New(cfg Config) *Pump {
 // Out returns the channel of received deliveries, as deep as the credit.
 // Each ticket taken from it must be passed to Settle once. Out is closed
 // when Run returns.
-func (p *Pump) Out() <-chan Ticket { return p.out }
+func (p *Pump) Out() <-chan driver.Ticket { return p.out }
 
 // Stopping returns a channel closed when Stop is called. Consumers release
 // deliveries they have not yet given to a handler once it is closed.
@@ -267,9 +253,9 @@ func (p *Pump) checkQuiet() {
 	settling := 0
 	for _, d := range p.book {
 		switch d.State() {
-		case Buffered:
+		case driver.Buffered:
 			return
-		case Settling:
+		case driver.Settling:
 			settling++
 		}
 	}
@@ -327,7 +313,7 @@ func (p *Pump) markReleased() { p.releasedOnce.Do(func() { close(p.released) }) 
 // FlushBy sets how long, once Run's ctx has ended, the settlers go on
 // sending the settlements they were given (Settlers > 0): until t. Run
 // waits for them until then, and reports each one not sent by then as not
-// sent ([Stats.Unsent], [ErrNotSent]). Without it, or with t past, what the
+// sent ([Stats.Unsent], [driver.ErrNotSent]). Without it, or with t past, what the
 // settlers still hold when ctx ends is not sent. Call it before cancelling
 // ctx; it may be called from any goroutine.
 func (p *Pump) FlushBy(t time.Time) { p.flushBy.Store(t.UnixNano()) }
@@ -340,12 +326,6 @@ var ErrDrainAnswered = errors.New("pump: drain answered")
 // ErrStopped is returned by Run after Stop once every held delivery was
 // settled.
 var ErrStopped = errors.New("pump: stopped")
-
-// ErrSourceDone says, wrapped by a source's Receive error, that the source
-// ended as it should (a Service Bus session whose consumer moves on), not
-// that its link was lost: Run attaches the next one without counting a
-// loss. A source should end so only when nothing of it is held.
-var ErrSourceDone = errors.New("pump: source done")
 
 // Run receives from the sources attach gives until Stop has taken effect,
 // ctx ends, or attach fails. It returns [ErrStopped] after a graceful stop,
@@ -401,7 +381,7 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		if errors.Is(err, ErrSourceDone) {
+		if errors.Is(err, driver.ErrSourceDone) {
 			p.log.Debug("source done; attaching the next", zap.Error(err))
 		} else {
 			p.log.Warn("link lost", zap.Error(err), zap.Int("held", p.acct.Held()))
@@ -409,7 +389,7 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 			p.event(Event{Kind: LinkLost, Err: err})
 		}
 		lost = err
-		p.link.Add(1)
+		p.links.Next()
 		switch {
 		case !p.cfg.KeepAcrossLinks:
 			// Deliveries of the lost link are stale from here on.
@@ -450,8 +430,8 @@ func waitReturned(returned <-chan struct{}, n int, by time.Time) {
 
 // serve runs one link until it fails (its error), Stop took effect
 // (ErrStopped) or ctx ended.
-func (p *Pump) serve(ctx context.Context, src Source) (err error) {
-	gen := p.link.Load()
+func (p *Pump) serve(ctx context.Context, src driver.Source) (err error) {
+	gen := p.links.Current()
 	rctx, cancelReceive := context.WithCancel(ctx)
 	in := newBurst[*amqp.Message](min(p.cfg.Credit, 1024))
 	var wg sync.WaitGroup
@@ -545,8 +525,8 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 		} else if stopping && p.acct.Held() == 0 {
 			return ErrStopped
 		}
-		var head Ticket
-		var out chan<- Ticket
+		var head driver.Ticket
+		var out chan<- driver.Ticket
 		if len(p.backlog) > 0 {
 			head, out = p.backlog[0], p.out
 		}
@@ -571,7 +551,7 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 				return err
 			}
 		case out <- head:
-			p.backlog[0] = Ticket{}
+			p.backlog[0] = driver.Ticket{}
 			p.backlog = p.backlog[1:]
 			if len(p.backlog) == 0 {
 				p.backlog = p.backlog[:0:0]
@@ -633,7 +613,7 @@ const holdDrainWait = time.Second
 // has passed): released on a link that still has credit, they would come
 // straight back to it. The drain goes on, on wg, if it takes longer; rctx
 // ends it with serve.
-func (p *Pump) drainThenRelease(ctx, rctx context.Context, src Source, wg *sync.WaitGroup) {
+func (p *Pump) drainThenRelease(ctx, rctx context.Context, src driver.Source, wg *sync.WaitGroup) {
 	if _, ok := src.(drainer); ok {
 		drained := make(chan struct{})
 		wg.Go(func() {
@@ -668,7 +648,7 @@ type drainer interface {
 // sends the drain as a flow with no credit, so even a broker that ignores
 // drain stops sending. It returns when the broker answers, or when ctx
 // ends (serve returning); the answer matters to nobody.
-func drainCredit(ctx context.Context, src Source) {
+func drainCredit(ctx context.Context, src driver.Source) {
 	if d, ok := src.(drainer); ok {
 		_ = d.DrainCredit(ctx, nil)
 	}
@@ -678,14 +658,14 @@ func drainCredit(ctx context.Context, src Source) {
 // the backlog and Out.
 func (p *Pump) releaseBuffered(ctx context.Context) {
 	for _, t := range p.backlog {
-		p.Settle(t, Outcome{Kind: Release})
+		p.Settle(t, driver.Outcome{Kind: driver.Release})
 	}
 	clear(p.backlog)
 	p.backlog = p.backlog[:0]
 	for more := true; more; {
 		select {
 		case t := <-p.out:
-			p.Settle(t, Outcome{Kind: Release})
+			p.Settle(t, driver.Outcome{Kind: driver.Release})
 		default:
 			more = false
 		}
@@ -696,7 +676,7 @@ func (p *Pump) releaseBuffered(ctx context.Context) {
 
 // received counts a new delivery and puts it in Out, or in the backlog
 // while Out is full; while stopping it releases it at once.
-func (p *Pump) received(t Ticket, stopping bool) {
+func (p *Pump) received(t driver.Ticket, stopping bool) {
 	if p.acct.Received() {
 		s := p.acct.Snapshot()
 		p.log.Warn("broker sent past the credit it was given; granting in windows from now on",
@@ -704,7 +684,7 @@ func (p *Pump) received(t Ticket, stopping bool) {
 		p.stats.windowed.Store(true)
 		p.event(Event{Kind: Overshoot})
 	}
-	p.acct.ReceivedBytes(t.d.size.Load())
+	p.acct.ReceivedBytes(t.Entry().Size())
 	p.stats.received.Add(1)
 	if p.cfg.Meter != nil {
 		p.cfg.Meter.Received()
@@ -715,7 +695,7 @@ func (p *Pump) received(t Ticket, stopping bool) {
 		p.cfg.Leases.Add(t)
 	}
 	if stopping {
-		p.Settle(t, Outcome{Kind: Release})
+		p.Settle(t, driver.Outcome{Kind: driver.Release})
 		return
 	}
 	if len(p.backlog) == 0 {

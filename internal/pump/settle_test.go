@@ -11,6 +11,7 @@ import (
 
 	"github.com/Azure/go-amqp"
 
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/fake"
 	"github.com/amqpsub/amqpsub/internal/pump"
 )
@@ -32,7 +33,7 @@ func TestUnorderedSettlementsDoNotWaitBehindAStuckOne(t *testing.T) {
 		cancel, errc := start(t, p, attachTo(src))
 		for range n {
 			d := <-p.Out()
-			p.Settle(d, pump.Outcome{Kind: pump.Accept}) // unordered
+			p.Settle(d, driver.Outcome{Kind: driver.Accept}) // unordered
 		}
 		time.Sleep(time.Second)
 		synctest.Wait()
@@ -79,9 +80,9 @@ func TestASettlementQueuedWhenItsLinkIsLostIsStale(t *testing.T) {
 		a, b := <-p.Out(), <-p.Out()
 		var mu sync.Mutex
 		var heard error
-		b.OnSettled(func(_ pump.Kind, err error) { mu.Lock(); heard = err; mu.Unlock() })
-		p.Settle(a, pump.Outcome{Kind: pump.Accept})
-		p.Settle(b, pump.Outcome{Kind: pump.Accept})
+		b.OnSettled(func(_ driver.Kind, err error) { mu.Lock(); heard = err; mu.Unlock() })
+		p.Settle(a, driver.Outcome{Kind: driver.Accept})
+		p.Settle(b, driver.Outcome{Kind: driver.Accept})
 		synctest.Wait()
 		first.Fail(fake.ErrLinkLost)
 		synctest.Wait()
@@ -94,7 +95,7 @@ func TestASettlementQueuedWhenItsLinkIsLostIsStale(t *testing.T) {
 		mu.Unlock()
 		cancel()
 		<-errc
-		if st.Stale != 1 || !errors.Is(h, pump.ErrNotSent) {
+		if st.Stale != 1 || !errors.Is(h, driver.ErrNotSent) {
 			t.Fatalf("a settlement queued for a settler when its link was lost: stale %d (want 1), OnSettled %v (want ErrNotSent)", st.Stale, h)
 		}
 	})
@@ -112,7 +113,7 @@ func TestSettlersKeepSettlementsInFlight(t *testing.T) {
 		cancel, errc := start(t, p, attachTo(src))
 		begin := time.Now()
 		for range n {
-			p.Settle(<-p.Out(), pump.Outcome{Kind: pump.Accept})
+			p.Settle(<-p.Out(), driver.Outcome{Kind: driver.Accept})
 		}
 		for src.Count(fake.Accepted) < n {
 			time.Sleep(rtt)
@@ -150,7 +151,7 @@ func TestSettlementsAnsweredLateOrWithLockLost(t *testing.T) {
 		p := pump.New(pump.Config{Credit: 4, Settlers: 2, SettleTimeout: time.Second})
 		cancel, errc := start(t, p, attachTo(src))
 		for range 3 {
-			p.Settle(<-p.Out(), pump.Outcome{Kind: pump.Accept})
+			p.Settle(<-p.Out(), driver.Outcome{Kind: driver.Accept})
 		}
 		time.Sleep(2 * time.Second)
 		synctest.Wait()
@@ -169,13 +170,13 @@ func TestSettlementsAnsweredLateOrWithLockLost(t *testing.T) {
 // is true. Outside a settler's call Resting does nothing.
 func TestRestingSettlementIsNotSending(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		pump.Resting(context.Background())() // no settlement: nothing to do
+		driver.Resting(context.Background())() // no settlement: nothing to do
 		src := fake.New(true, fake.Messages(1)...)
-		var tk pump.Ticket
+		var tk driver.Ticket
 		var seen []bool
 		src.SettleErr = func(ctx context.Context, _ *amqp.Message) error {
 			seen = append(seen, tk.Sending())
-			resume := pump.Resting(ctx)
+			resume := driver.Resting(ctx)
 			seen = append(seen, tk.Sending())
 			resume()
 			seen = append(seen, tk.Sending())
@@ -184,7 +185,7 @@ func TestRestingSettlementIsNotSending(t *testing.T) {
 		p := pump.New(pump.Config{Credit: 1, Settlers: 1})
 		cancel, errc := start(t, p, attachTo(src))
 		tk = <-p.Out()
-		p.Settle(tk, pump.Outcome{Kind: pump.Accept})
+		p.Settle(tk, driver.Outcome{Kind: driver.Accept})
 		synctest.Wait()
 		cancel()
 		<-errc

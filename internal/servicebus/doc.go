@@ -74,7 +74,7 @@
 // delivery without a usable lock and a failed renewal request are logged
 // at warn at most once a minute each, and at debug otherwise (see package
 // internal/loglimit). A delivery whose settlement is being sent
-// (pump.Ticket.Sending) is neither renewed nor declared lost by the book,
+// (driver.Ticket.Sending) is neither renewed nor declared lost by the book,
 // and one whose settlement waits to be sent is renewed but not declared
 // lost: the settlement's answer decides, and the pump then removes it from
 // the book.

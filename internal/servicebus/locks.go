@@ -11,8 +11,8 @@ import (
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
 
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/loglimit"
-	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 // Renewer renews message locks (com.microsoft:renew-lock on the entity's
@@ -83,7 +83,7 @@ type BookConfig struct {
 	// and must not block. Required.
 	// m is the delivery's message, as it was when the delivery entered the
 	// book (the ticket's entry may hold another by now).
-	OnLost func(t pump.Ticket, m *amqp.Message, why error)
+	OnLost func(t driver.Ticket, m *amqp.Message, why error)
 	// Logger receives the book's logs; nil means none.
 	Logger *zap.Logger
 	// OnRenewed, when set, is told of each request that renewed locks: n
@@ -114,14 +114,14 @@ type Book struct {
 	wake    chan struct{}
 
 	mu      sync.Mutex
-	entries map[*pump.Delivery]*entry
+	entries map[*driver.Delivery]*entry
 	stats   BookStats
 	// busyUntil: no request goes out before it (a server-busy answer).
 	busyUntil time.Time
 }
 
 type entry struct {
-	t        pump.Ticket
+	t        driver.Ticket
 	msg      *amqp.Message // t's message, which t may no longer reach
 	token    amqp.UUID
 	until    time.Time // when the lock expires
@@ -154,7 +154,7 @@ func NewBook(cfg BookConfig) *Book {
 		log = zap.NewNop()
 	}
 	return &Book{cfg: cfg, log: log, limited: loglimit.New(log, loglimit.Every), wake: make(chan struct{}, 1),
-		entries: map[*pump.Delivery]*entry{}}
+		entries: map[*driver.Delivery]*entry{}}
 }
 
 // LockToken returns the lock token of a Service Bus delivery: its 16-byte
@@ -204,7 +204,7 @@ func (b *Book) requestTimeout(now, until time.Time) time.Duration {
 // Add enters the delivery t in the book ([pump.Leases]). A delivery without
 // a usable lock token or expiry is kept (so Bind and Remove work) but never
 // renewed, counted ([BookStats.Unrenewable]) and logged, limited.
-func (b *Book) Add(t pump.Ticket) {
+func (b *Book) Add(t driver.Ticket) {
 	now := time.Now()
 	m := t.Message()
 	e := &entry{t: t, msg: m}
@@ -228,7 +228,7 @@ func (b *Book) Add(t pump.Ticket) {
 
 // Remove takes the delivery out of the book ([pump.Leases]): settled,
 // dropped or released.
-func (b *Book) Remove(d *pump.Delivery) {
+func (b *Book) Remove(d *driver.Delivery) {
 	b.mu.Lock()
 	delete(b.entries, d)
 	b.mu.Unlock()
@@ -237,7 +237,7 @@ func (b *Book) Remove(d *pump.Delivery) {
 // Bind ties a handler's context to t: it is cancelled, with [ErrLockLost] as
 // its cause, if t's lock is lost. MaxRenewal counts from the first Bind of
 // t. It reports false if t is not in the book (any more).
-func (b *Book) Bind(t pump.Ticket, cancel context.CancelCauseFunc) bool {
+func (b *Book) Bind(t driver.Ticket, cancel context.CancelCauseFunc) bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	e, ok := b.entries[t.Entry()]
@@ -327,7 +327,7 @@ func (b *Book) Run(ctx context.Context) {
 // the earliest, so that they share a request; at most room, those that
 // expire first), the ones past their expiry, and when to look next.
 //
-// Deliveries whose settlement is being sent (pump.Ticket.Sending) are left
+// Deliveries whose settlement is being sent (driver.Ticket.Sending) are left
 // alone: renewing one would only be refused as lost, and whether it is lost
 // is for the settlement's answer to say. One whose settlement waits for its
 // turn (behind the earlier ones of its group) is still renewed, but not
@@ -342,7 +342,7 @@ func (b *Book) round(now time.Time, room int) (renew, lost []*entry, next time.T
 			continue
 		}
 		if !e.until.After(now) {
-			if e.t.State() != pump.Settling { // else its settlement's answer says
+			if e.t.State() != driver.Settling { // else its settlement's answer says
 				lost = append(lost, e)
 				delete(b.entries, d)
 			}
@@ -457,7 +457,7 @@ func (b *Book) renew(ctx context.Context, es []*entry) (refused []*entry) {
 		b.mu.Unlock()
 		var still []*entry
 		for _, e := range es {
-			if b.held(e) && e.t.State() != pump.Settling {
+			if b.held(e) && e.t.State() != driver.Settling {
 				still = append(still, e)
 			} else {
 				b.done(e)
@@ -479,7 +479,7 @@ func (b *Book) renew(ctx context.Context, es []*entry) (refused []*entry) {
 		b.mu.Lock()
 		defer b.mu.Unlock()
 		e.renewing = false
-		if b.entries[e.t.Entry()] != e || e.t.State() == pump.Settling {
+		if b.entries[e.t.Entry()] != e || e.t.State() == driver.Settling {
 			// Settled, or its settlement's answer will say.
 			return nil
 		}

@@ -12,6 +12,7 @@ import (
 	"github.com/Azure/go-amqp"
 	"go.uber.org/goleak"
 
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/fake"
 	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
@@ -220,7 +221,7 @@ func newRigWith(t *testing.T, svc *service, src *fake.Source, cfg servicebus.Boo
 	if cfg.Renewer == nil {
 		cfg.Renewer = svc
 	}
-	cfg.OnLost = func(t pump.Ticket, _ *amqp.Message, _ error) {
+	cfg.OnLost = func(t driver.Ticket, _ *amqp.Message, _ error) {
 		r.lostM.Lock()
 		r.lost = append(r.lost, t.Message().Value.(int))
 		r.lostM.Unlock()
@@ -231,7 +232,7 @@ func newRigWith(t *testing.T, svc *service, src *fake.Source, cfg servicebus.Boo
 	r.pump = pump.New(pc)
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
-	wg.Go(func() { r.pump.Run(ctx, func(context.Context, error) (pump.Source, error) { return r.src, nil }) })
+	wg.Go(func() { r.pump.Run(ctx, func(context.Context, error) (driver.Source, error) { return r.src, nil }) })
 	wg.Go(func() { r.book.Run(ctx) })
 	var once sync.Once
 	r.stop = func() { once.Do(func() { cancel(); wg.Wait() }) }
@@ -290,7 +291,7 @@ func TestLostLockIsFoundAndOnlyItsDeliveryDisturbed(t *testing.T) {
 		svc := newService(2 * time.Second)
 		r := newRig(t, svc, 10, servicebus.BookConfig{})
 		synctest.Wait()
-		var tickets []pump.Ticket
+		var tickets []driver.Ticket
 		for range 10 {
 			tickets = append(tickets, <-r.pump.Out())
 		}
@@ -312,13 +313,13 @@ func TestLostLockIsFoundAndOnlyItsDeliveryDisturbed(t *testing.T) {
 		if r.lostOnes() != "[3 7]" {
 			t.Fatalf("lost %s, want [3 7]", r.lostOnes())
 		}
-		if tickets[7].State() != pump.Dropped {
+		if tickets[7].State() != driver.Dropped {
 			t.Fatalf("waiting delivery with a lost lock is %s", tickets[7].State())
 		}
 		for i, tk := range tickets {
-			o := pump.Outcome{Kind: pump.Accept}
+			o := driver.Outcome{Kind: driver.Accept}
 			if i == 7 {
-				o.Kind = pump.Drop
+				o.Kind = driver.Drop
 			}
 			r.pump.Settle(tk, o)
 		}
@@ -343,7 +344,7 @@ func TestThePumpHearsOfALostLockBeforeTheHandler(t *testing.T) {
 		var markedFirst atomic.Bool
 		cancelled := make(chan struct{})
 		cancel := func(cause error) {
-			markedFirst.Store(tk.Entry().LockLost())
+			markedFirst.Store(tk.Entry().HoldLost())
 			if cause == servicebus.ErrLockLost {
 				close(cancelled)
 			}
@@ -355,7 +356,7 @@ func TestThePumpHearsOfALostLockBeforeTheHandler(t *testing.T) {
 		if !markedFirst.Load() {
 			t.Fatal("the handler's ctx was cancelled before the pump marked its delivery's lock lost")
 		}
-		r.pump.Settle(tk, pump.Outcome{Kind: pump.Accept})
+		r.pump.Settle(tk, driver.Outcome{Kind: driver.Accept})
 		synctest.Wait()
 		ps := r.pump.Stats()
 		r.stop()
@@ -373,7 +374,7 @@ func TestALockSettledDuringItsRenewalCostsOneMoreRequest(t *testing.T) {
 		svc := newService(2 * time.Second)
 		r := newRig(t, svc, 50, servicebus.BookConfig{})
 		synctest.Wait()
-		var tickets []pump.Ticket
+		var tickets []driver.Ticket
 		for range 50 {
 			tickets = append(tickets, <-r.pump.Out())
 		}
@@ -596,7 +597,7 @@ func TestASettlingDeliveryIsNotReportedLost(t *testing.T) {
 			tk.Begin()
 			other.Begin()
 			time.Sleep(1500 * time.Millisecond) // renewed at 1 s: locked until 3 s
-			r.pump.Settle(tk, pump.Outcome{Kind: pump.Accept})
+			r.pump.Settle(tk, driver.Outcome{Kind: driver.Accept})
 			time.Sleep(5 * time.Second) // answered at 3.5 s
 			ps, bs := r.pump.Stats(), r.book.Stats()
 			r.stop()
@@ -618,7 +619,7 @@ func TestASettlingDeliveryIsNotReportedLost(t *testing.T) {
 				// Settled while the renewal is out; the service takes
 				// the settlement and refuses the renewal (and any that
 				// follows before the settler has begun to send it).
-				r.pump.Settle(tk, pump.Outcome{Kind: pump.Accept})
+				r.pump.Settle(tk, driver.Outcome{Kind: driver.Accept})
 				return fmt.Errorf("status 410: %w", servicebus.ErrLockLost)
 			}
 			svc.mu.Unlock()
@@ -656,11 +657,11 @@ func TestOnLostNamesTheMessageThatLostItsLock(t *testing.T) {
 		src := fake.New(true, svc.message(0), svc.message(1))
 		var p *pump.Pump
 		var mu sync.Mutex
-		tickets := map[int]pump.Ticket{}
+		tickets := map[int]driver.Ticket{}
 		var reported []string
 		first := true
 		cfg := servicebus.BookConfig{Renewer: svc, MaxRenewal: time.Nanosecond}
-		cfg.OnLost = func(tk pump.Ticket, m *amqp.Message, _ error) {
+		cfg.OnLost = func(tk driver.Ticket, m *amqp.Message, _ error) {
 			mu.Lock()
 			defer mu.Unlock()
 			if first {
@@ -669,7 +670,7 @@ func TestOnLostNamesTheMessageThatLostItsLock(t *testing.T) {
 				// returns and the pump reuses its entry for message 100.
 				for i, other := range tickets {
 					if other != tk {
-						p.Settle(other, pump.Outcome{Kind: pump.Accept})
+						p.Settle(other, driver.Outcome{Kind: driver.Accept})
 						src.Push(svc.message(100))
 						next := <-p.Out()
 						tickets[100] = next
@@ -686,7 +687,7 @@ func TestOnLostNamesTheMessageThatLostItsLock(t *testing.T) {
 		p = pump.New(pump.Config{Credit: 256, Leases: book})
 		ctx, cancel := context.WithCancel(context.Background())
 		var wg sync.WaitGroup
-		wg.Go(func() { _ = p.Run(ctx, func(context.Context, error) (pump.Source, error) { return src, nil }) })
+		wg.Go(func() { _ = p.Run(ctx, func(context.Context, error) (driver.Source, error) { return src, nil }) })
 		wg.Go(func() { book.Run(ctx) })
 		for range 2 {
 			tk := <-p.Out()

@@ -12,8 +12,8 @@ import (
 
 	"github.com/amqpsub/amqpsub/internal/amqpint"
 	"github.com/amqpsub/amqpsub/internal/backoff"
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/loglimit"
-	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 // The session filter, as the service reads it.
@@ -46,7 +46,7 @@ func IsNoSession(err error) bool {
 }
 
 // Session is the source of a session link: its receiver, which it ends
-// with [pump.ErrSourceDone] when the session has been idle (no message,
+// with [driver.ErrSourceDone] when the session has been idle (no message,
 // nothing held) for the idle timeout, and the renewal of the session's
 // lock, which a goroutine keeps up while the link lives.
 type Session struct {
@@ -113,7 +113,7 @@ func ticksTime(v any) (time.Time, bool) {
 }
 
 // Receive returns the session's next message, or an error wrapping
-// [pump.ErrSourceDone] once the session has been idle for SessionIdleTimeout
+// [driver.ErrSourceDone] once the session has been idle for SessionIdleTimeout
 // with nothing of it held. When the link is lost, the session's lock went
 // with it (a session is locked to its link): every delivery of the session
 // is given up at once, before Receive returns the link's error, and the
@@ -132,7 +132,7 @@ func (src *Session) Receive(ctx context.Context, opts *amqp.ReceiveOptions) (*am
 			src.book.LoseAll("the session link was lost")
 			return nil, err
 		case src.held() == 0:
-			return nil, fmt.Errorf("%w: session %q idle for %v", pump.ErrSourceDone, src.id, src.idle)
+			return nil, fmt.Errorf("%w: session %q idle for %v", driver.ErrSourceDone, src.id, src.idle)
 		}
 	}
 }

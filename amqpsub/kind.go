@@ -22,7 +22,7 @@ import (
 // nothing. RabbitMQ 4's kind (rabbitmq4.go) reads the queue's type at each
 // attach, and settles a Reject on a quorum queue as modified. Service
 // Bus's kind (sbkind.go) adds peek-lock: the lease book
-// (servicebus.Book) that renews locks, settlements sent concurrently in
+// (servicebus.Leases) that renews locks, settlements sent concurrently in
 // each group's order and by lock token once a link is gone, the
 // $management node beside each link, and sessions.
 type brokerKind interface {

@@ -41,7 +41,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (driver.Source, error
 			a.spare = &link{connection: a.current.connection, kind: a.p.kind}
 		case !moveOn && lost != nil && live(a.current.conn) && a.p.kind.reattachOn(ctx, a.current.connection, lost, false):
 			// The link is attached again on its connection. Where a lost
-			// link's deliveries stay settleable (KeepAcrossLinks), the
+			// link's deliveries stay settleable (LeasesOutliveLinks), the
 			// lost one stays the pipe's current link until the next is
 			// up: what its kind added beside it (Service Bus's
 			// $management node, on its AMQP session) serves them

@@ -31,7 +31,7 @@ type sbKind struct {
 	// available one); used by session consumers only.
 	session  string
 	sessions bool // a session consumer
-	book     *servicebus.Book
+	book     *servicebus.Leases
 	// fallback settles, by lock token, the deliveries of a lost link;
 	// nil for session consumers, whose locks end with the session link.
 	fallback *servicebus.Dispositions
@@ -64,7 +64,7 @@ func newServiceBusKind(p *pipe, session string) brokerKind {
 
 func (k *sbKind) configure(pc *pump.Config) {
 	s := k.s
-	bc := servicebus.BookConfig{
+	bc := servicebus.LeasesConfig{
 		MaxRenewal: s.cfg.maxLockRenewal,
 		OnLost:     k.lockLost,
 		Logger:     s.log,
@@ -77,7 +77,7 @@ func (k *sbKind) configure(pc *pump.Config) {
 		// the session link renews.
 		bc.Renewer = renewer{k}
 	}
-	k.book = servicebus.NewBook(bc)
+	k.book = servicebus.NewLeases(bc)
 	pc.Leases = k.book
 	// Enough settlements in flight that a round trip of a few
 	// milliseconds does not cap the rate (32 at 5 ms: 6,400/s).
@@ -86,7 +86,7 @@ func (k *sbKind) configure(pc *pump.Config) {
 	if !k.sessions {
 		// A message's lock outlives its link (see servicebus.Receiver):
 		// what a lost link held is kept, and settled by lock token.
-		pc.KeepAcrossLinks = true
+		pc.LeasesOutliveLinks = true
 		pc.DropBufferedOn = connectionLost
 		k.fallback = servicebus.NewDispositions(k.management, s.log)
 	}
@@ -220,7 +220,7 @@ func (k *sbKind) attached(ctx context.Context, l *link) (driver.Source, string, 
 		return servicebus.NewReceiver(l.rcv, k.fallback), "", nil
 	}
 	src, err := servicebus.AcceptSession(l.rcv, mgmt, servicebus.SessionConfig{
-		Idle: s.cfg.sessionIdle, Slot: k.p.index, Book: k.book, Held: k.p.pump.Held, Log: s.log, Limited: s.limited,
+		Idle: s.cfg.sessionIdle, Slot: k.p.index, Leases: k.book, Held: k.p.pump.Held, Log: s.log, Limited: s.limited,
 	})
 	if err != nil {
 		return nil, "accept session", err
@@ -387,7 +387,7 @@ func (k *sbKind) addLocks(l *Locks) {
 func (k *sbKind) lockLost(t driver.Ticket, m *amqp.Message, why error) {
 	// Reported only when it changed anything: a delivery already settling
 	// or settled hears of its lock from the settlement's answer.
-	if k.p.pump.LoseLock(t) && m != nil {
+	if k.p.pump.LoseLease(t) && m != nil {
 		s := k.s
 		d := &Delivery{msg: m, lane: -1}
 		s.limited.Warn("message lock lost; the service delivers the message again", s.fields(d, why)...)

@@ -21,7 +21,7 @@ func (s *Subscriber) settle(d *Delivery, err error) {
 		}
 		return
 	}
-	lost := d.t.Entry().HoldLost()
+	lost := d.t.Entry().LeaseLost()
 	if lost && s.debug() {
 		s.log.Debug("result of a delivery whose lock was lost not sent", s.fields(d, err)...)
 	}

@@ -51,10 +51,10 @@ type Outcome struct {
 
 // ErrNotSent is what the engine's meter and a [Ticket]'s OnSettled
 // function hear of a settlement that was not sent: the delivery's link was
-// lost, or the broker's hold on it ([Ticket.HoldLost]), while a handler
+// lost, or its lease ([Delivery.LeaseLost]), while a handler
 // had it, or the engine stopped before it could be sent. The broker
 // delivers it again.
-var ErrNotSent = errors.New("driver: settlement not sent: the delivery's link or hold was lost; the broker delivers it again")
+var ErrNotSent = errors.New("driver: settlement not sent: the delivery's link or lease was lost; the broker delivers it again")
 
 // SentAs returns what a [Source]'s settlement call returns when it sent
 // the broker outcome k in place of the one asked for, err being the
@@ -98,7 +98,7 @@ type restingKey struct{}
 // ctx (the context of its Accept, Release, Reject or Modify call) is not
 // out until resume is called: its first answer said to try again later,
 // and the Source waits before sending it again. Meanwhile the delivery's
-// [Ticket.Sending] is false, so that a hold keeper renews its hold while
+// [Ticket.Sending] is false, so that its [Leases] renew its lease while
 // it waits. Outside a settlement the engine's settlers send, it does
 // nothing. resume must be called before the Source sends again, and once.
 func Resting(ctx context.Context) (resume func()) {

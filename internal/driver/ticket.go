@@ -15,7 +15,7 @@ import (
 // (Begin); Buffered or Handling → [Settling] when its settlement is handed
 // to the engine; Settling → Free once the engine has applied it. The
 // engine moves a Buffered entry to [Dropped] when the delivery can no
-// longer be settled (its link, or the broker's hold on it, was lost): it
+// longer be settled (its link, or its lease, was lost): it
 // stops counting it as held at once, and the consumer that later finds it
 // hands it back to the engine, which moves it to [Reclaiming] until it
 // frees the entry.
@@ -55,13 +55,13 @@ func (s State) String() string {
 // engine.
 type Links struct {
 	cur atomic.Uint64
-	// keep says that the broker's hold on a delivery outlives its link:
+	// keep says that a delivery's lease outlives its link:
 	// no delivery is ever stale.
 	keep bool
 }
 
 // NewLinks returns the count of an engine that has attached no link yet
-// (generation 0). keep says that holds outlive the link (see
+// (generation 0). keep says that leases outlive their link (see
 // [Ticket.Stale]).
 func NewLinks(keep bool) *Links { return &Links{keep: keep} }
 
@@ -72,7 +72,7 @@ func (l *Links) Current() uint64 { return l.cur.Load() }
 func (l *Links) Next() uint64 { return l.cur.Add(1) }
 
 // Stale reports whether a delivery of link generation link can no longer
-// be settled: its link is not the current one, and holds do not outlive
+// be settled: its link is not the current one, and leases do not outlive
 // their link.
 func (l *Links) Stale(link uint64) bool { return link != l.cur.Load() && !l.keep }
 
@@ -83,14 +83,14 @@ func (l *Links) Stale(link uint64) bool { return link != l.cur.Load() && !l.keep
 type Delivery struct {
 	msg atomic.Pointer[amqp.Message]
 	// word is the generation (high 32 bits: how often the entry was
-	// taken), the hold-lost flag (bit 8) and the State (low 8 bits),
+	// taken), the lease-lost flag (bit 8) and the State (low 8 bits),
 	// changed together so that a ticket of an earlier generation cannot
 	// move the entry.
 	word atomic.Uint64
 	// Set by Fill before the entry is handed out; read-only after.
 	src  Source
 	link uint64
-	size atomic.Int64 // Size of msg; atomic: LoseHold reads it from another goroutine
+	size atomic.Int64 // Size of msg; atomic: LoseLease reads it from another goroutine
 	gens *Links
 	// sending is set by the settler that sends the delivery's settlement,
 	// as it begins to (see Ticket.Sending), and cleared when the entry is
@@ -106,9 +106,9 @@ type afterSettle struct {
 	f   func(Kind, error)
 }
 
-// holdLost marks, in an entry's word, a delivery whose broker hold was
+// leaseLost marks, in an entry's word, a delivery whose lease was
 // lost while a handler had it: its settlement is not sent.
-const holdLost = 1 << 8
+const leaseLost = 1 << 8
 
 func pack(gen uint32, s State) uint64 { return uint64(gen)<<32 | uint64(s&0xff) }
 
@@ -124,10 +124,10 @@ func (d *Delivery) Message() *amqp.Message { return d.msg.Load() }
 // State returns where the entry's delivery is.
 func (d *Delivery) State() State { _, s := unpack(d.word.Load()); return s }
 
-// HoldLost reports whether the broker's hold on the entry's delivery was
-// lost while a handler had it ([Ticket.LoseHold]): its settlement is not
+// LeaseLost reports whether the lease of the entry's delivery was
+// lost while a handler had it ([Ticket.LoseLease]): its settlement is not
 // sent.
-func (d *Delivery) HoldLost() bool { return d.word.Load()&holdLost != 0 }
+func (d *Delivery) LeaseLost() bool { return d.word.Load()&leaseLost != 0 }
 
 // Source returns the source the entry's delivery came from. For the
 // engine.
@@ -223,7 +223,7 @@ func (t Ticket) State() State {
 // Sending reports whether the delivery's settlement is being sent now: it
 // is [Settling], and a settler has begun to send it. A Settling delivery
 // that is not Sending waits for its turn (behind the earlier settlements
-// of its group), the broker's hold on it still to be kept.
+// of its group), its lease still to be kept.
 func (t Ticket) Sending() bool { return t.State() == Settling && t.d.sending.Load() }
 
 // Entry returns the book entry the ticket names.
@@ -234,8 +234,8 @@ func (t Ticket) Entry() *Delivery { return t.d }
 func (t Ticket) Reused() bool { gen, _ := unpack(t.d.word.Load()); return gen != t.gen }
 
 // Stale reports whether the link the delivery came on was lost, so that
-// it cannot be settled any more: the broker redelivers it. Where holds
-// outlive the link no delivery is ever stale.
+// it cannot be settled any more: the broker redelivers it. Where leases
+// outlive their link no delivery is ever stale.
 // It reads nothing the engine rewrites for the entry's next delivery, so
 // it may be called at any time from any goroutine.
 func (t Ticket) Stale() bool { return t.d.gens.Stale(t.link) }
@@ -317,18 +317,18 @@ func (t Ticket) HandBack() (from State) {
 	}
 }
 
-// LoseHold records that the broker's hold on the delivery is lost, and
+// LoseLease records that the delivery's lease is lost, and
 // returns the state it found the delivery in: a [Buffered] one (no handler
 // took it yet) is now [Dropped], and size is its size, read before the
-// entry can be reused; a [Handling] one is marked ([Delivery.HoldLost]),
+// entry can be reused; a [Handling] one is marked ([Delivery.LeaseLost]),
 // so that its settlement is not sent. A delivery in any other state, or
 // already marked, is left alone (from is then neither). It may be called
 // from any goroutine. For the engine.
-func (t Ticket) LoseHold() (from State, size int64) {
+func (t Ticket) LoseLease() (from State, size int64) {
 	for {
 		w := t.d.word.Load()
 		gen, s := unpack(w)
-		if gen != t.gen || w&holdLost != 0 {
+		if gen != t.gen || w&leaseLost != 0 {
 			return Free, 0
 		}
 		switch s {
@@ -338,7 +338,7 @@ func (t Ticket) LoseHold() (from State, size int64) {
 				return Buffered, size
 			}
 		case Handling:
-			if t.d.word.CompareAndSwap(w, w|holdLost) {
+			if t.d.word.CompareAndSwap(w, w|leaseLost) {
 				return Handling, 0
 			}
 		default:

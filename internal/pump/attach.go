@@ -51,7 +51,7 @@ func (p *Pump) attach(ctx context.Context, attach AttachFunc, lost error) (drive
 			hold = nil
 		case <-stop:
 			// Without a link there is nothing to release: what Out holds
-			// is stale, and is dropped by waitIdle (under KeepAcrossLinks,
+			// is stale, and is dropped by waitIdle (under LeasesOutliveLinks,
 			// released through its source by waitIdle).
 			stop = nil
 			cancel()
@@ -65,11 +65,11 @@ func (p *Pump) attach(ctx context.Context, attach AttachFunc, lost error) (drive
 }
 
 // waitIdle applies settlements until nothing is held. What waits in the
-// pump and Out is dropped, or, under KeepAcrossLinks, released through
+// pump and Out is dropped, or, under LeasesOutliveLinks, released through
 // the source it came from.
 func (p *Pump) waitIdle(ctx context.Context) error {
 	kind := driver.Drop
-	if p.cfg.KeepAcrossLinks {
+	if p.cfg.LeasesOutliveLinks {
 		kind = driver.Release
 		p.releaseBuffered(ctx)
 	} else {

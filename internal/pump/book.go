@@ -36,10 +36,10 @@ func (p *Pump) release(d *driver.Delivery) {
 // dropStale stops counting as held every buffered delivery of a lost link:
 // its settlement could not reach the broker, which redelivers it, so the
 // next link gets all the credit its limit allows at once instead of as the
-// lanes reach these deliveries. all says that no lock of the lost link
-// can be renewed any more, those of deliveries in handlers included;
-// otherwise (KeepAcrossLinks, DropBufferedOn) only the dropped ones leave
-// the lease book.
+// lanes reach these deliveries. all says that no lease of the lost link
+// can be kept any more, those of deliveries in handlers included;
+// otherwise (LeasesOutliveLinks, DropBufferedOn) only the dropped ones
+// leave the Leases.
 func (p *Pump) dropStale(all bool) {
 	cur := p.links.Current()
 	n, bytes := 0, int64(0)
@@ -57,10 +57,9 @@ func (p *Pump) dropStale(all bool) {
 		p.freed(n, bytes)
 	}
 	if p.cfg.Leases != nil {
-		// No lock of a lost link can be renewed (the service ended them
-		// with the link): the lease book forgets them all, those still in
-		// handlers or settling too, rather than spend a refused request on
-		// each.
+		// No lease of a lost link can be kept (the broker ended them with
+		// the link): the Leases forget them all, those still in handlers
+		// or settling too, rather than spend a refused renewal on each.
 		for _, d := range p.book {
 			if st := d.State(); st == driver.Dropped || st == driver.Reclaiming || (all && d.Link() != cur && st != driver.Free) {
 				p.cfg.Leases.Remove(d)
@@ -69,8 +68,9 @@ func (p *Pump) dropStale(all bool) {
 	}
 }
 
-// LoseLock tells the pump that the broker's lock of t's delivery is lost
-// (Service Bus). It may be called from any goroutine.
+// LoseLease tells the pump that the lease of t's delivery is lost (the
+// broker no longer holds it for this consumer, and redelivers it). It may
+// be called from any goroutine.
 //
 // A delivery no handler has taken yet is dropped (it stops counting as
 // held at once, and the consumer that finds it passes it to Settle, which
@@ -80,10 +80,10 @@ func (p *Pump) dropStale(all bool) {
 //
 // It reports whether it acted: false when the ticket's delivery was
 // settling or settled, or its entry already holds another.
-func (p *Pump) LoseLock(t driver.Ticket) bool {
-	switch from, size := t.LoseHold(); from {
+func (p *Pump) LoseLease(t driver.Ticket) bool {
+	switch from, size := t.LoseLease(); from {
 	case driver.Buffered:
-		p.settle.push(settlement{t: t, size: size, op: opHoldLost})
+		p.settle.push(settlement{t: t, size: size, op: opLeaseLost})
 		return true
 	case driver.Handling:
 		return true

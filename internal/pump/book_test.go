@@ -148,7 +148,7 @@ func TestDroppedHandedToSettleIsNotSettling(t *testing.T) {
 	})
 }
 
-// LoseLock reports whether it acted, which decides whether amqpsub reports
+// LoseLease reports whether it acted, which decides whether amqpsub reports
 // a lost lock (EventLockLost, the warning): true for a buffered or handled
 // delivery of the ticket's generation, false once it settles or its entry
 // holds the next delivery.
@@ -160,22 +160,22 @@ func TestLoseLockReportsWhetherItActed(t *testing.T) {
 
 	a := <-p.Out()
 	a.Begin()
-	if !p.LoseLock(a) {
-		t.Error("LoseLock of a delivery in a handler = false, want true")
+	if !p.LoseLease(a) {
+		t.Error("LoseLease of a delivery in a handler = false, want true")
 	}
-	if p.LoseLock(a) {
-		t.Error("second LoseLock of the same delivery = true, want false")
+	if p.LoseLease(a) {
+		t.Error("second LoseLease of the same delivery = true, want false")
 	}
 	p.Settle(a, driver.Outcome{Kind: driver.Accept})
 	b := <-p.Out() // the same entry, the next delivery
 	if b.Entry() != a.Entry() {
 		t.Fatal("entry not reused")
 	}
-	if p.LoseLock(a) {
-		t.Error("LoseLock of a settled delivery whose entry holds the next = true, want false")
+	if p.LoseLease(a) {
+		t.Error("LoseLease of a settled delivery whose entry holds the next = true, want false")
 	}
-	if !p.LoseLock(b) {
-		t.Error("LoseLock of a buffered delivery = false, want true")
+	if !p.LoseLease(b) {
+		t.Error("LoseLease of a buffered delivery = false, want true")
 	}
 	if b.Begin() {
 		t.Error("Begin after its lock was lost")
@@ -184,8 +184,8 @@ func TestLoseLockReportsWhetherItActed(t *testing.T) {
 	c := <-p.Out()
 	c.Begin()
 	p.Settle(c, driver.Outcome{Kind: driver.Accept})
-	if p.LoseLock(c) {
-		t.Error("LoseLock of a settling or settled delivery = true, want false")
+	if p.LoseLease(c) {
+		t.Error("LoseLease of a settling or settled delivery = true, want false")
 	}
 }
 
@@ -251,8 +251,8 @@ func TestMeterHearsOfALockLostBeforeAHandler(t *testing.T) {
 	p := pump.New(pump.Config{Credit: 3, Meter: m})
 	_, errc := start(t, p, attachTo(src))
 	a, b, c := <-p.Out(), <-p.Out(), <-p.Out()
-	if !p.LoseLock(b) { // buffered: dropped
-		t.Fatal("LoseLock of a buffered delivery = false")
+	if !p.LoseLease(b) { // buffered: dropped
+		t.Fatal("LoseLease of a buffered delivery = false")
 	}
 	for _, tk := range []driver.Ticket{a, b, c} {
 		if tk.Begin() {
@@ -287,6 +287,8 @@ func (l *leaseLog) Add(t driver.Ticket) {
 	l.adds++
 }
 
+func (*leaseLog) LostAnswer(error) bool { return false }
+
 func (l *leaseLog) Remove(d *driver.Delivery) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -311,8 +313,8 @@ func TestLeasesAndLostLocks(t *testing.T) {
 			t.Fatal("Begin refused")
 		}
 		waiting := <-p.Out()
-		p.LoseLock(waiting)
-		p.LoseLock(inHandler)
+		p.LoseLease(waiting)
+		p.LoseLease(inHandler)
 		synctest.Wait()
 		if st := p.Stats(); st.LockLostDropped != 1 || st.Held != 4 {
 			// 4 held: the dropped one made room for one more.
@@ -346,14 +348,15 @@ func TestLeasesAndLostLocks(t *testing.T) {
 // it must renew.
 type liveRemoves struct{ n atomic.Int64 }
 
-func (w *liveRemoves) Add(driver.Ticket) {}
+func (w *liveRemoves) Add(driver.Ticket)   {}
+func (*liveRemoves) LostAnswer(error) bool { return false }
 func (w *liveRemoves) Remove(d *driver.Delivery) {
 	if s := d.State(); s == driver.Buffered || s == driver.Handling {
 		w.n.Add(1)
 	}
 }
 
-// LoseLock drops a buffered delivery and then queues its lost-lock note; a
+// LoseLease drops a buffered delivery and then queues its lost-lock note; a
 // consumer that sees it dropped in between reclaims the entry, which the
 // pump reuses for the next delivery before it applies the note. The note
 // must not then remove the next delivery's lease.
@@ -371,7 +374,7 @@ func TestLoseLockRacingReclaimKeepsTheNextLease(t *testing.T) {
 			for handled.Add(1) <= 20000 {
 				tk := <-p.Out()
 				lost := make(chan struct{})
-				go func() { defer close(lost); p.LoseLock(tk) }() // the lease book's goroutine
+				go func() { defer close(lost); p.LoseLease(tk) }() // the lease book's goroutine
 				for tk.State() == driver.Buffered {
 					runtime.Gosched()
 				}

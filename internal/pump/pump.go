@@ -40,38 +40,36 @@ type Config struct {
 	// applies no settlement while it runs.
 	OnEvent func(Event)
 	// Settlers, when > 0, sends settlements from that many goroutines, for
-	// brokers that answer each one (receiver settle mode second, as Service
-	// Bus has it): go-amqp then waits a round trip per settlement, which on
+	// brokers that answer each one (receiver settle mode second): go-amqp then waits a round trip per settlement, which on
 	// the pump's goroutine would cap the rate at one per round trip. A
 	// delivery stays held until its answer came or SettleTimeout passed.
 	//
 	// Each settler sends its settlements one after another, in the order
 	// it was given them: those of one key (SettleInOrder) all go to the
 	// same one, the others in turn to each. 0 settles on the pump's
-	// goroutine, in order, for brokers that do not answer (Artemis,
-	// RabbitMQ).
+	// goroutine, in order, for brokers that do not answer (receiver settle
+	// mode first).
 	Settlers int
-	// KeepAcrossLinks says that the broker's hold on a delivery outlives
-	// the link it came on, and that its [driver.Source] can still settle it once
-	// that link is gone: Service Bus keeps a message's lock until it
-	// expires, and takes its settlement by lock token on the entity's
-	// $management node (the source falls back to that). Requires
-	// Settlers > 0.
+	// LeasesOutliveLinks says that a delivery's lease (the broker's hold
+	// on it) outlives the link it came on, and that its [driver.Source] can
+	// still settle it once that link is gone: a broker that keeps the
+	// lease until it expires and takes a settlement by another path than
+	// the link (the source falls back to it). Requires Settlers > 0.
 	//
 	// A lost link then leaves its deliveries held: those buffered still go
 	// to handlers, their leases stay in the book, and every settlement is
 	// sent through the source the delivery came from. false (the default)
 	// drops what a lost link held, and skips the settlements of its
 	// deliveries ([Stats.Stale]): the broker redelivers them.
-	KeepAcrossLinks bool
-	// DropBufferedOn, with KeepAcrossLinks, says whether a source that
+	LeasesOutliveLinks bool
+	// DropBufferedOn, with LeasesOutliveLinks, says whether a source that
 	// ended with err (its Receive's or IssueCredit's error) took the
-	// broker's hold on its deliveries with it, as far as the consumer
-	// can tell: what no handler has taken yet is then dropped, as without
-	// KeepAcrossLinks, and never goes to a handler (the broker delivers
+	// leases of its deliveries with it, as far as the consumer can tell
+	// (a lost connection, on a broker that documents its leases as ended
+	// with it): what no handler has taken yet is then dropped, as without
+	// LeasesOutliveLinks, and never goes to a handler (the broker delivers
 	// it again), while what handlers have stays held and is settled
-	// through its source. Service Bus after a lost connection, whose
-	// locks Microsoft documents as dropped. nil (the default) never drops:
+	// through its source. nil (the default) never drops:
 	// what the receive loop had received when the source ended goes to the
 	// consumers like the rest. It is called on the pump's goroutine,
 	// maybe more than once for one loss, and must not block.
@@ -79,8 +77,8 @@ type Config struct {
 	// SettleTimeout bounds each settlement sent by a settler; 0 means 30 s.
 	SettleTimeout time.Duration
 	// Leases, when set, hears of every delivery entering and leaving the
-	// book (Service Bus renews the lock of each). nil costs nothing.
-	Leases Leases
+	// book, to keep its lease (renew it, say). nil costs nothing.
+	Leases driver.Leases
 	// MaxHeldBytes, when > 0, bounds the bytes of the deliveries held
 	// (their [Size]) besides their number: see credit's byte budget.
 	MaxHeldBytes int64
@@ -106,21 +104,14 @@ type Meter interface {
 	// Received is called for each delivery received.
 	Received()
 	// Settled is called for each settlement applied: err is nil when the
-	// broker took it, [driver.ErrNotSent] when it was not sent (the delivery's link
-	// or lock was lost), else what the broker or link answered.
+	// broker took it, [driver.ErrNotSent] when it was not sent (the
+	// delivery's link or lease was lost), else what the broker or link
+	// answered.
 	Settled(k driver.Kind, err error)
 	// Dropped is called for deliveries freed without a settlement, before
-	// a handler took them: their link, or their lock, was lost (n at once
+	// a handler took them: their link, or their lease, was lost (n at once
 	// when a lost link's buffered deliveries are dropped together).
 	Dropped(n int)
-}
-
-// Leases is told of every delivery the pump holds. Add is called on the
-// pump's goroutine when a delivery enters the book; Remove when its entry
-// leaves it (settled, dropped or released). Neither may block.
-type Leases interface {
-	Add(t driver.Ticket)
-	Remove(d *driver.Delivery)
 }
 
 // Pump is the receiving end of one subscription. Create it with [New], start it
@@ -177,7 +168,7 @@ func New(cfg Config) *Pump {
 		cfg:      cfg,
 		log:      log,
 		out:      make(chan driver.Ticket, cfg.Credit),
-		links:    driver.NewLinks(cfg.KeepAcrossLinks),
+		links:    driver.NewLinks(cfg.LeasesOutliveLinks),
 		settle:   newBurst[settlement](min(2*cfg.Credit, 1024)),
 		stop:     make(chan struct{}),
 		released: make(chan struct{}),
@@ -195,8 +186,8 @@ func New(cfg Config) *Pump {
 		p.acct.Adapt(cfg.AdaptiveFloor, time.Now)
 	}
 	p.stats.creditNow.Store(int64(p.acct.Limit()))
-	if cfg.KeepAcrossLinks && cfg.Settlers <= 0 {
-		panic("pump: KeepAcrossLinks needs Settlers")
+	if cfg.LeasesOutliveLinks && cfg.Settlers <= 0 {
+		panic("pump: LeasesOutliveLinks needs Settlers")
 	}
 	for range max(0, cfg.Settlers) {
 		p.shards = append(p.shards, &shard{q: newBurst[settlement](64)})
@@ -293,8 +284,8 @@ func (p *Pump) Stop() { p.stopOnce.Do(func() { close(p.stop) }) }
 func (p *Pump) Holding() <-chan struct{} { return p.hold }
 
 // Hold starts the first part of a stop on a broker that counts every
-// return of a delivery as an attempt (a RabbitMQ quorum queue counts a
-// release toward its delivery-limit): the pump grants no more credit and
+// return of a delivery as an attempt (a queue that counts a release
+// toward its delivery limit): the pump grants no more credit and
 // takes back what the broker still has (a drain), but goes on handing what
 // it holds, and what was already on its way, to Out, so that the consumers
 // can finish it rather than release it. [Emptied] is closed once nothing
@@ -391,7 +382,7 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 		lost = err
 		p.links.Next()
 		switch {
-		case !p.cfg.KeepAcrossLinks:
+		case !p.cfg.LeasesOutliveLinks:
 			// Deliveries of the lost link are stale from here on.
 			p.dropBacklog()
 			p.dropStale(true)
@@ -404,7 +395,7 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 	}
 }
 
-// dropsBuffered reports whether, under KeepAcrossLinks, a source that
+// dropsBuffered reports whether, under LeasesOutliveLinks, a source that
 // ended with err leaves its buffered deliveries unsettleable
 // (Config.DropBufferedOn).
 func (p *Pump) dropsBuffered(err error) bool {
@@ -443,15 +434,15 @@ func (p *Pump) serve(ctx context.Context, src driver.Source) (err error) {
 		cancelReceive()
 		wg.Wait()
 		// Whatever the receive loop still handed over was never seen by a
-		// consumer. Once the link is lost under KeepAcrossLinks (a
-		// refused IssueCredit ends serve with deliveries in hand), the
-		// broker's hold on them outlives the link like that on the rest
-		// of what it brought: they are held and go to the consumers, after
+		// consumer. Once the link is lost under LeasesOutliveLinks (a
+		// refused IssueCredit ends serve with deliveries in hand), their
+		// leases outlive the link like those of the rest of what it
+		// brought: they are held and go to the consumers, after
 		// everything the link brought before them, unless the source took
-		// that hold with it (DropBufferedOn: dropped, the broker delivers
+		// those leases with it (DropBufferedOn: dropped, the broker delivers
 		// them again). Otherwise they are given back on the link.
 		msgs, _ := in.take()
-		keep := p.cfg.KeepAcrossLinks && err != nil && !errors.Is(err, ErrStopped) && ctx.Err() == nil
+		keep := p.cfg.LeasesOutliveLinks && err != nil && !errors.Is(err, ErrStopped) && ctx.Err() == nil
 		drop := keep && p.dropsBuffered(err)
 		if pf, ok := src.(prefetcher); ok && keep {
 			// And what came on the link's credit that no Receive took
@@ -594,17 +585,16 @@ const adaptTick = 10 * time.Millisecond
 // drain as a flow with no credit, which the broker applies before the
 // releases that follow it on the link. The releases must only not overtake
 // that flow, which go-amqp's receiver writes as soon as it next runs,
-// microseconds later. Artemis never answers such a drain (there is no
-// credit left to drain), so every stop on Artemis waits the whole
-// drainWait: 20 ms keeps an idle stop short, and still leaves the
+// microseconds later. A broker may never answer such a drain (there is no
+// credit left to drain), so every stop on it waits the whole drainWait: 20 ms keeps an idle stop short, and still leaves the
 // receiver ample time to write the flow. Should a release overtake it
 // anyway, the broker sends that delivery once more to the stopping link,
 // which releases it again.
 const drainWait = 20 * time.Millisecond
 
 // holdDrainWait bounds how long Hold waits for the drain's answer before
-// Emptied may close: only brokers that answer drains (RabbitMQ) are held,
-// and their answer, through a quorum queue's log, may take longer than a
+// Emptied may close: only brokers that answer drains are held, and their
+// answer, through a replicated queue's log, may take longer than a
 // stop's drainWait; the caller bounds the whole hold anyway.
 const holdDrainWait = time.Second
 

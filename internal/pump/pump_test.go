@@ -291,7 +291,7 @@ func TestByteBudgetBoundsWhatIsHeld(t *testing.T) {
 	})
 }
 
-// KeepAcrossLinks: a lost link leaves its deliveries held. Those buffered
+// LeasesOutliveLinks: a lost link leaves its deliveries held. Those buffered
 // still go out (Begin takes them), the one in a handler is settled when
 // its handler is done, and every settlement goes to the source the
 // delivery came from; the next link gets only the credit they leave.
@@ -300,7 +300,7 @@ func TestKeepAcrossLinksSettlesWhatALostLinkHeld(t *testing.T) {
 		first := fake.New(true, fake.Messages(3)...)
 		first.KeepLocks = true
 		second := fake.New(true, fake.Messages(3)...)
-		p := pump.New(pump.Config{Credit: 4, Settlers: 2, KeepAcrossLinks: true})
+		p := pump.New(pump.Config{Credit: 4, Settlers: 2, LeasesOutliveLinks: true})
 		_, errc := start(t, p, attachTo(first, second))
 		old := <-p.Out()
 		old.Begin() // in a handler when the link is lost
@@ -308,7 +308,7 @@ func TestKeepAcrossLinksSettlesWhatALostLinkHeld(t *testing.T) {
 		first.Fail(fake.ErrLinkLost)
 		synctest.Wait()
 		if old.Stale() {
-			t.Fatal("a delivery of the lost link is stale under KeepAcrossLinks")
+			t.Fatal("a delivery of the lost link is stale under LeasesOutliveLinks")
 		}
 		// The new link was given the one credit the kept three left, and
 		// has sent one delivery with it.
@@ -320,7 +320,7 @@ func TestKeepAcrossLinksSettlesWhatALostLinkHeld(t *testing.T) {
 		n := 0
 		for d := range p.Out() {
 			if !d.Begin() {
-				t.Fatalf("Begin refused a delivery under KeepAcrossLinks")
+				t.Fatalf("Begin refused a delivery under LeasesOutliveLinks")
 			}
 			p.Settle(d, driver.Outcome{Kind: driver.Accept})
 			if n++; n == 5 {
@@ -691,7 +691,7 @@ func (s *creditRefused) Prefetched() *amqp.Message {
 	return m
 }
 
-// KeepAcrossLinks: a link that fails to take credit ends, and what its
+// LeasesOutliveLinks: a link that fails to take credit ends, and what its
 // receive loop had taken and the pump had not yet seen, and what the link
 // had prefetched, is held like the rest of what it brought, not dropped:
 // the broker keeps those locks too. Each is settled through the source it
@@ -701,7 +701,7 @@ func TestKeepAcrossLinksKeepsWhatTheReceiveLoopHadAtTheEnd(t *testing.T) {
 		first := &creditRefused{Source: fake.New(true, fake.Messages(3)...), prefetch: fake.Messages(2)}
 		first.KeepLocks = true
 		second := fake.New(true)
-		p := pump.New(pump.Config{Credit: 8, Settlers: 2, KeepAcrossLinks: true})
+		p := pump.New(pump.Config{Credit: 8, Settlers: 2, LeasesOutliveLinks: true})
 		_, errc := start(t, p, attachTo(first, second))
 		time.Sleep(time.Second)
 		synctest.Wait()
@@ -711,7 +711,7 @@ func TestKeepAcrossLinksKeepsWhatTheReceiveLoopHadAtTheEnd(t *testing.T) {
 		for range 5 {
 			d := <-p.Out()
 			if !d.Begin() {
-				t.Fatal("Begin refused a delivery under KeepAcrossLinks")
+				t.Fatal("Begin refused a delivery under LeasesOutliveLinks")
 			}
 			p.Settle(d, driver.Outcome{Kind: driver.Accept})
 		}
@@ -727,7 +727,7 @@ func TestKeepAcrossLinksKeepsWhatTheReceiveLoopHadAtTheEnd(t *testing.T) {
 	})
 }
 
-// KeepAcrossLinks with DropBufferedOn saying that the source's end took
+// LeasesOutliveLinks with DropBufferedOn saying that the source's end took
 // the broker's hold with it (a lost connection on Service Bus): nothing
 // buffered goes to a consumer after that, neither what waits in Out nor
 // what the receive loop had; what a handler has stays held and is settled
@@ -739,7 +739,7 @@ func TestDropBufferedOnDropsWhatNoHandlerHas(t *testing.T) {
 		first.KeepLocks = true
 		second := fake.New(true)
 		var told []error
-		p := pump.New(pump.Config{Credit: 4, Settlers: 2, KeepAcrossLinks: true,
+		p := pump.New(pump.Config{Credit: 4, Settlers: 2, LeasesOutliveLinks: true,
 			DropBufferedOn: func(err error) bool { told = append(told, err); return errors.Is(err, connLost) }})
 		_, errc := start(t, p, attachTo(first, second))
 		synctest.Wait()

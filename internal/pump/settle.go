@@ -23,8 +23,8 @@ const (
 	// opReclaim frees the entry of a Dropped delivery, which no longer
 	// counts as held.
 	opReclaim
-	// opHoldLost stops counting as held a delivery LoseLock dropped.
-	opHoldLost
+	// opLeaseLost stops counting as held a delivery LoseLease dropped.
+	opLeaseLost
 )
 
 type settlement struct {
@@ -34,9 +34,9 @@ type settlement struct {
 	key     uint64
 	ordered bool
 	// The entry may be reclaimed and reused before the pump applies an
-	// opHoldLost: t tells.
+	// opLeaseLost: t tells.
 	op   op
-	size int64 // the delivery's Size, for an opHoldLost
+	size int64 // the delivery's Size, for an opLeaseLost
 	o    driver.Outcome
 	// done: a settler has sent o and err is the broker's answer (Settlers).
 	done bool
@@ -101,8 +101,8 @@ func (p *Pump) apply(ctx context.Context, s settlement) {
 	case s.op == opReclaim:
 		p.release(d)
 		return
-	case s.op == opHoldLost:
-		// Dropped by LoseLock: no longer held; the consumer frees it. The
+	case s.op == opLeaseLost:
+		// Dropped by LoseLease: no longer held; the consumer frees it. The
 		// consumer may have reclaimed the entry already, and the pump
 		// given it to the next delivery (release told the lease book
 		// then): the count still goes, but not that delivery's lease.
@@ -138,7 +138,7 @@ func (p *Pump) apply(ctx context.Context, s settlement) {
 			zap.Stringer("outcome", s.o.Kind))
 		p.stats.stale.Add(1)
 		p.notSent(d, s.o.Kind)
-	case d.HoldLost():
+	case d.LeaseLost():
 		p.log.Debug("settlement of a delivery whose lock was lost skipped; the broker redelivers it",
 			zap.Stringer("outcome", s.o.Kind))
 		p.stats.lockLostSkipped.Add(1)
@@ -206,7 +206,7 @@ type shard struct {
 }
 
 // errStale is a settler's report of a settlement it did not send because
-// its delivery's link was lost meanwhile (without KeepAcrossLinks).
+// its delivery's link was lost meanwhile (without LeasesOutliveLinks).
 var errStale = errors.New("pump: settlement not sent: its link was lost")
 
 // errUnsent is a settler's report of a settlement it did not send: Run
@@ -240,14 +240,10 @@ func (p *Pump) settled(d *driver.Delivery, kind driver.Kind, err error) {
 		p.stats.settled[kind].Add(1)
 		return
 	}
-	// Declared past the nil check: errors.As makes it escape, which would
-	// cost an allocation per settlement.
-	//
 	// Each is logged at debug: they happen once per delivery. They are
 	// counted (Stats), and OnEvent hears of each (SettleFailed).
-	var ae *amqp.Error
 	switch {
-	case errors.As(err, &ae) && ae.Condition == ErrCondLockLost:
+	case p.cfg.Leases != nil && p.cfg.Leases.LostAnswer(err):
 		p.log.Debug("settlement answered with lock-lost; the broker redelivers the delivery",
 			zap.Stringer("outcome", kind), zap.Error(err))
 		p.stats.lockLostAnswers.Add(1)
@@ -262,10 +258,6 @@ func (p *Pump) settled(d *driver.Delivery, kind driver.Kind, err error) {
 	}
 	p.event(Event{Kind: SettleFailed, Message: d.Message(), Outcome: kind, Err: err})
 }
-
-// ErrCondLockLost is the condition Service Bus answers a settlement with
-// when the delivery's lock has expired.
-const ErrCondLockLost amqp.ErrCond = "com.microsoft:message-lock-lost"
 
 func (p *Pump) settleTimeout() time.Duration {
 	if p.cfg.SettleTimeout > 0 {

@@ -58,7 +58,7 @@ func TestUnorderedSettlementsDoNotWaitBehindAStuckOne(t *testing.T) {
 	})
 }
 
-// Without KeepAcrossLinks (Service Bus sessions), a settlement still
+// Without LeasesOutliveLinks (Service Bus sessions), a settlement still
 // queued for a settler when its link is lost is skipped as stale, not sent
 // on the dead link: Stale counts it, and OnSettled hears ErrNotSent.
 func TestASettlementQueuedWhenItsLinkIsLostIsStale(t *testing.T) {
@@ -132,8 +132,24 @@ func TestSettlersKeepSettlementsInFlight(t *testing.T) {
 	})
 }
 
+// lostLeaseCond is the condition the broker of the tests below answers a
+// settlement with when the delivery's lease is gone.
+const lostLeaseCond amqp.ErrCond = "test:lease-lost"
+
+// lostOnCond are Leases that keep nothing and read lostLeaseCond as a lost
+// lease.
+type lostOnCond struct{}
+
+func (lostOnCond) Add(driver.Ticket)       {}
+func (lostOnCond) Remove(*driver.Delivery) {}
+func (lostOnCond) LostAnswer(err error) bool {
+	var ae *amqp.Error
+	return errors.As(err, &ae) && ae.Condition == lostLeaseCond
+}
+
 // A settlement the broker answers late is bounded by SettleTimeout and
-// counted; one answered with lock-lost is counted, not retried.
+// counted; one answered with a lost lease (the Leases' LostAnswer) is
+// counted, not retried.
 func TestSettlementsAnsweredLateOrWithLockLost(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		msgs := fake.Messages(3)
@@ -141,14 +157,14 @@ func TestSettlementsAnsweredLateOrWithLockLost(t *testing.T) {
 		src.SettleErr = func(ctx context.Context, m *amqp.Message) error {
 			switch m {
 			case msgs[1]:
-				return &amqp.Error{Condition: pump.ErrCondLockLost, Description: "the lock supplied is invalid"}
+				return &amqp.Error{Condition: lostLeaseCond, Description: "the lock supplied is invalid"}
 			case msgs[2]:
 				<-ctx.Done() // never answered
 				return ctx.Err()
 			}
 			return nil
 		}
-		p := pump.New(pump.Config{Credit: 4, Settlers: 2, SettleTimeout: time.Second})
+		p := pump.New(pump.Config{Credit: 4, Settlers: 2, SettleTimeout: time.Second, Leases: lostOnCond{}})
 		cancel, errc := start(t, p, attachTo(src))
 		for range 3 {
 			p.Settle(<-p.Out(), driver.Outcome{Kind: driver.Accept})

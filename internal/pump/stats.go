@@ -52,9 +52,10 @@ type Stats struct {
 	// DoubleSettles counts Settle calls refused because the delivery was
 	// already settled.
 	DoubleSettles uint64
-	// Lost locks (LoseLock): deliveries dropped before a handler took
+	// Lost leases (LoseLease): deliveries dropped before a handler took
 	// them, and settlements skipped because the handler had the delivery;
-	// settlements the broker answered with lock-lost; and settlements
+	// settlements the broker answered with a lost lease
+	// (driver.Leases.LostAnswer); and settlements
 	// that a settler saw go unanswered within SettleTimeout.
 	LockLostDropped, LockLostSkipped, LockLostAnswers, SettleTimeouts uint64
 	Links                                                             uint64 // links attached

@@ -14,8 +14,8 @@
 // consumer that holds a credit's worth of deliveries — waiting in the
 // pump's channel, in a lane, or in a handler — loses the locks of those
 // that wait longest, and the service delivers them again to someone else.
-// The [Book] knows every delivery the pump holds (the pump feeds it through
-// pump.Leases) with its lock token and expiry, and Run renews the locks:
+// [Leases] knows every delivery the pump holds (the pump feeds it through
+// driver.Leases) with its lock token and expiry, and Run renews the locks:
 // for as long as a delivery waits for its handler, and up to MaxRenewal
 // after its handler began (Bind).
 //
@@ -57,7 +57,7 @@
 // tokens ([ErrIncomplete]) is asked again without the locks settled
 // meanwhile, then token by token, and only a token refused on its own
 // (410) is a lost lock. With one lost lock in a batch of 256 that costs
-// 257 requests and 512 tokens for the round ([BookStats.Split] counts such
+// 257 requests and 512 tokens for the round ([LeasesStats.Split] counts such
 // batches).
 //
 // A server-busy answer (ErrServerBusy: the service is throttling) holds

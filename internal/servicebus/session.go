@@ -55,7 +55,7 @@ type Session struct {
 	idle time.Duration
 	slot int
 	mgmt *Management
-	book *Book
+	book *Leases
 	// held counts the deliveries of the session's pipe held now.
 	held    func() int
 	log     *zap.Logger
@@ -69,7 +69,7 @@ type Session struct {
 type SessionConfig struct {
 	Idle    time.Duration // the SessionIdleTimeout
 	Slot    int           // the consumer's slot, for the log
-	Book    *Book         // the book of the slot's deliveries
+	Leases  *Leases       // the book of the slot's deliveries
 	Held    func() int    // how many deliveries the slot holds
 	Log     *zap.Logger
 	Limited *loglimit.Logger // for the lines that can repeat
@@ -87,7 +87,7 @@ func AcceptSession(rcv *amqp.Receiver, mgmt *Management, c SessionConfig) (*Sess
 		until = time.Now() // renew at once
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	src := &Session{Receiver: rcv, id: id, idle: c.Idle, slot: c.Slot, mgmt: mgmt, book: c.Book, held: c.Held,
+	src := &Session{Receiver: rcv, id: id, idle: c.Idle, slot: c.Slot, mgmt: mgmt, book: c.Leases, held: c.Held,
 		log: c.Log, limited: c.Limited, cancel: cancel, done: make(chan struct{})}
 	go src.renew(ctx, until)
 	c.Log.Info("session accepted", zap.String("session_id", id), zap.Int("slot", c.Slot),

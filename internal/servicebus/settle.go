@@ -13,7 +13,6 @@ import (
 
 	"github.com/amqpsub/amqpsub/internal/driver"
 
-	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/wait"
 )
 
@@ -30,7 +29,7 @@ import (
 // (azure-sdk-for-net #37676). So a link the
 // service detaches (an idle link after 10 minutes, or
 // amqp:link:detach-forced) costs no finished work: the pump keeps what the
-// link held (pump.Config.KeepAcrossLinks), and Receiver settles it this
+// link held (its LeasesOutliveLinks), and Receiver settles it this
 // way. Session messages are not settled so: their locks are the session's,
 // which ends with the session link.
 
@@ -221,7 +220,7 @@ var errNotRunning = errors.New("amqpsub: the subscriber is no longer running")
 // settle sends o for msg by its lock token, sending it again up to retries
 // times after a transient failure, and returns the service's answer: nil,
 // an *amqp.Error of condition com.microsoft:message-lock-lost
-// (pump.ErrCondLockLost) when the service says the lock is gone, or
+// ([CondLockLost]) when the service says the lock is gone, or
 // another error. It returns when ctx ends, with ctx's error; the
 // settlement is then in doubt. A release's answer, whatever it is, is
 // wrapped by driver.SentAs(driver.Modify, …): it goes as abandoned.
@@ -361,7 +360,7 @@ func (f *Dispositions) send(ctx context.Context, batch []*disposition) {
 		return
 	}
 	if errors.Is(err, ErrLockLost) {
-		err = &amqp.Error{Condition: pump.ErrCondLockLost, Description: err.Error()}
+		err = &amqp.Error{Condition: CondLockLost, Description: err.Error()}
 	}
 	if err == nil {
 		f.taken.Add(uint64(len(batch)))

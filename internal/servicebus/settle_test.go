@@ -13,7 +13,6 @@ import (
 
 	"github.com/amqpsub/amqpsub/internal/driver"
 
-	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
 )
 
@@ -54,7 +53,7 @@ func TestASettlementAnsweredBusyOrTimedOutIsSentAgainByLockToken(t *testing.T) {
 		{"timeout", cond(servicebus.CondTimeout), true, servicebus.DispositionRetries - 1, 0},
 		{"operation-cancelled", cond("com.microsoft:operation-cancelled"), true, servicebus.DispositionRetries - 1, 0},
 		{"link gone", &amqp.LinkError{}, true, servicebus.DispositionRetries, 0},
-		{"lock lost", cond(pump.ErrCondLockLost), false, 0, 0},
+		{"lock lost", cond(servicebus.CondLockLost), false, 0, 0},
 		{"not allowed", cond(amqp.ErrCondNotAllowed), false, 0, 0},
 		{"taken", nil, false, 0, 0},
 	} {

@@ -34,7 +34,7 @@ func (r *eventCatcher) Event(e Event) {
 // The lease book reports a lost lock after it let go of its mutex, so the
 // delivery may have been settled and its entry given to the next one
 // meanwhile (see TestOnLostNamesTheMessageThatLostItsLock in
-// internal/servicebus/locks_test.go): sbKind.lockLost then reports nothing,
+// internal/servicebus/leases_test.go): sbKind.lockLost then reports nothing,
 // rather than an event naming the next delivery, whose lock is fine.
 func TestLockLostOnAReusedEntryIsNotReported(t *testing.T) {
 	synctest.Test(t, lockLostOnAReusedEntry)

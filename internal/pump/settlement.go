@@ -54,7 +54,7 @@ type settlement struct {
 // not applied; the broker redelivers those deliveries once the link is
 // closed.
 func (p *Pump) Settle(t driver.Ticket, o driver.Outcome) bool {
-	return p.settleAs(t, settlement{t: t, o: o})
+	return p.settleAs(t, settlement{t: t, op: opSend, o: o})
 }
 
 // SettleInOrder is Settle for a settlement that must reach the broker
@@ -68,7 +68,7 @@ func (p *Pump) Settle(t driver.Ticket, o driver.Outcome) bool {
 // out beside them. Without Settlers every settlement is sent in order on
 // the pump's goroutine, and SettleInOrder is Settle.
 func (p *Pump) SettleInOrder(t driver.Ticket, o driver.Outcome, key uint64) bool {
-	return p.settleAs(t, settlement{t: t, o: o, key: key, ordered: true})
+	return p.settleAs(t, settlement{t: t, op: opSend, o: o, key: key, ordered: true})
 }
 
 func (p *Pump) settleAs(t driver.Ticket, st settlement) bool {

@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
-	"github.com/amqpsub/amqpsub/internal/pump"
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"go.uber.org/zap"
 )
 
@@ -20,7 +20,7 @@ type link struct {
 	sess *amqp.Session
 	rcv  *amqp.Receiver
 	dlq  deadLetterSender // DeadLetterCopy's sender on sess
-	src  pump.Source      // what the pump receives from: rcv, or what the kind made of it
+	src  driver.Source    // what the pump receives from: rcv, or what the kind made of it
 	kind brokerKind       // the pipe's, which releases what it added
 	sb   *sbLink          // what Service Bus added (sbkind.go); nil elsewhere
 }
@@ -33,7 +33,7 @@ type link struct {
 // It attaches on the connection (and session) the attacher kept
 // (attacher.spare) when it has one: the pipe's kind said that the broker
 // refused the last link for want of something to give it (refused), the
-// last source ended by itself (pump.ErrSourceDone), or the kind attaches a
+// last source ended by itself (driver.ErrSourceDone), or the kind attaches a
 // lost link again on its connection (reattachOn). A new connection is
 // opened only when that one is lost. On Service Bus this is how a session
 // consumer asks for the next session, as azservicebus does (see

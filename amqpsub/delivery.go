@@ -6,7 +6,7 @@ import (
 
 	"github.com/Azure/go-amqp"
 
-	"github.com/amqpsub/amqpsub/internal/pump"
+	"github.com/amqpsub/amqpsub/internal/driver"
 )
 
 // BodyKind says which AMQP body section a message carries.
@@ -41,13 +41,13 @@ func (k BodyKind) String() string {
 type Delivery struct {
 	msg  *amqp.Message
 	lane int
-	t    pump.Ticket                    // settles it; the pump refuses a second settlement
+	t    driver.Ticket                  // settles it; the pump refuses a second settlement
 	p    *pipe                          // the pipe it came through
 	l    *link                          // the link it came on, when known
 	dl   atomic.Pointer[deadLetterNote] // what DeadLetterCopy did, once it did
 }
 
-func newDelivery(t pump.Ticket, lane int, p *pipe) *Delivery {
+func newDelivery(t driver.Ticket, lane int, p *pipe) *Delivery {
 	return &Delivery{msg: t.Message(), lane: lane, t: t, p: p, l: p.current.Load()}
 }
 
@@ -226,7 +226,7 @@ func (d *Delivery) OnSettled(f func(o Outcome, err error)) bool {
 	if f == nil || d.t.Entry() == nil {
 		return false
 	}
-	return d.t.OnSettled(func(k pump.Kind, err error) {
+	return d.t.OnSettled(func(k driver.Kind, err error) {
 		if o, ok := outcomeOf(k); ok {
 			f(o, err)
 		}

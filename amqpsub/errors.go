@@ -5,7 +5,7 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
-	"github.com/amqpsub/amqpsub/internal/pump"
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
 	"github.com/amqpsub/amqpsub/internal/wire"
 )
@@ -124,7 +124,7 @@ var ErrBodyKind = errors.New("amqpsub: body is of another kind")
 // function hear of a settlement that was not sent, because the delivery's
 // link (or, on Service Bus, its lock) was lost while a handler had it. The
 // broker delivers the message again.
-var ErrNotSettled = pump.ErrNotSent
+var ErrNotSettled = driver.ErrNotSent
 
 // ErrCondDeadLetter is the error condition of a rejected outcome that
 // Service Bus takes as "dead-letter this message".

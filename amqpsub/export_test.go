@@ -4,38 +4,38 @@ import (
 	"context"
 	"fmt"
 
-	"github.com/amqpsub/amqpsub/internal/pump"
+	"github.com/amqpsub/amqpsub/internal/driver"
 )
 
 // SourceOf returns a Connector that attaches to src, on every attach,
 // instead of a broker.
-func SourceOf(src pump.Source) Connector { return SourcesOf(always(src)) }
+func SourceOf(src driver.Source) Connector { return SourcesOf(always(src)) }
 
 // SourcesOf returns a Connector that attaches to the sources next gives,
 // one call per attach.
-func SourcesOf(next func(ctx context.Context) (pump.Source, error)) Connector {
+func SourcesOf(next func(ctx context.Context) (driver.Source, error)) Connector {
 	return sourceConnector{name: "a test source", next: next}
 }
 
 // SourceFor is SourceOf named as c is (its String, as the logs and errors
 // name a broker), for tests of what is said about c.
-func SourceFor(c Connector, src pump.Source) Connector {
+func SourceFor(c Connector, src driver.Source) Connector {
 	return sourceConnector{name: fmt.Sprint(c), next: always(src)}
 }
 
 // ServiceBusSourceOf is SourceOf for a source that plays Service Bus: a
 // subscriber on it takes the AzureServiceBus profile (peek-lock), as one on
 // ServiceBus's connector does.
-func ServiceBusSourceOf(src pump.Source) Connector { return ServiceBusSourcesOf(always(src)) }
+func ServiceBusSourceOf(src driver.Source) Connector { return ServiceBusSourcesOf(always(src)) }
 
 // ServiceBusSourcesOf is SourcesOf for sources that play Service Bus (see
 // ServiceBusSourceOf).
-func ServiceBusSourcesOf(next func(ctx context.Context) (pump.Source, error)) Connector {
+func ServiceBusSourcesOf(next func(ctx context.Context) (driver.Source, error)) Connector {
 	return sourceConnector{name: "a test Service Bus source", next: next, serviceBus: true}
 }
 
-func always(src pump.Source) func(context.Context) (pump.Source, error) {
-	return func(context.Context) (pump.Source, error) { return src, nil }
+func always(src driver.Source) func(context.Context) (driver.Source, error) {
+	return func(context.Context) (driver.Source, error) { return src, nil }
 }
 
 // PumpCredit is the credit of s's pumps, summed.

@@ -11,33 +11,34 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/amqpsub/amqpsub/internal/backoff"
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/lanes"
 	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 // laneConfig wires the lanes to the pump and the handler. ctx is the
 // handlers' context, cancelled when Run gives up on them.
-func (s *Subscriber) laneConfig(ctx context.Context, p *pipe) lanes.Config[pump.Ticket] {
-	cfg := lanes.Config[pump.Ticket]{
+func (s *Subscriber) laneConfig(ctx context.Context, p *pipe) lanes.Config[driver.Ticket] {
+	cfg := lanes.Config[driver.Ticket]{
 		Lanes:    s.cfg.workers,
 		Balanced: s.cfg.balanced,
 		Gauge:    p.gauge,
 		Stop:     p.pump.Stopping(),
 		Flush:    p.pump.Holding(),
-		Take:     pump.Ticket.Begin,
-		Drop: func(t pump.Ticket) {
-			kind := pump.Release
+		Take:     driver.Ticket.Begin,
+		Drop: func(t driver.Ticket) {
+			kind := driver.Release
 			if t.Stale() {
-				kind = pump.Drop
+				kind = driver.Drop
 			}
-			p.settle(t, pump.Outcome{Kind: kind}, -1)
+			p.settle(t, driver.Outcome{Kind: kind}, -1)
 		},
 	}
 	if s.cfg.byKey {
-		cfg.Key = func(t pump.Ticket) string { return groupID(t.Message()) }
+		cfg.Key = func(t driver.Ticket) string { return groupID(t.Message()) }
 	}
 	if s.batch == nil {
-		cfg.Handle = func(lane int, t pump.Ticket) {
+		cfg.Handle = func(lane int, t driver.Ticket) {
 			d := newDelivery(t, lane, p)
 			hctx, done := p.kind.handlerContext(ctx, t)
 			err := s.handle(hctx, d)
@@ -49,8 +50,8 @@ func (s *Subscriber) laneConfig(ctx context.Context, p *pipe) lanes.Config[pump.
 	// A batch never holds more than the credit.
 	cfg.BatchSize, cfg.BatchWait = min(s.cfg.batchSize, s.cfg.credit), s.cfg.batchWait
 	scratch := make([][]*Delivery, s.cfg.workers) // one per lane, reused
-	tickets := make([][]pump.Ticket, s.cfg.workers)
-	cfg.HandleBatch = func(lane int, ts []pump.Ticket) {
+	tickets := make([][]driver.Ticket, s.cfg.workers)
+	cfg.HandleBatch = func(lane int, ts []driver.Ticket) {
 		batch := scratch[lane][:0]
 		for _, t := range ts {
 			d := newDelivery(t, lane, p)

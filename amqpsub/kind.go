@@ -6,6 +6,8 @@ import (
 
 	"github.com/Azure/go-amqp"
 
+	"github.com/amqpsub/amqpsub/internal/driver"
+
 	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
@@ -20,7 +22,7 @@ import (
 // nothing. RabbitMQ 4's kind (rabbitmq4.go) reads the queue's type at each
 // attach, and settles a Reject on a quorum queue as modified. Service
 // Bus's kind (sbkind.go) adds peek-lock: the lease book
-// (servicebus.Book) that renews locks, settlements sent concurrently in
+// (servicebus.Leases) that renews locks, settlements sent concurrently in
 // each group's order and by lock token once a link is gone, the
 // $management node beside each link, and sessions.
 type brokerKind interface {
@@ -36,14 +38,14 @@ type brokerKind interface {
 	// what the kind adds beside the receiver and returns the source the
 	// pump receives from. On an error, step names what failed, and the
 	// caller closes l.
-	attached(ctx context.Context, l *link) (src pump.Source, step string, err error)
+	attached(ctx context.Context, l *link) (src driver.Source, step string, err error)
 	// ready runs once attach has returned l, within the attacher's ctx
 	// (not the attach's DialTimeout): it waits until l may be handed to
 	// the pump. On an error the caller closes l.
 	ready(ctx context.Context, l *link) error
 	// attachedSource is told of a test source attached in place of a link
 	// (package amqpsubtest), and of nil when it is lost.
-	attachedSource(src pump.Source)
+	attachedSource(src driver.Source)
 	// release closes what l opened on its AMQP session, within ctx:
 	// detach closes the receiver and the session, between what the kind
 	// ends before (a session's lock renewal) and what it waits for after.
@@ -60,10 +62,10 @@ type brokerKind interface {
 	refused(err error, attempt int) (r refusal, wait time.Duration)
 	// handlerContext returns the context for a handler of ts, derived from
 	// ctx; done releases it.
-	handlerContext(ctx context.Context, ts ...pump.Ticket) (hctx context.Context, done func())
+	handlerContext(ctx context.Context, ts ...driver.Ticket) (hctx context.Context, done func())
 	// settle hands t's settlement (o) to the pipe's pump; lane is the
 	// delivery's lane, -1 when it is not known.
-	settle(t pump.Ticket, o pump.Outcome, lane int)
+	settle(t driver.Ticket, o driver.Outcome, lane int)
 	// addLocks adds the kind's lock counters to l.
 	addLocks(l *Locks)
 	// returnsCounted says whether the broker counts a release as a
@@ -96,19 +98,19 @@ func (plainKind) configure(*pump.Config)                                     {}
 func (plainKind) start(context.Context) func()                               { return func() {} }
 func (plainKind) receiverOptions(*amqp.ReceiverOptions)                      {}
 func (plainKind) ready(context.Context, *link) error                         { return nil }
-func (plainKind) attachedSource(pump.Source)                                 {}
+func (plainKind) attachedSource(driver.Source)                               {}
 func (plainKind) refused(error, int) (refusal, time.Duration)                { return refusedNot, 0 }
 func (plainKind) addLocks(*Locks)                                            {}
 func (plainKind) reattachOn(context.Context, *connection, error, bool) bool  { return false }
 func (plainKind) returnsCounted() bool                                       { return false }
 func (plainKind) release(_ context.Context, _ *link, _ error, detach func()) { detach() }
 
-func (plainKind) attached(_ context.Context, l *link) (pump.Source, string, error) {
+func (plainKind) attached(_ context.Context, l *link) (driver.Source, string, error) {
 	return l.rcv, "", nil
 }
 
-func (k plainKind) settle(t pump.Ticket, o pump.Outcome, _ int) { k.p.pump.Settle(t, o) }
+func (k plainKind) settle(t driver.Ticket, o driver.Outcome, _ int) { k.p.pump.Settle(t, o) }
 
-func (plainKind) handlerContext(ctx context.Context, _ ...pump.Ticket) (context.Context, func()) {
+func (plainKind) handlerContext(ctx context.Context, _ ...driver.Ticket) (context.Context, func()) {
 	return ctx, func() {}
 }

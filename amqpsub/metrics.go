@@ -3,7 +3,7 @@ package amqpsub
 import (
 	"time"
 
-	"github.com/amqpsub/amqpsub/internal/pump"
+	"github.com/amqpsub/amqpsub/internal/driver"
 )
 
 // Metrics makes a Recorder for each [Subscriber] given it ([WithMetrics]), so
@@ -159,10 +159,10 @@ func (p Profile) system() string {
 // meter passes the pump's reports to a Recorder (pump.Meter).
 type meter struct{ r Recorder }
 
-var outcomeOfKind = [...]Outcome{pump.Accept: OutcomeAccepted, pump.Release: OutcomeReleased,
-	pump.Modify: OutcomeModified, pump.Reject: OutcomeRejected}
+var outcomeOfKind = [...]Outcome{driver.Accept: OutcomeAccepted, driver.Release: OutcomeReleased,
+	driver.Modify: OutcomeModified, driver.Reject: OutcomeRejected}
 
-func outcomeOf(k pump.Kind) (Outcome, bool) {
+func outcomeOf(k driver.Kind) (Outcome, bool) {
 	if int(k) < len(outcomeOfKind) {
 		return outcomeOfKind[k], true
 	}
@@ -173,7 +173,7 @@ func (m meter) Received() { m.r.Received() }
 
 func (m meter) Dropped(n int) { m.r.Dropped(n) }
 
-func (m meter) Settled(k pump.Kind, err error) {
+func (m meter) Settled(k driver.Kind, err error) {
 	if o, ok := outcomeOf(k); ok {
 		m.r.Settled(o, err)
 	}

@@ -32,7 +32,7 @@ type pipe struct {
 	// waits on it, to end the retries of a delivery that became stale.
 	linkDown atomic.Pointer[chan struct{}]
 	// keeps: a lost link's deliveries stay held and settleable
-	// (pump.Config.KeepAcrossLinks), so none of them becomes stale.
+	// (pump.Config.LeasesOutliveLinks), so none of them becomes stale.
 	keeps bool
 }
 
@@ -96,7 +96,7 @@ func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
 		pc.MaxHeldBytes = shareOf(b, credit, s.cfg.credit)
 	}
 	p.kind.configure(&pc)
-	p.keeps = pc.KeepAcrossLinks
+	p.keeps = pc.LeasesOutliveLinks
 	p.pump = pump.New(pc)
 	return p
 }

@@ -4,7 +4,7 @@ import (
 	"github.com/Azure/go-amqp"
 
 	"github.com/amqpsub/amqpsub/internal/credit"
-	"github.com/amqpsub/amqpsub/internal/pump"
+	"github.com/amqpsub/amqpsub/internal/driver"
 )
 
 // Profile holds what differs between brokers on the wire. Use one of
@@ -16,7 +16,7 @@ type Profile struct {
 	// address maps a queue name to the link's source address.
 	address func(queue string) string
 	// retry is how a Retry outcome is settled.
-	retry pump.Outcome
+	retry driver.Outcome
 	// creditMode is the pump's credit mode at start.
 	creditMode credit.Mode
 	// detach says whether the broker answers a link detach; if not, the
@@ -142,7 +142,7 @@ func azureServiceBus() Profile {
 	return Profile{
 		name:         "servicebus",
 		address:      func(q string) string { return q },
-		retry:        pump.Outcome{Kind: pump.Modify},
+		retry:        driver.Outcome{Kind: driver.Modify},
 		creditMode:   credit.Continuous,
 		detach:       true,
 		rejectCond:   ErrCondDeadLetter,
@@ -159,7 +159,7 @@ func artemis() Profile {
 		name:       "artemis",
 		sourceCaps: []string{"queue"},
 		address:    func(q string) string { return q },
-		retry:      pump.Outcome{Kind: pump.Modify, DeliveryFailed: true},
+		retry:      driver.Outcome{Kind: driver.Modify, DeliveryFailed: true},
 		creditMode: credit.Continuous,
 		detach:     true,
 		rejectCond: RejectCondition,
@@ -172,7 +172,7 @@ func rabbitMQ3() Profile {
 	return Profile{
 		name:       "rabbitmq3",
 		address:    rabbitAddress,
-		retry:      pump.Outcome{Kind: pump.Release},
+		retry:      driver.Outcome{Kind: driver.Release},
 		creditMode: credit.Windowed,
 		detach:     false,
 		rejectCond: RejectCondition,
@@ -184,7 +184,7 @@ func rabbitMQ4() Profile {
 	return Profile{
 		name:       "rabbitmq4",
 		address:    rabbit4Address,
-		retry:      pump.Outcome{Kind: pump.Modify, DeliveryFailed: true},
+		retry:      driver.Outcome{Kind: driver.Modify, DeliveryFailed: true},
 		creditMode: credit.Continuous,
 		detach:     true,
 		rejectCond: RejectCondition,

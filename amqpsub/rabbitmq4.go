@@ -12,7 +12,7 @@ import (
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
 
-	"github.com/amqpsub/amqpsub/internal/pump"
+	"github.com/amqpsub/amqpsub/internal/driver"
 )
 
 // The RabbitMQ 4 kind (rabbit4Kind) adds one thing to the plain kind: at
@@ -53,7 +53,7 @@ type rabbitQueue struct {
 	reused bool
 }
 
-func (k *rabbit4Kind) attached(ctx context.Context, l *link) (pump.Source, string, error) {
+func (k *rabbit4Kind) attached(ctx context.Context, l *link) (driver.Source, string, error) {
 	s := k.p.s
 	q, err := readRabbitQueue(ctx, l.conn, s.cfg.profile.address(s.queue))
 	if err != nil {
@@ -111,7 +111,7 @@ type rabbitQueueSource interface {
 // checkSource is attached for a test source attached in place of a link
 // (sourceChecker): the queue is what the source says, or, from a source
 // that plays no RabbitMQ 4 queue, one whose type could not be read.
-func (k *rabbit4Kind) checkSource(src pump.Source) (step string, err error) {
+func (k *rabbit4Kind) checkSource(src driver.Source) (step string, err error) {
 	var q rabbitQueue
 	if rs, ok := src.(rabbitQueueSource); ok {
 		q.typ, q.limit = rs.RabbitMQQueue()
@@ -129,8 +129,8 @@ func (k *rabbit4Kind) returnsCounted() bool {
 // undeliverable-here} with the reason in annotations, which the queue
 // dead-letters keeping them; a rejected outcome's error reaches nothing on
 // RabbitMQ.
-func (k *rabbit4Kind) settle(t pump.Ticket, o pump.Outcome, _ int) {
-	if o.Kind == pump.Reject {
+func (k *rabbit4Kind) settle(t driver.Ticket, o driver.Outcome, _ int) {
+	if o.Kind == driver.Reject {
 		if q := k.queue.Load(); q != nil && q.typ == "quorum" {
 			o = quorumReject(o.Error)
 		}
@@ -153,7 +153,7 @@ const (
 
 // quorumReject is the modified outcome that dead-letters on a quorum queue
 // with e's reason, description and condition as annotations.
-func quorumReject(e *amqp.Error) pump.Outcome {
+func quorumReject(e *amqp.Error) driver.Outcome {
 	a := amqp.Annotations{}
 	if e != nil {
 		if e.Description != "" {
@@ -166,7 +166,7 @@ func quorumReject(e *amqp.Error) pump.Outcome {
 			a[AnnotationDeadLetterCondition] = string(e.Condition)
 		}
 	}
-	return pump.Outcome{Kind: pump.Modify, DeliveryFailed: true, UndeliverableHere: true, Annotations: a}
+	return driver.Outcome{Kind: driver.Modify, DeliveryFailed: true, UndeliverableHere: true, Annotations: a}
 }
 
 // rabbitManagement is RabbitMQ 4's management node, and the name its link

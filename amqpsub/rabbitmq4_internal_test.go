@@ -5,7 +5,7 @@ import (
 
 	"github.com/Azure/go-amqp"
 
-	"github.com/amqpsub/amqpsub/internal/pump"
+	"github.com/amqpsub/amqpsub/internal/driver"
 )
 
 func TestRabbit4Address(t *testing.T) {
@@ -57,7 +57,7 @@ func TestParseRabbitQueue(t *testing.T) {
 func TestQuorumRejectKeepsTheReason(t *testing.T) {
 	e := (&OutcomeError{kind: ResultReject, reason: "bad total", description: "line 3"}).rejectError(RejectCondition)
 	o := quorumReject(e)
-	if o.Kind != pump.Modify || !o.DeliveryFailed || !o.UndeliverableHere {
+	if o.Kind != driver.Modify || !o.DeliveryFailed || !o.UndeliverableHere {
 		t.Fatalf("outcome %+v, want modified{delivery-failed, undeliverable-here}", o)
 	}
 	want := amqp.Annotations{

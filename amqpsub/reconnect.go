@@ -9,7 +9,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/internal/backoff"
-	"github.com/amqpsub/amqpsub/internal/pump"
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/wait"
 )
 
@@ -21,12 +21,12 @@ func (a *attacher) reconnectWait(err error, k int) time.Duration {
 	return max(backoff.Jittered(k, a.s.cfg.backoffMin, a.s.cfg.backoffMax), busyWait(err))
 }
 
-func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) {
+func (a *attacher) attach(ctx context.Context, lost error) (driver.Source, error) {
 	s := a.s
 	a.p.lostLink()
 	a.p.kind.attachedSource(nil)
 	first := 0
-	moveOn := errors.Is(lost, pump.ErrSourceDone) // a session consumer's next session
+	moveOn := errors.Is(lost, driver.ErrSourceDone) // a session consumer's next session
 	defer a.closeSpare(ctx)
 	defer a.endRetired(ctx, lost)
 	if a.current != nil {
@@ -41,7 +41,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (pump.Source, error) 
 			a.spare = &link{connection: a.current.connection, kind: a.p.kind}
 		case !moveOn && lost != nil && live(a.current.conn) && a.p.kind.reattachOn(ctx, a.current.connection, lost, false):
 			// The link is attached again on its connection. Where a lost
-			// link's deliveries stay settleable (KeepAcrossLinks), the
+			// link's deliveries stay settleable (LeasesOutliveLinks), the
 			// lost one stays the pipe's current link until the next is
 			// up: what its kind added beside it (Service Bus's
 			// $management node, on its AMQP session) serves them
@@ -204,7 +204,7 @@ func (s *Subscriber) failoverLeft(passes *int) bool {
 
 // attachOnce opens a connection, session and receiver, or takes the test
 // source.
-func (s *Subscriber) attachOnce(ctx context.Context, p *pipe) (pump.Source, *link, error) {
+func (s *Subscriber) attachOnce(ctx context.Context, p *pipe) (driver.Source, *link, error) {
 	if c, ok := s.connector.(sourceConnector); ok {
 		src, err := c.attach(ctx, s, p)
 		return src, nil, err

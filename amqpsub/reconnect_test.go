@@ -14,16 +14,16 @@ import (
 
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/internal/backoff"
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/fake"
-	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
 	"github.com/amqpsub/amqpsub/internal/wire"
 )
 
 // sources hands out the given sources and errors in turn, then blocks.
-func sources(items ...any) func(context.Context) (pump.Source, error) {
+func sources(items ...any) func(context.Context) (driver.Source, error) {
 	var mu sync.Mutex
-	return func(ctx context.Context) (pump.Source, error) {
+	return func(ctx context.Context) (driver.Source, error) {
 		mu.Lock()
 		if len(items) == 0 {
 			mu.Unlock()
@@ -36,7 +36,7 @@ func sources(items ...any) func(context.Context) (pump.Source, error) {
 		switch v := it.(type) {
 		case error:
 			return nil, v
-		case pump.Source:
+		case driver.Source:
 			return v, nil
 		}
 		panic(fmt.Sprintf("sources: %T", it))
@@ -317,7 +317,7 @@ func TestInvalidRecoveryOptions(t *testing.T) {
 func TestLinksLostAtOnceAreReattachedWithBackoff(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		var attaches atomic.Int64
-		s, _ := amqpsub.New(amqpsub.SourcesOf(func(context.Context) (pump.Source, error) {
+		s, _ := amqpsub.New(amqpsub.SourcesOf(func(context.Context) (driver.Source, error) {
 			attaches.Add(1)
 			src := fake.New(false)
 			src.Fail(errors.New("amqp: link closed: char not implemented"))
@@ -440,7 +440,7 @@ func TestBlockingOnReconnectIsReportedAtTheStop(t *testing.T) {
 func TestServerBusyWaitsTenSecondsBeforeTheNextAttempt(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
-		connect func(func(context.Context) (pump.Source, error)) amqpsub.Connector
+		connect func(func(context.Context) (driver.Source, error)) amqpsub.Connector
 		opts    []amqpsub.Option
 	}{
 		{"servicebus", amqpsub.ServiceBusSourcesOf, nil},
@@ -451,7 +451,7 @@ func TestServerBusyWaitsTenSecondsBeforeTheNextAttempt(t *testing.T) {
 	}
 }
 
-func serverBusyWaits(t *testing.T, connect func(func(context.Context) (pump.Source, error)) amqpsub.Connector, opts []amqpsub.Option) {
+func serverBusyWaits(t *testing.T, connect func(func(context.Context) (driver.Source, error)) amqpsub.Connector, opts []amqpsub.Option) {
 	synctest.Test(t, func(t *testing.T) {
 		first := fake.New(true, fake.Messages(1)...)
 		second := fake.New(true, fake.Messages(1)...)
@@ -460,7 +460,7 @@ func serverBusyWaits(t *testing.T, connect func(func(context.Context) (pump.Sour
 		var mu sync.Mutex
 		var attempts []time.Time
 		src := sources(first, busy, &amqp.ConnError{}, second, third)
-		s, err := amqpsub.New(connect(func(ctx context.Context) (pump.Source, error) {
+		s, err := amqpsub.New(connect(func(ctx context.Context) (driver.Source, error) {
 			mu.Lock()
 			attempts = append(attempts, time.Now())
 			mu.Unlock()
@@ -541,7 +541,7 @@ func TestSessionSlotDoesNotSpinOnAnImmediateTimeout(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		var asks atomic.Int32
 		noSession := &amqp.Error{Condition: "com.microsoft:timeout", Description: "no session available"}
-		s, err := amqpsub.New(amqpsub.SourcesOf(func(context.Context) (pump.Source, error) { asks.Add(1); return nil, noSession }), "q",
+		s, err := amqpsub.New(amqpsub.SourcesOf(func(context.Context) (driver.Source, error) { asks.Add(1); return nil, noSession }), "q",
 			amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
 			amqpsub.WithProfile(amqpsub.AzureServiceBus), amqpsub.Sessions(1), amqpsub.MaxLockRenewal(0),
 			amqpsub.Backoff(100*time.Millisecond, time.Second))
@@ -570,7 +570,7 @@ func TestSessionCannotBeLockedBacksOff(t *testing.T) {
 		start := time.Now()
 		var calls []time.Duration
 		refused := &amqp.Error{Condition: servicebus.CondSessionCannotBeLocked, Description: "held by another receiver"}
-		s, err := amqpsub.New(amqpsub.SourcesOf(func(context.Context) (pump.Source, error) {
+		s, err := amqpsub.New(amqpsub.SourcesOf(func(context.Context) (driver.Source, error) {
 			calls = append(calls, time.Since(start))
 			return nil, fmt.Errorf("amqpsub: attach receiver: %w", refused)
 		}), "q", amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
@@ -613,7 +613,7 @@ func TestServiceBusAttachErrorsOnAReconnect(t *testing.T) {
 	quota := &amqp.Error{Condition: amqp.ErrCondResourceLimitExceeded, Description: "too many receivers"}
 	for _, tc := range []struct {
 		name    string
-		connect func(func(context.Context) (pump.Source, error)) amqpsub.Connector
+		connect func(func(context.Context) (driver.Source, error)) amqpsub.Connector
 		refusal error
 		opts    []amqpsub.Option
 		fatal   bool

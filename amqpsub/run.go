@@ -10,8 +10,8 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/lanes"
-	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/wait"
 )
 
@@ -342,8 +342,8 @@ func (s *Subscriber) abandon() int {
 		zap.Int("count", n))
 	if s.debug() {
 		for _, p := range s.pipes {
-			p.pump.Each(func(pd *pump.Delivery) bool {
-				if pd.State() == pump.Handling {
+			p.pump.Each(func(pd *driver.Delivery) bool {
+				if pd.State() == driver.Handling {
 					s.log.Debug("handler abandoned", s.fields(&Delivery{msg: pd.Message(), lane: -1}, nil)...)
 				}
 				return true

@@ -12,6 +12,8 @@ import (
 	"github.com/cespare/xxhash/v2"
 	"go.uber.org/zap"
 
+	"github.com/amqpsub/amqpsub/internal/driver"
+
 	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
 	"github.com/amqpsub/amqpsub/internal/wait"
@@ -29,7 +31,7 @@ type sbKind struct {
 	// available one); used by session consumers only.
 	session  string
 	sessions bool // a session consumer
-	book     *servicebus.Book
+	book     *servicebus.Leases
 	// fallback settles, by lock token, the deliveries of a lost link;
 	// nil for session consumers, whose locks end with the session link.
 	fallback *servicebus.Dispositions
@@ -62,7 +64,7 @@ func newServiceBusKind(p *pipe, session string) brokerKind {
 
 func (k *sbKind) configure(pc *pump.Config) {
 	s := k.s
-	bc := servicebus.BookConfig{
+	bc := servicebus.LeasesConfig{
 		MaxRenewal: s.cfg.maxLockRenewal,
 		OnLost:     k.lockLost,
 		Logger:     s.log,
@@ -75,7 +77,7 @@ func (k *sbKind) configure(pc *pump.Config) {
 		// the session link renews.
 		bc.Renewer = renewer{k}
 	}
-	k.book = servicebus.NewBook(bc)
+	k.book = servicebus.NewLeases(bc)
 	pc.Leases = k.book
 	// Enough settlements in flight that a round trip of a few
 	// milliseconds does not cap the rate (32 at 5 ms: 6,400/s).
@@ -84,7 +86,7 @@ func (k *sbKind) configure(pc *pump.Config) {
 	if !k.sessions {
 		// A message's lock outlives its link (see servicebus.Receiver):
 		// what a lost link held is kept, and settled by lock token.
-		pc.KeepAcrossLinks = true
+		pc.LeasesOutliveLinks = true
 		pc.DropBufferedOn = connectionLost
 		k.fallback = servicebus.NewDispositions(k.management, s.log)
 	}
@@ -207,7 +209,7 @@ func (k *sbKind) receiverOptions(ro *amqp.ReceiverOptions) {
 
 // attached attaches the $management node beside l's receiver and, for a
 // session consumer, accepts the session the service granted.
-func (k *sbKind) attached(ctx context.Context, l *link) (pump.Source, string, error) {
+func (k *sbKind) attached(ctx context.Context, l *link) (driver.Source, string, error) {
 	s := k.s
 	mgmt, err := servicebus.NewManagement(ctx, l.sess, s.cfg.profile.address(s.queue), l.rcv.LinkName())
 	if err != nil {
@@ -218,7 +220,7 @@ func (k *sbKind) attached(ctx context.Context, l *link) (pump.Source, string, er
 		return servicebus.NewReceiver(l.rcv, k.fallback), "", nil
 	}
 	src, err := servicebus.AcceptSession(l.rcv, mgmt, servicebus.SessionConfig{
-		Idle: s.cfg.sessionIdle, Slot: k.p.index, Book: k.book, Held: k.p.pump.Held, Log: s.log, Limited: s.limited,
+		Idle: s.cfg.sessionIdle, Slot: k.p.index, Leases: k.book, Held: k.p.pump.Held, Log: s.log, Limited: s.limited,
 	})
 	if err != nil {
 		return nil, "accept session", err
@@ -237,7 +239,7 @@ func (k *sbKind) ready(ctx context.Context, l *link) error {
 	return k.awaitSession(ctx, l.sb.session)
 }
 
-func (k *sbKind) attachedSource(src pump.Source) {
+func (k *sbKind) attachedSource(src driver.Source) {
 	if rn, ok := src.(servicebus.Renewer); ok {
 		// A test source that renews its own locks (see renewer).
 		k.sourceRenewer.Store(&rn)
@@ -252,13 +254,13 @@ func (k *sbKind) attachedSource(src pump.Source) {
 func (k *sbKind) release(ctx context.Context, l *link, why error, detach func()) {
 	if l.sb != nil && l.sb.session != nil {
 		l.sb.session.Stop()
-		// An idle session (pump.ErrSourceDone) is let go as it should be:
+		// An idle session (driver.ErrSourceDone) is let go as it should be:
 		// no error to report, only the reason.
 		reason, err := "link lost", why
 		switch {
 		case why == nil:
 			reason = "stop"
-		case errors.Is(why, pump.ErrSourceDone):
+		case errors.Is(why, driver.ErrSourceDone):
 			reason, err = "idle", nil
 		}
 		k.s.log.Info("session released", zap.String("session_id", l.sb.session.ID()), zap.Int("slot", l.sb.session.Slot()),
@@ -348,7 +350,7 @@ func (k *sbKind) refused(err error, attempt int) (refusal, time.Duration) {
 
 // handlerContext returns a context that is cancelled (cause ErrLockLost)
 // when the lock of any of ts is lost.
-func (k *sbKind) handlerContext(ctx context.Context, ts ...pump.Ticket) (context.Context, func()) {
+func (k *sbKind) handlerContext(ctx context.Context, ts ...driver.Ticket) (context.Context, func()) {
 	hctx, cancel := context.WithCancelCause(ctx)
 	for _, t := range ts {
 		if !k.book.Bind(t, cancel) {
@@ -382,10 +384,10 @@ func (k *sbKind) addLocks(l *Locks) {
 // ErrLockLost): the delivery is dropped if no handler has it, its
 // settlement skipped if one has (the book has cancelled the handler's
 // context).
-func (k *sbKind) lockLost(t pump.Ticket, m *amqp.Message, why error) {
+func (k *sbKind) lockLost(t driver.Ticket, m *amqp.Message, why error) {
 	// Reported only when it changed anything: a delivery already settling
 	// or settled hears of its lock from the settlement's answer.
-	if k.p.pump.LoseLock(t) && m != nil {
+	if k.p.pump.LoseLease(t) && m != nil {
 		s := k.s
 		d := &Delivery{msg: m, lane: -1}
 		s.limited.Warn("message lock lost; the service delivers the message again", s.fields(d, why)...)
@@ -467,8 +469,8 @@ const sessionBusyPoll = 20 * time.Millisecond
 func (s *Subscriber) handlersOf(id string) int {
 	n := 0
 	for _, p := range s.pipes {
-		p.pump.Each(func(d *pump.Delivery) bool {
-			if m := d.Message(); m != nil && d.State() == pump.Handling && groupID(m) == id {
+		p.pump.Each(func(d *driver.Delivery) bool {
+			if m := d.Message(); m != nil && d.State() == driver.Handling && groupID(m) == id {
 				n++
 			}
 			return true
@@ -514,7 +516,7 @@ func (k *sbKind) awaitSession(ctx context.Context, src *servicebus.Session) erro
 // link cannot leave a group's earlier message to come back after a later
 // one was settled. Keyless deliveries under WorkersByKey are ordered by
 // lane; the others not at all.
-func (k *sbKind) settle(t pump.Ticket, o pump.Outcome, lane int) {
+func (k *sbKind) settle(t driver.Ticket, o driver.Outcome, lane int) {
 	switch g := groupID(t.Message()); {
 	case g != "":
 		k.p.pump.SettleInOrder(t, o, xxhash.Sum64String(g))

@@ -9,8 +9,8 @@ import (
 
 	"github.com/Azure/go-amqp"
 
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/fake"
-	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
 )
 
@@ -34,7 +34,7 @@ func (r *eventCatcher) Event(e Event) {
 // The lease book reports a lost lock after it let go of its mutex, so the
 // delivery may have been settled and its entry given to the next one
 // meanwhile (see TestOnLostNamesTheMessageThatLostItsLock in
-// internal/servicebus/locks_test.go): sbKind.lockLost then reports nothing,
+// internal/servicebus/leases_test.go): sbKind.lockLost then reports nothing,
 // rather than an event naming the next delivery, whose lock is fine.
 func TestLockLostOnAReusedEntryIsNotReported(t *testing.T) {
 	synctest.Test(t, lockLostOnAReusedEntry)
@@ -50,8 +50,8 @@ func lockLostOnAReusedEntry(t *testing.T) {
 	p, k := runPipe(t, s, src)
 	old := <-p.pump.Out()
 	old.Begin()
-	p.pump.Settle(old, pump.Outcome{Kind: pump.Accept}) // its handler returned meanwhile
-	synctest.Wait()                                     // applied: its entry is free for the next
+	p.pump.Settle(old, driver.Outcome{Kind: driver.Accept}) // its handler returned meanwhile
+	synctest.Wait()                                         // applied: its entry is free for the next
 	src.Push(&amqp.Message{Properties: &amqp.MessageProperties{MessageID: "next"}})
 	next := <-p.pump.Out()
 	if next.Entry() != old.Entry() {
@@ -91,12 +91,12 @@ func TestLeasedContextOfADeliveryOutOfTheBook(t *testing.T) {
 	if !errors.Is(context.Cause(hctx), servicebus.ErrLockLost) {
 		t.Fatalf("context of a delivery out of the book: cause %v, want servicebus.ErrLockLost", context.Cause(hctx))
 	}
-	p.pump.Settle(tk, pump.Outcome{Kind: pump.Accept})
+	p.pump.Settle(tk, driver.Outcome{Kind: driver.Accept})
 }
 
 // runPipe runs s's first pipe's pump on src (the pipe of a Service Bus
 // subscriber) until the test ends, and returns it with its kind.
-func runPipe(t *testing.T, s *Subscriber, src pump.Source) (*pipe, *sbKind) {
+func runPipe(t *testing.T, s *Subscriber, src driver.Source) (*pipe, *sbKind) {
 	t.Helper()
 	p := s.pipes[0]
 	k, ok := p.kind.(*sbKind)
@@ -107,7 +107,7 @@ func runPipe(t *testing.T, s *Subscriber, src pump.Source) (*pipe, *sbKind) {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		_ = p.pump.Run(ctx, func(context.Context, error) (pump.Source, error) { return src, nil })
+		_ = p.pump.Run(ctx, func(context.Context, error) (driver.Source, error) { return src, nil })
 	}()
 	t.Cleanup(func() { cancel(); <-done })
 	return p, k

@@ -3,7 +3,7 @@ package amqpsub
 import (
 	"errors"
 
-	"github.com/amqpsub/amqpsub/internal/pump"
+	"github.com/amqpsub/amqpsub/internal/driver"
 )
 
 // settle maps a handler's result to the broker settlement, and counts it.
@@ -21,18 +21,18 @@ func (s *Subscriber) settle(d *Delivery, err error) {
 		}
 		return
 	}
-	lost := d.t.Entry().LockLost()
+	lost := d.t.Entry().LeaseLost()
 	if lost && s.debug() {
 		s.log.Debug("result of a delivery whose lock was lost not sent", s.fields(d, err)...)
 	}
-	var o pump.Outcome
+	var o driver.Outcome
 	switch result, oe := decide(err); result {
 	case ResultAccept:
 		s.results.accept.Add(1)
-		o = pump.Outcome{Kind: pump.Accept}
+		o = driver.Outcome{Kind: driver.Accept}
 	case ResultRelease:
 		s.results.release.Add(1)
-		o = pump.Outcome{Kind: pump.Release}
+		o = driver.Outcome{Kind: driver.Release}
 	case ResultReject:
 		if !oe.poisoned {
 			s.results.reject.Add(1)
@@ -57,14 +57,14 @@ func (s *Subscriber) settle(d *Delivery, err error) {
 // once the copy was taken; otherwise, or when the copy failed, rejected
 // with the profile's condition (or the Reject's own). A delivery whose lock
 // is gone gets no copy.
-func (s *Subscriber) rejection(d *Delivery, oe *OutcomeError, lost bool) pump.Outcome {
+func (s *Subscriber) rejection(d *Delivery, oe *OutcomeError, lost bool) driver.Outcome {
 	if s.cfg.deadLetterCopy != "" && !lost {
 		err := s.copyToDeadLetter(d, oe)
 		if err == nil {
 			s.deadLetterCopies.Add(1)
 			d.dl.Store(&deadLetterNote{address: s.deadLetterAddress()})
 			s.events.send(s.event(d, EventDeadLetterCopied, nil))
-			return pump.Outcome{Kind: pump.Accept}
+			return driver.Outcome{Kind: driver.Accept}
 		}
 		if err != errNoDeadLetterLink && !s.cut.Load() {
 			d.dl.Store(&deadLetterNote{address: s.deadLetterAddress(), err: err})
@@ -77,11 +77,11 @@ func (s *Subscriber) rejection(d *Delivery, oe *OutcomeError, lost bool) pump.Ou
 	if oe.cond != "" {
 		cond = oe.cond
 	}
-	return pump.Outcome{Kind: pump.Reject, Error: oe.rejectError(cond)}
+	return driver.Outcome{Kind: driver.Reject, Error: oe.rejectError(cond)}
 }
 
 // settle hands t's settlement to the pump, through the pipe's kind: on
 // Service Bus, which sends settlements concurrently, in the order of its
 // group (see sbKind.settle). lane is the delivery's lane, -1 when it is
 // not known (a release at a stop).
-func (p *pipe) settle(t pump.Ticket, o pump.Outcome, lane int) { p.kind.settle(t, o, lane) }
+func (p *pipe) settle(t driver.Ticket, o driver.Outcome, lane int) { p.kind.settle(t, o, lane) }

@@ -5,7 +5,7 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/amqpsub/amqpsub/internal/pump"
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/testhook"
 	"github.com/amqpsub/amqpsub/internal/wire"
 )
@@ -37,14 +37,14 @@ func (c sourceConnector) String() string { return c.name }
 // attached checks a link (rabbit4Kind: the queue's type, which may refuse
 // the options). step names what failed, as attached's does.
 type sourceChecker interface {
-	checkSource(src pump.Source) (step string, err error)
+	checkSource(src driver.Source) (step string, err error)
 }
 
 // attach takes the next test source for p, and has p's kind check it. A
 // source the kind refuses is closed, if it can be (as a refused link is),
 // and the attach fails as a link's does: Run ends at the first attach, and
 // at a reconnect if FatalErrors says so (ErrInvalidOption is fatal).
-func (c sourceConnector) attach(ctx context.Context, s *Subscriber, p *pipe) (pump.Source, error) {
+func (c sourceConnector) attach(ctx context.Context, s *Subscriber, p *pipe) (driver.Source, error) {
 	src, err := c.next(ctx)
 	if err != nil {
 		return nil, err

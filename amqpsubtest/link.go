@@ -9,10 +9,12 @@ import (
 
 	"github.com/Azure/go-amqp"
 
+	"github.com/amqpsub/amqpsub/internal/driver"
+
 	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
-// link is one attach of a subscriber to a Queue: the pump.Source it
+// link is one attach of a subscriber to a Queue: the driver.Source it
 // receives from. Its state is guarded by the queue's mutex.
 type link struct {
 	q         *Queue
@@ -220,7 +222,7 @@ func (l *link) Close(context.Context) error {
 // has ended, its deliveries still locked are settled as the service
 // settles them by lock token (com.microsoft:update-disposition): a release
 // then goes back as an abandon, counted, and its answer says so
-// (pump.SentAs(pump.Modify, …)), as amqpsub's settlement by lock token
+// (driver.SentAs(driver.Modify, …)), as amqpsub's settlement by lock token
 // does; those no longer locked are refused as lock-lost.
 func (l *link) settle(m *amqp.Message, o Outcome, e *amqp.Error, mo *modified) (err error) {
 	notHere := mo != nil && mo.notHere
@@ -236,7 +238,7 @@ func (l *link) settle(m *amqp.Message, o Outcome, e *amqp.Error, mo *modified) (
 		// By lock token, once the link is gone, there is no release: the
 		// message goes back as abandoned, counted, and a refusal answers
 		// an abandon too.
-		defer func() { err = pump.SentAs(pump.Modify, err) }()
+		defer func() { err = driver.SentAs(driver.Modify, err) }()
 		if ok {
 			o = Modified
 		}

@@ -13,7 +13,6 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
-	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
 )
 
@@ -440,7 +439,7 @@ func TestServiceBusLocksAtTheLink(t *testing.T) {
 			t.Fatalf("a: %+v", d)
 		}
 		var ae *amqp.Error
-		if err := l.AcceptMessage(ctx, b); !errors.As(err, &ae) || ae.Condition != pump.ErrCondLockLost {
+		if err := l.AcceptMessage(ctx, b); !errors.As(err, &ae) || ae.Condition != servicebus.CondLockLost {
 			t.Fatalf("accept after expiry: %v", err)
 		}
 		if err := l.AcceptMessage(ctx, b); err != errUnknown {
@@ -522,5 +521,5 @@ func TestServiceBusLostLinkKeepsItsLocks(t *testing.T) {
 
 func isCondLockLost(err error) bool {
 	var ae *amqp.Error
-	return errors.As(err, &ae) && ae.Condition == pump.ErrCondLockLost
+	return errors.As(err, &ae) && ae.Condition == servicebus.CondLockLost
 }

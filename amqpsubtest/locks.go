@@ -11,7 +11,6 @@ import (
 	"github.com/Azure/go-amqp"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
-	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
 )
 
@@ -53,7 +52,7 @@ type late struct {
 // lockLostError is how Service Bus answers a settlement whose lock has
 // expired (a rejected disposition; go-amqp returns its error).
 func lockLostError() *amqp.Error {
-	return &amqp.Error{Condition: pump.ErrCondLockLost,
+	return &amqp.Error{Condition: servicebus.CondLockLost,
 		Description: "amqpsubtest: the lock supplied is invalid: it expired, or the message was settled"}
 }
 

@@ -12,7 +12,7 @@ import (
 	"github.com/Azure/go-amqp"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
-	"github.com/amqpsub/amqpsub/internal/pump"
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/testhook"
 )
 
@@ -329,7 +329,7 @@ func (q *Queue) snapshot(list func() []*record) []Record {
 }
 
 // attach opens a link: the testhook.Attach of q's Connectors.
-func (q *Queue) attach(ctx context.Context) (pump.Source, error) {
+func (q *Queue) attach(ctx context.Context) (driver.Source, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}

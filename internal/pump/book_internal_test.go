@@ -10,14 +10,11 @@ import (
 // marked it dropped (the window between the loss and dropStale).
 func TestBeginRefusesAStaleDelivery(t *testing.T) {
 	p := New(Config{Credit: 2})
-	p.link.Store(1)
-	fresh := p.take(&amqp.Message{}, nil, 1)
-	stale := p.take(&amqp.Message{}, nil, 1)
-	p.link.Add(1) // the link is lost
+	stale := p.take(&amqp.Message{}, nil, p.links.Next())
+	fresh := p.take(&amqp.Message{}, nil, p.links.Next()) // the link is lost: the next one's
 	if stale.Begin() {
 		t.Fatal("Begin took a delivery of a lost link")
 	}
-	p.link.Store(1)
 	if !fresh.Begin() {
 		t.Fatal("Begin refused a delivery of the current link")
 	}

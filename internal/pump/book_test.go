@@ -11,6 +11,7 @@ import (
 
 	"github.com/Azure/go-amqp"
 
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/fake"
 	"github.com/amqpsub/amqpsub/internal/pump"
 )
@@ -24,24 +25,24 @@ func TestSecondSettleIsRefused(t *testing.T) {
 		p := pump.New(pump.Config{Credit: 4})
 		cancel, errc := start(t, p, attachTo(src))
 		d := <-p.Out()
-		if !p.Settle(d, pump.Outcome{Kind: pump.Accept}) {
+		if !p.Settle(d, driver.Outcome{Kind: driver.Accept}) {
 			t.Fatal("first Settle refused")
 		}
-		if p.Settle(d, pump.Outcome{Kind: pump.Reject}) {
+		if p.Settle(d, driver.Outcome{Kind: driver.Reject}) {
 			t.Fatal("second Settle before the first was applied taken")
 		}
 		synctest.Wait()
-		if p.Settle(d, pump.Outcome{Kind: pump.Reject}) {
+		if p.Settle(d, driver.Outcome{Kind: driver.Reject}) {
 			t.Fatal("second Settle after the first was applied taken")
 		}
 		// Every later delivery has an entry of its own, and is settled
 		// once, with its own outcome.
-		var held []pump.Ticket
+		var held []driver.Ticket
 		for range 4 {
 			held = append(held, <-p.Out())
 		}
 		for _, e := range held {
-			p.Settle(e, pump.Outcome{Kind: pump.Accept})
+			p.Settle(e, driver.Outcome{Kind: driver.Accept})
 		}
 		synctest.Wait()
 		settled := map[*amqp.Message]int{}
@@ -92,16 +93,16 @@ func TestLostLinkDropsWhatWaitsAtOnce(t *testing.T) {
 			d := <-p.Out()
 			if d.Begin() {
 				fresh++
-				p.Settle(d, pump.Outcome{Kind: pump.Accept})
+				p.Settle(d, driver.Outcome{Kind: driver.Accept})
 			} else {
 				stale++
-				if d.State() != pump.Dropped {
+				if d.State() != driver.Dropped {
 					t.Fatalf("a stale delivery in state %s", d.State())
 				}
-				p.Settle(d, pump.Outcome{Kind: pump.Drop})
+				p.Settle(d, driver.Outcome{Kind: driver.Drop})
 			}
 		}
-		p.Settle(busy, pump.Outcome{Kind: pump.Accept}) // its link is gone
+		p.Settle(busy, driver.Outcome{Kind: driver.Accept}) // its link is gone
 		synctest.Wait()
 		st = p.Stats()
 		if fresh != 3 || stale != 3 || st.Stale != 1 || st.Dropped != 3 || st.Accepted != 3 {
@@ -133,11 +134,11 @@ func TestDroppedHandedToSettleIsNotSettling(t *testing.T) {
 		}
 		for range 3 {
 			d := <-p.Out()
-			if d.Begin() || d.State() != pump.Dropped {
+			if d.Begin() || d.State() != driver.Dropped {
 				t.Fatalf("a delivery of the lost link: Begin took it, or its state is %s", d.State())
 			}
-			p.Settle(d, pump.Outcome{Kind: pump.Drop})
-			if d.State() != pump.Reclaiming {
+			p.Settle(d, driver.Outcome{Kind: driver.Drop})
+			if d.State() != driver.Reclaiming {
 				t.Fatalf("a dropped delivery handed to Settle is %s, want reclaiming", d.State())
 			}
 		}
@@ -147,7 +148,7 @@ func TestDroppedHandedToSettleIsNotSettling(t *testing.T) {
 	})
 }
 
-// LoseLock reports whether it acted, which decides whether amqpsub reports
+// LoseLease reports whether it acted, which decides whether amqpsub reports
 // a lost lock (EventLockLost, the warning): true for a buffered or handled
 // delivery of the ticket's generation, false once it settles or its entry
 // holds the next delivery.
@@ -159,32 +160,32 @@ func TestLoseLockReportsWhetherItActed(t *testing.T) {
 
 	a := <-p.Out()
 	a.Begin()
-	if !p.LoseLock(a) {
-		t.Error("LoseLock of a delivery in a handler = false, want true")
+	if !p.LoseLease(a) {
+		t.Error("LoseLease of a delivery in a handler = false, want true")
 	}
-	if p.LoseLock(a) {
-		t.Error("second LoseLock of the same delivery = true, want false")
+	if p.LoseLease(a) {
+		t.Error("second LoseLease of the same delivery = true, want false")
 	}
-	p.Settle(a, pump.Outcome{Kind: pump.Accept})
+	p.Settle(a, driver.Outcome{Kind: driver.Accept})
 	b := <-p.Out() // the same entry, the next delivery
 	if b.Entry() != a.Entry() {
 		t.Fatal("entry not reused")
 	}
-	if p.LoseLock(a) {
-		t.Error("LoseLock of a settled delivery whose entry holds the next = true, want false")
+	if p.LoseLease(a) {
+		t.Error("LoseLease of a settled delivery whose entry holds the next = true, want false")
 	}
-	if !p.LoseLock(b) {
-		t.Error("LoseLock of a buffered delivery = false, want true")
+	if !p.LoseLease(b) {
+		t.Error("LoseLease of a buffered delivery = false, want true")
 	}
 	if b.Begin() {
 		t.Error("Begin after its lock was lost")
 	}
-	p.Settle(b, pump.Outcome{Kind: pump.Drop})
+	p.Settle(b, driver.Outcome{Kind: driver.Drop})
 	c := <-p.Out()
 	c.Begin()
-	p.Settle(c, pump.Outcome{Kind: pump.Accept})
-	if p.LoseLock(c) {
-		t.Error("LoseLock of a settling or settled delivery = true, want false")
+	p.Settle(c, driver.Outcome{Kind: driver.Accept})
+	if p.LoseLease(c) {
+		t.Error("LoseLease of a settling or settled delivery = true, want false")
 	}
 }
 
@@ -205,7 +206,7 @@ func TestOnSettledFromLeftBehindGoroutines(t *testing.T) {
 		tk.Begin()
 		heard := make(chan struct{})
 		var once sync.Once
-		f := func(pump.Kind, error) { once.Do(func() { close(heard) }) }
+		f := func(driver.Kind, error) { once.Do(func() { close(heard) }) }
 		if !tk.OnSettled(f) {
 			t.Fatal("OnSettled refused in the handler")
 		}
@@ -216,7 +217,7 @@ func TestOnSettledFromLeftBehindGoroutines(t *testing.T) {
 				}
 			})
 		}
-		p.Settle(tk, pump.Outcome{Kind: pump.Accept})
+		p.Settle(tk, driver.Outcome{Kind: driver.Accept})
 		for p.Stats().Accepted != uint64(i+1) {
 		}
 		select {
@@ -238,9 +239,9 @@ type countMeter struct {
 	received, settled, dropped int
 }
 
-func (m *countMeter) Received()                { m.mu.Lock(); m.received++; m.mu.Unlock() }
-func (m *countMeter) Settled(pump.Kind, error) { m.mu.Lock(); m.settled++; m.mu.Unlock() }
-func (m *countMeter) Dropped(n int)            { m.mu.Lock(); m.dropped += n; m.mu.Unlock() }
+func (m *countMeter) Received()                  { m.mu.Lock(); m.received++; m.mu.Unlock() }
+func (m *countMeter) Settled(driver.Kind, error) { m.mu.Lock(); m.settled++; m.mu.Unlock() }
+func (m *countMeter) Dropped(n int)              { m.mu.Lock(); m.dropped += n; m.mu.Unlock() }
 
 // A delivery whose lock is lost before a handler takes it reaches the
 // Meter as dropped: received = settled + dropped on that path too.
@@ -250,14 +251,14 @@ func TestMeterHearsOfALockLostBeforeAHandler(t *testing.T) {
 	p := pump.New(pump.Config{Credit: 3, Meter: m})
 	_, errc := start(t, p, attachTo(src))
 	a, b, c := <-p.Out(), <-p.Out(), <-p.Out()
-	if !p.LoseLock(b) { // buffered: dropped
-		t.Fatal("LoseLock of a buffered delivery = false")
+	if !p.LoseLease(b) { // buffered: dropped
+		t.Fatal("LoseLease of a buffered delivery = false")
 	}
-	for _, tk := range []pump.Ticket{a, b, c} {
+	for _, tk := range []driver.Ticket{a, b, c} {
 		if tk.Begin() {
-			p.Settle(tk, pump.Outcome{Kind: pump.Accept})
+			p.Settle(tk, driver.Outcome{Kind: driver.Accept})
 		} else {
-			p.Settle(tk, pump.Outcome{Kind: pump.Drop})
+			p.Settle(tk, driver.Outcome{Kind: driver.Drop})
 		}
 	}
 	p.Stop()
@@ -274,19 +275,21 @@ func TestMeterHearsOfALockLostBeforeAHandler(t *testing.T) {
 // leaseLog records what the pump tells its Leases.
 type leaseLog struct {
 	mu      sync.Mutex
-	held    map[*pump.Delivery]pump.Ticket
+	held    map[*driver.Delivery]driver.Ticket
 	adds    int
 	removes int
 }
 
-func (l *leaseLog) Add(t pump.Ticket) {
+func (l *leaseLog) Add(t driver.Ticket) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.held[t.Entry()] = t
 	l.adds++
 }
 
-func (l *leaseLog) Remove(d *pump.Delivery) {
+func (*leaseLog) LostAnswer(error) bool { return false }
+
+func (l *leaseLog) Remove(d *driver.Delivery) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if _, ok := l.held[d]; ok {
@@ -301,7 +304,7 @@ func (l *leaseLog) Remove(d *pump.Delivery) {
 func TestLeasesAndLostLocks(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(true, fake.Messages(10)...)
-		leases := &leaseLog{held: map[*pump.Delivery]pump.Ticket{}}
+		leases := &leaseLog{held: map[*driver.Delivery]driver.Ticket{}}
 		p := pump.New(pump.Config{Credit: 4, Leases: leases})
 		cancel, errc := start(t, p, attachTo(src))
 		synctest.Wait()
@@ -310,20 +313,20 @@ func TestLeasesAndLostLocks(t *testing.T) {
 			t.Fatal("Begin refused")
 		}
 		waiting := <-p.Out()
-		p.LoseLock(waiting)
-		p.LoseLock(inHandler)
+		p.LoseLease(waiting)
+		p.LoseLease(inHandler)
 		synctest.Wait()
 		if st := p.Stats(); st.LockLostDropped != 1 || st.Held != 4 {
 			// 4 held: the dropped one made room for one more.
 			t.Fatalf("after the lost locks: %+v", st)
 		}
-		if waiting.Begin() || waiting.State() != pump.Dropped {
+		if waiting.Begin() || waiting.State() != driver.Dropped {
 			t.Fatalf("a delivery whose lock was lost can still be handled (%s)", waiting.State())
 		}
-		p.Settle(waiting, pump.Outcome{Kind: pump.Drop})
-		p.Settle(inHandler, pump.Outcome{Kind: pump.Accept})
+		p.Settle(waiting, driver.Outcome{Kind: driver.Drop})
+		p.Settle(inHandler, driver.Outcome{Kind: driver.Accept})
 		for range 8 {
-			p.Settle(<-p.Out(), pump.Outcome{Kind: pump.Accept})
+			p.Settle(<-p.Out(), driver.Outcome{Kind: driver.Accept})
 		}
 		synctest.Wait()
 		st := p.Stats()
@@ -345,14 +348,15 @@ func TestLeasesAndLostLocks(t *testing.T) {
 // it must renew.
 type liveRemoves struct{ n atomic.Int64 }
 
-func (w *liveRemoves) Add(pump.Ticket) {}
-func (w *liveRemoves) Remove(d *pump.Delivery) {
-	if s := d.State(); s == pump.Buffered || s == pump.Handling {
+func (w *liveRemoves) Add(driver.Ticket)   {}
+func (*liveRemoves) LostAnswer(error) bool { return false }
+func (w *liveRemoves) Remove(d *driver.Delivery) {
+	if s := d.State(); s == driver.Buffered || s == driver.Handling {
 		w.n.Add(1)
 	}
 }
 
-// LoseLock drops a buffered delivery and then queues its lost-lock note; a
+// LoseLease drops a buffered delivery and then queues its lost-lock note; a
 // consumer that sees it dropped in between reclaims the entry, which the
 // pump reuses for the next delivery before it applies the note. The note
 // must not then remove the next delivery's lease.
@@ -370,14 +374,14 @@ func TestLoseLockRacingReclaimKeepsTheNextLease(t *testing.T) {
 			for handled.Add(1) <= 20000 {
 				tk := <-p.Out()
 				lost := make(chan struct{})
-				go func() { defer close(lost); p.LoseLock(tk) }() // the lease book's goroutine
-				for tk.State() == pump.Buffered {
+				go func() { defer close(lost); p.LoseLease(tk) }() // the lease book's goroutine
+				for tk.State() == driver.Buffered {
 					runtime.Gosched()
 				}
 				if tk.Begin() {
-					p.Settle(tk, pump.Outcome{Kind: pump.Accept})
+					p.Settle(tk, driver.Outcome{Kind: driver.Accept})
 				} else {
-					p.Settle(tk, pump.Outcome{Kind: pump.Drop})
+					p.Settle(tk, driver.Outcome{Kind: driver.Drop})
 				}
 				<-lost
 			}
@@ -404,12 +408,12 @@ func TestStaleOfAnOldTicketDoesNotRace(t *testing.T) {
 	p := pump.New(pump.Config{Credit: 4})
 	cancel, errc := start(t, p, attachTo(src))
 	old := <-p.Out()
-	p.Settle(old, pump.Outcome{Kind: pump.Accept})
+	p.Settle(old, driver.Outcome{Kind: driver.Accept})
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
 		for range 20000 {
-			p.Settle(<-p.Out(), pump.Outcome{Kind: pump.Accept})
+			p.Settle(<-p.Out(), driver.Outcome{Kind: driver.Accept})
 		}
 	}()
 	for stale := false; !stale; {

@@ -13,6 +13,11 @@
 // the process holds, whether it waits in Out, in a lane, or runs in a
 // handler.
 //
+// The book's entries and the tickets Out hands over are package driver's
+// ([driver.Delivery], [driver.Ticket]), so that a broker's code reaches
+// them, and settles through a [driver.Source], without importing the
+// pump.
+//
 // Run takes an [AttachFunc], not a receiver, so that after a lost link it can
 // attach a new one and go on with the same Out channel and book; deliveries of
 // the lost link are then stale and dropped unhandled, since the broker

@@ -9,6 +9,7 @@ import (
 
 	"github.com/Azure/go-amqp"
 
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/fake"
 	"github.com/amqpsub/amqpsub/internal/pump"
 )
@@ -89,7 +90,7 @@ func TestHoldHandsOnWhatWasOnItsWay(t *testing.T) {
 		p.Hold()
 		select {
 		case tk := <-p.Out():
-			p.Settle(tk, pump.Outcome{Kind: pump.Accept})
+			p.Settle(tk, driver.Outcome{Kind: driver.Accept})
 		case <-p.Emptied():
 			t.Fatal("Emptied before the delivery on its way arrived")
 		}
@@ -154,7 +155,7 @@ func holdRace(t *testing.T, lag time.Duration) (emptiedFirst bool, released int)
 		p.Hold()
 		select {
 		case tk := <-p.Out():
-			p.Settle(tk, pump.Outcome{Kind: pump.Accept})
+			p.Settle(tk, driver.Outcome{Kind: driver.Accept})
 			<-p.Emptied()
 		case <-p.Emptied():
 			emptiedFirst = true
@@ -207,7 +208,7 @@ func TestHoldWaitsForASlowDrainAnswer(t *testing.T) {
 		p.Hold()
 		select {
 		case tk := <-p.Out():
-			p.Settle(tk, pump.Outcome{Kind: pump.Accept})
+			p.Settle(tk, driver.Outcome{Kind: driver.Accept})
 		case <-p.Emptied():
 			t.Errorf("Emptied closed after drainWait, before the drain's answer and the delivery on its way")
 		}

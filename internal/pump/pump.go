@@ -12,24 +12,9 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/internal/credit"
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/wait"
 )
-
-// Source is the set of receiver calls the pump makes. *amqp.Receiver
-// implements it; tests and benchmarks use a fake.
-//
-// A source that settles a delivery with another outcome than the one it
-// was asked for (a release the broker can only take as modified, say)
-// returns its answer wrapped by [SentAs]: the pump counts and reports the
-// outcome that went out.
-type Source interface {
-	Receive(ctx context.Context, opts *amqp.ReceiveOptions) (*amqp.Message, error)
-	IssueCredit(credit uint32) error
-	AcceptMessage(ctx context.Context, msg *amqp.Message) error
-	ReleaseMessage(ctx context.Context, msg *amqp.Message) error
-	RejectMessage(ctx context.Context, msg *amqp.Message, e *amqp.Error) error
-	ModifyMessage(ctx context.Context, msg *amqp.Message, opts *amqp.ModifyMessageOptions) error
-}
 
 // AttachFunc returns a source to receive from. Run calls it at start, with
 // lost nil, and again after the source it gave failed, with lost the error
@@ -37,7 +22,7 @@ type Source interface {
 // off between attempts as it sees fit); an error it returns ends Run. The
 // source must be attached with manual credit (go-amqp ReceiverOptions.Credit
 // = -1). Cancelling ctx means the pump is stopping.
-type AttachFunc func(ctx context.Context, lost error) (Source, error)
+type AttachFunc func(ctx context.Context, lost error) (driver.Source, error)
 
 // Config configures a [Pump].
 type Config struct {
@@ -55,38 +40,36 @@ type Config struct {
 	// applies no settlement while it runs.
 	OnEvent func(Event)
 	// Settlers, when > 0, sends settlements from that many goroutines, for
-	// brokers that answer each one (receiver settle mode second, as Service
-	// Bus has it): go-amqp then waits a round trip per settlement, which on
+	// brokers that answer each one (receiver settle mode second): go-amqp then waits a round trip per settlement, which on
 	// the pump's goroutine would cap the rate at one per round trip. A
 	// delivery stays held until its answer came or SettleTimeout passed.
 	//
 	// Each settler sends its settlements one after another, in the order
 	// it was given them: those of one key (SettleInOrder) all go to the
 	// same one, the others in turn to each. 0 settles on the pump's
-	// goroutine, in order, for brokers that do not answer (Artemis,
-	// RabbitMQ).
+	// goroutine, in order, for brokers that do not answer (receiver settle
+	// mode first).
 	Settlers int
-	// KeepAcrossLinks says that the broker's hold on a delivery outlives
-	// the link it came on, and that its [Source] can still settle it once
-	// that link is gone: Service Bus keeps a message's lock until it
-	// expires, and takes its settlement by lock token on the entity's
-	// $management node (the source falls back to that). Requires
-	// Settlers > 0.
+	// LeasesOutliveLinks says that a delivery's lease (the broker's hold
+	// on it) outlives the link it came on, and that its [driver.Source] can
+	// still settle it once that link is gone: a broker that keeps the
+	// lease until it expires and takes a settlement by another path than
+	// the link (the source falls back to it). Requires Settlers > 0.
 	//
 	// A lost link then leaves its deliveries held: those buffered still go
 	// to handlers, their leases stay in the book, and every settlement is
 	// sent through the source the delivery came from. false (the default)
 	// drops what a lost link held, and skips the settlements of its
 	// deliveries ([Stats.Stale]): the broker redelivers them.
-	KeepAcrossLinks bool
-	// DropBufferedOn, with KeepAcrossLinks, says whether a source that
+	LeasesOutliveLinks bool
+	// DropBufferedOn, with LeasesOutliveLinks, says whether a source that
 	// ended with err (its Receive's or IssueCredit's error) took the
-	// broker's hold on its deliveries with it, as far as the consumer
-	// can tell: what no handler has taken yet is then dropped, as without
-	// KeepAcrossLinks, and never goes to a handler (the broker delivers
+	// leases of its deliveries with it, as far as the consumer can tell
+	// (a lost connection, on a broker that documents its leases as ended
+	// with it): what no handler has taken yet is then dropped, as without
+	// LeasesOutliveLinks, and never goes to a handler (the broker delivers
 	// it again), while what handlers have stays held and is settled
-	// through its source. Service Bus after a lost connection, whose
-	// locks Microsoft documents as dropped. nil (the default) never drops:
+	// through its source. nil (the default) never drops:
 	// what the receive loop had received when the source ended goes to the
 	// consumers like the rest. It is called on the pump's goroutine,
 	// maybe more than once for one loss, and must not block.
@@ -94,8 +77,8 @@ type Config struct {
 	// SettleTimeout bounds each settlement sent by a settler; 0 means 30 s.
 	SettleTimeout time.Duration
 	// Leases, when set, hears of every delivery entering and leaving the
-	// book (Service Bus renews the lock of each). nil costs nothing.
-	Leases Leases
+	// book, to keep its lease (renew it, say). nil costs nothing.
+	Leases driver.Leases
 	// MaxHeldBytes, when > 0, bounds the bytes of the deliveries held
 	// (their [Size]) besides their number: see credit's byte budget.
 	MaxHeldBytes int64
@@ -121,21 +104,14 @@ type Meter interface {
 	// Received is called for each delivery received.
 	Received()
 	// Settled is called for each settlement applied: err is nil when the
-	// broker took it, [ErrNotSent] when it was not sent (the delivery's link
-	// or lock was lost), else what the broker or link answered.
-	Settled(k Kind, err error)
+	// broker took it, [driver.ErrNotSent] when it was not sent (the
+	// delivery's link or lease was lost), else what the broker or link
+	// answered.
+	Settled(k driver.Kind, err error)
 	// Dropped is called for deliveries freed without a settlement, before
-	// a handler took them: their link, or their lock, was lost (n at once
+	// a handler took them: their link, or their lease, was lost (n at once
 	// when a lost link's buffered deliveries are dropped together).
 	Dropped(n int)
-}
-
-// Leases is told of every delivery the pump holds. Add is called on the
-// pump's goroutine when a delivery enters the book; Remove when its entry
-// leaves it (settled, dropped or released). Neither may block.
-type Leases interface {
-	Add(t Ticket)
-	Remove(d *Delivery)
 }
 
 // Pump is the receiving end of one subscription. Create it with [New], start it
@@ -143,7 +119,7 @@ type Leases interface {
 type Pump struct {
 	cfg    Config
 	log    *zap.Logger
-	out    chan Ticket
+	out    chan driver.Ticket
 	settle *burst[settlement]
 
 	stopOnce     sync.Once
@@ -159,7 +135,7 @@ type Pump struct {
 	done         chan struct{}
 	running      atomic.Bool
 
-	link atomic.Uint64 // generation of the current link; 0 before the first
+	links *driver.Links // generation of the current link; 0 before the first
 
 	// flushBy is when, once Run's ctx has ended, the settlers stop sending
 	// what was decided (Unix ns; 0: at once). See FlushBy.
@@ -167,8 +143,8 @@ type Pump struct {
 
 	// Owned by the Run goroutine.
 	acct     *credit.Account
-	free     []*Delivery
-	backlog  []Ticket        // received, waiting for room in out
+	free     []*driver.Delivery
+	backlog  []driver.Ticket // received, waiting for room in out
 	shards   []*shard        // one per settler (Settlers > 0)
 	anyq     chan settlement // unordered settlements, for whichever settler is free
 	next     int             // the settler the next unordered settlement goes to
@@ -176,7 +152,7 @@ type Pump struct {
 	ended    bool            // Run is returning: nothing more is sent
 
 	bookMu sync.RWMutex
-	book   []*Delivery // every entry ever made; written by the Run goroutine only
+	book   []*driver.Delivery // every entry ever made; written by the Run goroutine only
 
 	stats counters
 }
@@ -191,7 +167,8 @@ func New(cfg Config) *Pump {
 	p := &Pump{
 		cfg:      cfg,
 		log:      log,
-		out:      make(chan Ticket, cfg.Credit),
+		out:      make(chan driver.Ticket, cfg.Credit),
+		links:    driver.NewLinks(cfg.LeasesOutliveLinks),
 		settle:   newBurst[settlement](min(2*cfg.Credit, 1024)),
 		stop:     make(chan struct{}),
 		released: make(chan struct{}),
@@ -209,8 +186,8 @@ func New(cfg Config) *Pump {
 		p.acct.Adapt(cfg.AdaptiveFloor, time.Now)
 	}
 	p.stats.creditNow.Store(int64(p.acct.Limit()))
-	if cfg.KeepAcrossLinks && cfg.Settlers <= 0 {
-		panic("pump: KeepAcrossLinks needs Settlers")
+	if cfg.LeasesOutliveLinks && cfg.Settlers <= 0 {
+		panic("pump: LeasesOutliveLinks needs Settlers")
 	}
 	for range max(0, cfg.Settlers) {
 		p.shards = append(p.shards, &shard{q: newBurst[settlement](64)})
@@ -218,10 +195,10 @@ func New(cfg Config) *Pump {
 	if cfg.Settlers > 0 {
 		p.anyq = make(chan settlement, cfg.Credit)
 	}
-	p.book = make([]*Delivery, cfg.Credit)
-	p.free = make([]*Delivery, cfg.Credit)
+	p.book = make([]*driver.Delivery, cfg.Credit)
+	p.free = make([]*driver.Delivery, cfg.Credit)
 	for i := range p.book {
-		d := &Delivery{p: p}
+		d := driver.NewDelivery(p.links)
 		p.book[i] = d
 		p.free[i] = d
 	}
@@ -231,7 +208,7 @@ func New(cfg Config) *Pump {
 // Out returns the channel of received deliveries, as deep as the credit.
 // Each ticket taken from it must be passed to Settle once. Out is closed
 // when Run returns.
-func (p *Pump) Out() <-chan Ticket { return p.out }
+func (p *Pump) Out() <-chan driver.Ticket { return p.out }
 
 // Stopping returns a channel closed when Stop is called. Consumers release
 // deliveries they have not yet given to a handler once it is closed.
@@ -267,9 +244,9 @@ func (p *Pump) checkQuiet() {
 	settling := 0
 	for _, d := range p.book {
 		switch d.State() {
-		case Buffered:
+		case driver.Buffered:
 			return
-		case Settling:
+		case driver.Settling:
 			settling++
 		}
 	}
@@ -307,8 +284,8 @@ func (p *Pump) Stop() { p.stopOnce.Do(func() { close(p.stop) }) }
 func (p *Pump) Holding() <-chan struct{} { return p.hold }
 
 // Hold starts the first part of a stop on a broker that counts every
-// return of a delivery as an attempt (a RabbitMQ quorum queue counts a
-// release toward its delivery-limit): the pump grants no more credit and
+// return of a delivery as an attempt (a queue that counts a release
+// toward its delivery limit): the pump grants no more credit and
 // takes back what the broker still has (a drain), but goes on handing what
 // it holds, and what was already on its way, to Out, so that the consumers
 // can finish it rather than release it. [Emptied] is closed once nothing
@@ -327,7 +304,7 @@ func (p *Pump) markReleased() { p.releasedOnce.Do(func() { close(p.released) }) 
 // FlushBy sets how long, once Run's ctx has ended, the settlers go on
 // sending the settlements they were given (Settlers > 0): until t. Run
 // waits for them until then, and reports each one not sent by then as not
-// sent ([Stats.Unsent], [ErrNotSent]). Without it, or with t past, what the
+// sent ([Stats.Unsent], [driver.ErrNotSent]). Without it, or with t past, what the
 // settlers still hold when ctx ends is not sent. Call it before cancelling
 // ctx; it may be called from any goroutine.
 func (p *Pump) FlushBy(t time.Time) { p.flushBy.Store(t.UnixNano()) }
@@ -340,12 +317,6 @@ var ErrDrainAnswered = errors.New("pump: drain answered")
 // ErrStopped is returned by Run after Stop once every held delivery was
 // settled.
 var ErrStopped = errors.New("pump: stopped")
-
-// ErrSourceDone says, wrapped by a source's Receive error, that the source
-// ended as it should (a Service Bus session whose consumer moves on), not
-// that its link was lost: Run attaches the next one without counting a
-// loss. A source should end so only when nothing of it is held.
-var ErrSourceDone = errors.New("pump: source done")
 
 // Run receives from the sources attach gives until Stop has taken effect,
 // ctx ends, or attach fails. It returns [ErrStopped] after a graceful stop,
@@ -401,7 +372,7 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		if errors.Is(err, ErrSourceDone) {
+		if errors.Is(err, driver.ErrSourceDone) {
 			p.log.Debug("source done; attaching the next", zap.Error(err))
 		} else {
 			p.log.Warn("link lost", zap.Error(err), zap.Int("held", p.acct.Held()))
@@ -409,9 +380,9 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 			p.event(Event{Kind: LinkLost, Err: err})
 		}
 		lost = err
-		p.link.Add(1)
+		p.links.Next()
 		switch {
-		case !p.cfg.KeepAcrossLinks:
+		case !p.cfg.LeasesOutliveLinks:
 			// Deliveries of the lost link are stale from here on.
 			p.dropBacklog()
 			p.dropStale(true)
@@ -424,7 +395,7 @@ func (p *Pump) Run(ctx context.Context, attach AttachFunc) error {
 	}
 }
 
-// dropsBuffered reports whether, under KeepAcrossLinks, a source that
+// dropsBuffered reports whether, under LeasesOutliveLinks, a source that
 // ended with err leaves its buffered deliveries unsettleable
 // (Config.DropBufferedOn).
 func (p *Pump) dropsBuffered(err error) bool {
@@ -450,8 +421,8 @@ func waitReturned(returned <-chan struct{}, n int, by time.Time) {
 
 // serve runs one link until it fails (its error), Stop took effect
 // (ErrStopped) or ctx ended.
-func (p *Pump) serve(ctx context.Context, src Source) (err error) {
-	gen := p.link.Load()
+func (p *Pump) serve(ctx context.Context, src driver.Source) (err error) {
+	gen := p.links.Current()
 	rctx, cancelReceive := context.WithCancel(ctx)
 	in := newBurst[*amqp.Message](min(p.cfg.Credit, 1024))
 	var wg sync.WaitGroup
@@ -463,15 +434,15 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 		cancelReceive()
 		wg.Wait()
 		// Whatever the receive loop still handed over was never seen by a
-		// consumer. Once the link is lost under KeepAcrossLinks (a
-		// refused IssueCredit ends serve with deliveries in hand), the
-		// broker's hold on them outlives the link like that on the rest
-		// of what it brought: they are held and go to the consumers, after
+		// consumer. Once the link is lost under LeasesOutliveLinks (a
+		// refused IssueCredit ends serve with deliveries in hand), their
+		// leases outlive the link like those of the rest of what it
+		// brought: they are held and go to the consumers, after
 		// everything the link brought before them, unless the source took
-		// that hold with it (DropBufferedOn: dropped, the broker delivers
+		// those leases with it (DropBufferedOn: dropped, the broker delivers
 		// them again). Otherwise they are given back on the link.
 		msgs, _ := in.take()
-		keep := p.cfg.KeepAcrossLinks && err != nil && !errors.Is(err, ErrStopped) && ctx.Err() == nil
+		keep := p.cfg.LeasesOutliveLinks && err != nil && !errors.Is(err, ErrStopped) && ctx.Err() == nil
 		drop := keep && p.dropsBuffered(err)
 		if pf, ok := src.(prefetcher); ok && keep {
 			// And what came on the link's credit that no Receive took
@@ -545,8 +516,8 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 		} else if stopping && p.acct.Held() == 0 {
 			return ErrStopped
 		}
-		var head Ticket
-		var out chan<- Ticket
+		var head driver.Ticket
+		var out chan<- driver.Ticket
 		if len(p.backlog) > 0 {
 			head, out = p.backlog[0], p.out
 		}
@@ -571,7 +542,7 @@ func (p *Pump) serve(ctx context.Context, src Source) (err error) {
 				return err
 			}
 		case out <- head:
-			p.backlog[0] = Ticket{}
+			p.backlog[0] = driver.Ticket{}
 			p.backlog = p.backlog[1:]
 			if len(p.backlog) == 0 {
 				p.backlog = p.backlog[:0:0]
@@ -614,17 +585,16 @@ const adaptTick = 10 * time.Millisecond
 // drain as a flow with no credit, which the broker applies before the
 // releases that follow it on the link. The releases must only not overtake
 // that flow, which go-amqp's receiver writes as soon as it next runs,
-// microseconds later. Artemis never answers such a drain (there is no
-// credit left to drain), so every stop on Artemis waits the whole
-// drainWait: 20 ms keeps an idle stop short, and still leaves the
+// microseconds later. A broker may never answer such a drain (there is no
+// credit left to drain), so every stop on it waits the whole drainWait: 20 ms keeps an idle stop short, and still leaves the
 // receiver ample time to write the flow. Should a release overtake it
 // anyway, the broker sends that delivery once more to the stopping link,
 // which releases it again.
 const drainWait = 20 * time.Millisecond
 
 // holdDrainWait bounds how long Hold waits for the drain's answer before
-// Emptied may close: only brokers that answer drains (RabbitMQ) are held,
-// and their answer, through a quorum queue's log, may take longer than a
+// Emptied may close: only brokers that answer drains are held, and their
+// answer, through a replicated queue's log, may take longer than a
 // stop's drainWait; the caller bounds the whole hold anyway.
 const holdDrainWait = time.Second
 
@@ -633,7 +603,7 @@ const holdDrainWait = time.Second
 // has passed): released on a link that still has credit, they would come
 // straight back to it. The drain goes on, on wg, if it takes longer; rctx
 // ends it with serve.
-func (p *Pump) drainThenRelease(ctx, rctx context.Context, src Source, wg *sync.WaitGroup) {
+func (p *Pump) drainThenRelease(ctx, rctx context.Context, src driver.Source, wg *sync.WaitGroup) {
 	if _, ok := src.(drainer); ok {
 		drained := make(chan struct{})
 		wg.Go(func() {
@@ -668,7 +638,7 @@ type drainer interface {
 // sends the drain as a flow with no credit, so even a broker that ignores
 // drain stops sending. It returns when the broker answers, or when ctx
 // ends (serve returning); the answer matters to nobody.
-func drainCredit(ctx context.Context, src Source) {
+func drainCredit(ctx context.Context, src driver.Source) {
 	if d, ok := src.(drainer); ok {
 		_ = d.DrainCredit(ctx, nil)
 	}
@@ -678,14 +648,14 @@ func drainCredit(ctx context.Context, src Source) {
 // the backlog and Out.
 func (p *Pump) releaseBuffered(ctx context.Context) {
 	for _, t := range p.backlog {
-		p.Settle(t, Outcome{Kind: Release})
+		p.Settle(t, driver.Outcome{Kind: driver.Release})
 	}
 	clear(p.backlog)
 	p.backlog = p.backlog[:0]
 	for more := true; more; {
 		select {
 		case t := <-p.out:
-			p.Settle(t, Outcome{Kind: Release})
+			p.Settle(t, driver.Outcome{Kind: driver.Release})
 		default:
 			more = false
 		}
@@ -696,7 +666,7 @@ func (p *Pump) releaseBuffered(ctx context.Context) {
 
 // received counts a new delivery and puts it in Out, or in the backlog
 // while Out is full; while stopping it releases it at once.
-func (p *Pump) received(t Ticket, stopping bool) {
+func (p *Pump) received(t driver.Ticket, stopping bool) {
 	if p.acct.Received() {
 		s := p.acct.Snapshot()
 		p.log.Warn("broker sent past the credit it was given; granting in windows from now on",
@@ -704,7 +674,7 @@ func (p *Pump) received(t Ticket, stopping bool) {
 		p.stats.windowed.Store(true)
 		p.event(Event{Kind: Overshoot})
 	}
-	p.acct.ReceivedBytes(t.d.size.Load())
+	p.acct.ReceivedBytes(t.Entry().Size())
 	p.stats.received.Add(1)
 	if p.cfg.Meter != nil {
 		p.cfg.Meter.Received()
@@ -715,7 +685,7 @@ func (p *Pump) received(t Ticket, stopping bool) {
 		p.cfg.Leases.Add(t)
 	}
 	if stopping {
-		p.Settle(t, Outcome{Kind: Release})
+		p.Settle(t, driver.Outcome{Kind: driver.Release})
 		return
 	}
 	if len(p.backlog) == 0 {

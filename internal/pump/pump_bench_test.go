@@ -7,6 +7,7 @@ import (
 	"runtime"
 	"testing"
 
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/fake"
 	"github.com/amqpsub/amqpsub/internal/pump"
 )
@@ -26,7 +27,7 @@ func BenchmarkPump(b *testing.B) {
 			defer cancel()
 			errc := make(chan error, 1)
 			go func() { errc <- p.Run(ctx, attachTo(src)) }()
-			accept := pump.Outcome{Kind: pump.Accept}
+			accept := driver.Outcome{Kind: driver.Accept}
 			for range 4 * credit { // warm up: every entry and channel in use
 				p.Settle(<-p.Out(), accept)
 			}

@@ -13,15 +13,16 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/amqpsub/amqpsub/internal/credit"
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/fake"
 	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-func attachTo(srcs ...pump.Source) pump.AttachFunc {
+func attachTo(srcs ...driver.Source) pump.AttachFunc {
 	i := 0
-	return func(ctx context.Context, _ error) (pump.Source, error) {
+	return func(ctx context.Context, _ error) (driver.Source, error) {
 		if i == len(srcs) {
 			<-ctx.Done()
 			return nil, ctx.Err()
@@ -45,7 +46,7 @@ func TestEveryDeliveryIsSettledOnceAndHeldStaysWithinCredit(t *testing.T) {
 	_, errc := start(t, p, attachTo(src))
 	for range 1000 {
 		d := <-p.Out()
-		p.Settle(d, pump.Outcome{Kind: pump.Accept})
+		p.Settle(d, driver.Outcome{Kind: driver.Accept})
 	}
 	p.Stop()
 	if err := <-errc; !errors.Is(err, pump.ErrStopped) {
@@ -80,7 +81,7 @@ func TestStopReleasesBufferedAndSettlesInProgress(t *testing.T) {
 		src := fake.New(true, fake.Messages(50)...)
 		p := pump.New(pump.Config{Credit: 10})
 		_, errc := start(t, p, attachTo(src))
-		inHandler := []pump.Ticket{<-p.Out(), <-p.Out()}
+		inHandler := []driver.Ticket{<-p.Out(), <-p.Out()}
 		for _, d := range inHandler {
 			if !d.Begin() {
 				t.Fatal("Begin refused a fresh delivery")
@@ -105,7 +106,7 @@ func TestStopReleasesBufferedAndSettlesInProgress(t *testing.T) {
 		default:
 		}
 		for _, d := range inHandler {
-			p.Settle(d, pump.Outcome{Kind: pump.Accept})
+			p.Settle(d, driver.Outcome{Kind: driver.Accept})
 		}
 		if err := <-errc; !errors.Is(err, pump.ErrStopped) {
 			t.Fatalf("Run = %v", err)
@@ -132,14 +133,14 @@ func TestLostLinkIsReplacedAndItsDeliveriesAreStale(t *testing.T) {
 		}
 		// Settling it frees its entry without touching either link; the
 		// other two of the first link were dropped, unhandled.
-		p.Settle(old, pump.Outcome{Kind: pump.Accept})
+		p.Settle(old, driver.Outcome{Kind: driver.Accept})
 		n := 0
 		for d := range p.Out() {
 			if !d.Begin() {
-				p.Settle(d, pump.Outcome{Kind: pump.Drop})
+				p.Settle(d, driver.Outcome{Kind: driver.Drop})
 				continue
 			}
-			p.Settle(d, pump.Outcome{Kind: pump.Accept})
+			p.Settle(d, driver.Outcome{Kind: driver.Accept})
 			if n++; n == 3 {
 				p.Stop()
 			}
@@ -160,7 +161,7 @@ func TestLostLinkIsReplacedAndItsDeliveriesAreStale(t *testing.T) {
 func TestAttachErrorEndsRun(t *testing.T) {
 	boom := errors.New("auth refused")
 	p := pump.New(pump.Config{Credit: 1})
-	err := p.Run(t.Context(), func(context.Context, error) (pump.Source, error) { return nil, boom })
+	err := p.Run(t.Context(), func(context.Context, error) (driver.Source, error) { return nil, boom })
 	if !errors.Is(err, boom) {
 		t.Fatalf("Run = %v", err)
 	}
@@ -182,7 +183,7 @@ func TestWindowedModeGrantsOnlyAfterTheWindowArrived(t *testing.T) {
 		p := pump.New(pump.Config{Credit: 8, Mode: credit.Windowed})
 		cancel, errc := start(t, p, attachTo(src))
 		for range 3 {
-			p.Settle(<-p.Out(), pump.Outcome{Kind: pump.Accept})
+			p.Settle(<-p.Out(), driver.Outcome{Kind: driver.Accept})
 		}
 		synctest.Wait()
 		if g := p.Stats().Granted; g != 8 {
@@ -204,7 +205,7 @@ func TestStopDrainsTheCredit(t *testing.T) {
 		first := <-p.Out()
 		synctest.Wait() // all 10 received: 9 wait in Out
 		p.Stop()
-		p.Settle(first, pump.Outcome{Kind: pump.Accept})
+		p.Settle(first, driver.Outcome{Kind: driver.Accept})
 		if err := <-errc; !errors.Is(err, pump.ErrStopped) {
 			t.Fatalf("Run = %v", err)
 		}
@@ -231,7 +232,7 @@ func TestReleasesAtTheLinksEndAreCounted(t *testing.T) {
 			synctest.Wait()
 			src.IssueCredit(1) // the drain took the credit back: give the fake room for one more
 			src.Push(fake.Messages(1)...)
-			p.Settle(tk, pump.Outcome{Kind: pump.Accept})
+			p.Settle(tk, driver.Outcome{Kind: driver.Accept})
 			<-errc
 			st := p.Stats()
 			if got := uint64(src.Count(fake.Released)); got != st.Released || st.Received != 1+got {
@@ -259,7 +260,7 @@ func TestByteBudgetBoundsWhatIsHeld(t *testing.T) {
 		p := pump.New(pump.Config{Credit: 256, MaxHeldBytes: 4 * mib})
 		cancel, errc := start(t, p, attachTo(src))
 		defer func() { cancel(); <-errc }()
-		var held []pump.Ticket
+		var held []driver.Ticket
 		for next := 0; next < 40; {
 			synctest.Wait() // the pump took what the credit let the fake send
 			// The budget, passed at most by one delivery that came on
@@ -279,7 +280,7 @@ func TestByteBudgetBoundsWhatIsHeld(t *testing.T) {
 				t.Fatalf("stalled at %d: %+v", next, p.Stats())
 			}
 			for _, tk := range held {
-				p.Settle(tk, pump.Outcome{Kind: pump.Accept})
+				p.Settle(tk, driver.Outcome{Kind: driver.Accept})
 			}
 			held = held[:0]
 		}
@@ -290,7 +291,7 @@ func TestByteBudgetBoundsWhatIsHeld(t *testing.T) {
 	})
 }
 
-// KeepAcrossLinks: a lost link leaves its deliveries held. Those buffered
+// LeasesOutliveLinks: a lost link leaves its deliveries held. Those buffered
 // still go out (Begin takes them), the one in a handler is settled when
 // its handler is done, and every settlement goes to the source the
 // delivery came from; the next link gets only the credit they leave.
@@ -299,7 +300,7 @@ func TestKeepAcrossLinksSettlesWhatALostLinkHeld(t *testing.T) {
 		first := fake.New(true, fake.Messages(3)...)
 		first.KeepLocks = true
 		second := fake.New(true, fake.Messages(3)...)
-		p := pump.New(pump.Config{Credit: 4, Settlers: 2, KeepAcrossLinks: true})
+		p := pump.New(pump.Config{Credit: 4, Settlers: 2, LeasesOutliveLinks: true})
 		_, errc := start(t, p, attachTo(first, second))
 		old := <-p.Out()
 		old.Begin() // in a handler when the link is lost
@@ -307,7 +308,7 @@ func TestKeepAcrossLinksSettlesWhatALostLinkHeld(t *testing.T) {
 		first.Fail(fake.ErrLinkLost)
 		synctest.Wait()
 		if old.Stale() {
-			t.Fatal("a delivery of the lost link is stale under KeepAcrossLinks")
+			t.Fatal("a delivery of the lost link is stale under LeasesOutliveLinks")
 		}
 		// The new link was given the one credit the kept three left, and
 		// has sent one delivery with it.
@@ -315,13 +316,13 @@ func TestKeepAcrossLinksSettlesWhatALostLinkHeld(t *testing.T) {
 			t.Fatalf("after the loss: held %d, dropped %d, the new link's credit %d, queued %d; want 4, 0, 0, 2",
 				st.Held, st.Dropped, second.Credit(), second.Queued())
 		}
-		p.Settle(old, pump.Outcome{Kind: pump.Accept})
+		p.Settle(old, driver.Outcome{Kind: driver.Accept})
 		n := 0
 		for d := range p.Out() {
 			if !d.Begin() {
-				t.Fatalf("Begin refused a delivery under KeepAcrossLinks")
+				t.Fatalf("Begin refused a delivery under LeasesOutliveLinks")
 			}
-			p.Settle(d, pump.Outcome{Kind: pump.Accept})
+			p.Settle(d, driver.Outcome{Kind: driver.Accept})
 			if n++; n == 5 {
 				p.Stop()
 			}
@@ -369,7 +370,7 @@ func TestSettleInOrderKeepsAKeysOrder(t *testing.T) {
 		cancel, errc := start(t, p, attachTo(src))
 		for range n {
 			d := <-p.Out()
-			p.SettleInOrder(d, pump.Outcome{Kind: pump.Accept}, uint64(d.Message().Value.(int)%2))
+			p.SettleInOrder(d, driver.Outcome{Kind: driver.Accept}, uint64(d.Message().Value.(int)%2))
 		}
 		for src.Count(fake.Accepted) < n {
 			time.Sleep(time.Millisecond)
@@ -429,7 +430,7 @@ func TestDrainComesBeforeTheReleases(t *testing.T) {
 		}
 		p.Stop()
 		<-p.Released()
-		p.Settle(first, pump.Outcome{Kind: pump.Accept})
+		p.Settle(first, driver.Outcome{Kind: driver.Accept})
 		if err := <-errc; !errors.Is(err, pump.ErrStopped) {
 			t.Fatalf("Run = %v", err)
 		}
@@ -452,7 +453,7 @@ func TestSettlementsAppliedWhileADeliveryWaitsForOut(t *testing.T) {
 		src := fake.New(true, fake.Messages(100)...)
 		p := pump.New(pump.Config{Credit: 4})
 		cancel, errc := start(t, p, attachTo(src))
-		var taken []pump.Ticket
+		var taken []driver.Ticket
 		for range 4 {
 			taken = append(taken, <-p.Out())
 		}
@@ -462,7 +463,7 @@ func TestSettlementsAppliedWhileADeliveryWaitsForOut(t *testing.T) {
 			t.Fatalf("held %d, in Out %d; want 9 and 4", st.Held, len(p.Out()))
 		}
 		for _, d := range taken {
-			p.Settle(d, pump.Outcome{Kind: pump.Accept})
+			p.Settle(d, driver.Outcome{Kind: driver.Accept})
 		}
 		synctest.Wait()
 		if n := src.Count(fake.Accepted); n != 4 {
@@ -490,7 +491,7 @@ func TestStopReleasesWhatArrivesAfterIt(t *testing.T) {
 		if n := src.Count(fake.Released); n != 9+3 {
 			t.Fatalf("released %d, want the 9 buffered and the 3 that arrived after Stop", n)
 		}
-		p.Settle(busy, pump.Outcome{Kind: pump.Accept})
+		p.Settle(busy, driver.Outcome{Kind: driver.Accept})
 		if err := <-errc; !errors.Is(err, pump.ErrStopped) {
 			t.Fatalf("Run = %v", err)
 		}
@@ -505,7 +506,7 @@ func TestOvershootIsCountedAndDoesNotStall(t *testing.T) {
 		src := fake.New(false, fake.Messages(200)...)
 		p := pump.New(pump.Config{Credit: 8})
 		_, errc := start(t, p, attachTo(src))
-		var first []pump.Ticket
+		var first []driver.Ticket
 		for range 8 {
 			first = append(first, <-p.Out())
 		}
@@ -516,10 +517,10 @@ func TestOvershootIsCountedAndDoesNotStall(t *testing.T) {
 			t.Fatalf("after overshoot: %+v", st)
 		}
 		for _, d := range first {
-			p.Settle(d, pump.Outcome{Kind: pump.Accept})
+			p.Settle(d, driver.Outcome{Kind: driver.Accept})
 		}
 		for range 200 - 8 {
-			p.Settle(<-p.Out(), pump.Outcome{Kind: pump.Accept})
+			p.Settle(<-p.Out(), driver.Outcome{Kind: driver.Accept})
 		}
 		p.Stop()
 		if err := <-errc; !errors.Is(err, pump.ErrStopped) {
@@ -544,7 +545,7 @@ func TestEveryOvershootIsCounted(t *testing.T) {
 			t.Fatalf("after the first overshoot: %+v", st)
 		}
 		for range 13 {
-			p.Settle(<-p.Out(), pump.Outcome{Kind: pump.Accept})
+			p.Settle(<-p.Out(), driver.Outcome{Kind: driver.Accept})
 		}
 		synctest.Wait()
 		src.Overshoot(2)
@@ -573,7 +574,7 @@ func TestHoldFinishesWhatIsBufferedWithoutReleasing(t *testing.T) {
 		if src.Credit() != 0 {
 			t.Fatalf("credit left after Hold: %d", src.Credit())
 		}
-		p.Settle(first, pump.Outcome{Kind: pump.Accept})
+		p.Settle(first, driver.Outcome{Kind: driver.Accept})
 		for range 15 {
 			select {
 			case <-p.Emptied():
@@ -581,7 +582,7 @@ func TestHoldFinishesWhatIsBufferedWithoutReleasing(t *testing.T) {
 			default:
 			}
 			tk := <-p.Out()
-			p.Settle(tk, pump.Outcome{Kind: pump.Accept})
+			p.Settle(tk, driver.Outcome{Kind: driver.Accept})
 		}
 		<-p.Emptied()
 		synctest.Wait()
@@ -611,7 +612,7 @@ func TestStopAfterHoldReleasesWhatIsLeft(t *testing.T) {
 		synctest.Wait()
 		p.Stop()
 		<-p.Released()
-		p.Settle(first, pump.Outcome{Kind: pump.Accept})
+		p.Settle(first, driver.Outcome{Kind: driver.Accept})
 		if err := <-errc; !errors.Is(err, pump.ErrStopped) {
 			t.Fatalf("Run = %v", err)
 		}
@@ -640,7 +641,7 @@ func TestAnIdleLinkDoesNotTick(t *testing.T) {
 				cancel, errc := start(t, p, attachTo(src))
 				d := <-p.Out()
 				d.Begin()
-				p.Settle(d, pump.Outcome{Kind: pump.Accept})
+				p.Settle(d, driver.Outcome{Kind: driver.Accept})
 				time.Sleep(5 * time.Second) // the flow owed, the limit back at its floor
 				synctest.Wait()
 				before := loops.Load()
@@ -690,7 +691,7 @@ func (s *creditRefused) Prefetched() *amqp.Message {
 	return m
 }
 
-// KeepAcrossLinks: a link that fails to take credit ends, and what its
+// LeasesOutliveLinks: a link that fails to take credit ends, and what its
 // receive loop had taken and the pump had not yet seen, and what the link
 // had prefetched, is held like the rest of what it brought, not dropped:
 // the broker keeps those locks too. Each is settled through the source it
@@ -700,7 +701,7 @@ func TestKeepAcrossLinksKeepsWhatTheReceiveLoopHadAtTheEnd(t *testing.T) {
 		first := &creditRefused{Source: fake.New(true, fake.Messages(3)...), prefetch: fake.Messages(2)}
 		first.KeepLocks = true
 		second := fake.New(true)
-		p := pump.New(pump.Config{Credit: 8, Settlers: 2, KeepAcrossLinks: true})
+		p := pump.New(pump.Config{Credit: 8, Settlers: 2, LeasesOutliveLinks: true})
 		_, errc := start(t, p, attachTo(first, second))
 		time.Sleep(time.Second)
 		synctest.Wait()
@@ -710,9 +711,9 @@ func TestKeepAcrossLinksKeepsWhatTheReceiveLoopHadAtTheEnd(t *testing.T) {
 		for range 5 {
 			d := <-p.Out()
 			if !d.Begin() {
-				t.Fatal("Begin refused a delivery under KeepAcrossLinks")
+				t.Fatal("Begin refused a delivery under LeasesOutliveLinks")
 			}
-			p.Settle(d, pump.Outcome{Kind: pump.Accept})
+			p.Settle(d, driver.Outcome{Kind: driver.Accept})
 		}
 		synctest.Wait()
 		p.Stop()
@@ -726,7 +727,7 @@ func TestKeepAcrossLinksKeepsWhatTheReceiveLoopHadAtTheEnd(t *testing.T) {
 	})
 }
 
-// KeepAcrossLinks with DropBufferedOn saying that the source's end took
+// LeasesOutliveLinks with DropBufferedOn saying that the source's end took
 // the broker's hold with it (a lost connection on Service Bus): nothing
 // buffered goes to a consumer after that, neither what waits in Out nor
 // what the receive loop had; what a handler has stays held and is settled
@@ -738,7 +739,7 @@ func TestDropBufferedOnDropsWhatNoHandlerHas(t *testing.T) {
 		first.KeepLocks = true
 		second := fake.New(true)
 		var told []error
-		p := pump.New(pump.Config{Credit: 4, Settlers: 2, KeepAcrossLinks: true,
+		p := pump.New(pump.Config{Credit: 4, Settlers: 2, LeasesOutliveLinks: true,
 			DropBufferedOn: func(err error) bool { told = append(told, err); return errors.Is(err, connLost) }})
 		_, errc := start(t, p, attachTo(first, second))
 		synctest.Wait()
@@ -756,9 +757,9 @@ func TestDropBufferedOnDropsWhatNoHandlerHas(t *testing.T) {
 			if d.Begin() {
 				t.Fatal("a delivery buffered at the loss went to a handler")
 			}
-			p.Settle(d, pump.Outcome{Kind: pump.Drop})
+			p.Settle(d, driver.Outcome{Kind: driver.Drop})
 		}
-		p.Settle(inHandler, pump.Outcome{Kind: pump.Accept})
+		p.Settle(inHandler, driver.Outcome{Kind: driver.Accept})
 		synctest.Wait()
 		p.Stop()
 		if err := <-errc; !errors.Is(err, pump.ErrStopped) {

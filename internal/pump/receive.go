@@ -5,13 +5,15 @@ import (
 	"fmt"
 
 	"github.com/Azure/go-amqp"
+
+	"github.com/amqpsub/amqpsub/internal/driver"
 )
 
 // receiveLoop hands every delivery of src to the inbox until src fails or
 // ctx ends. It is the only goroutine that blocks on the link. When drained
 // ends (a Hold's drain was answered), it takes what is still prefetched and
 // then pushes a nil marker: everything sent before the answer is ahead of it.
-func receiveLoop(ctx, drained context.Context, src Source, in *burst[*amqp.Message]) {
+func receiveLoop(ctx, drained context.Context, src driver.Source, in *burst[*amqp.Message]) {
 	rctx := drained
 	for {
 		msg, err := src.Receive(rctx, nil)

@@ -5,12 +5,14 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
+
+	"github.com/amqpsub/amqpsub/internal/driver"
 )
 
 type counters struct {
 	received        atomic.Uint64
 	granted         atomic.Uint64
-	settled         [Drop + 1]atomic.Uint64
+	settled         [driver.Drop + 1]atomic.Uint64
 	settleErrors    atomic.Uint64
 	stale           atomic.Uint64
 	unsent          atomic.Uint64
@@ -50,9 +52,10 @@ type Stats struct {
 	// DoubleSettles counts Settle calls refused because the delivery was
 	// already settled.
 	DoubleSettles uint64
-	// Lost locks (LoseLock): deliveries dropped before a handler took
+	// Lost leases (LoseLease): deliveries dropped before a handler took
 	// them, and settlements skipped because the handler had the delivery;
-	// settlements the broker answered with lock-lost; and settlements
+	// settlements the broker answered with a lost lease
+	// (driver.Leases.LostAnswer); and settlements
 	// that a settler saw go unanswered within SettleTimeout.
 	LockLostDropped, LockLostSkipped, LockLostAnswers, SettleTimeouts uint64
 	Links                                                             uint64 // links attached
@@ -83,11 +86,11 @@ func (p *Pump) Stats() Stats {
 	s := Stats{
 		Received:        p.stats.received.Load(),
 		Granted:         p.stats.granted.Load(),
-		Accepted:        p.stats.settled[Accept].Load(),
-		Released:        p.stats.settled[Release].Load(),
-		Modified:        p.stats.settled[Modify].Load(),
-		Rejected:        p.stats.settled[Reject].Load(),
-		Dropped:         p.stats.settled[Drop].Load(),
+		Accepted:        p.stats.settled[driver.Accept].Load(),
+		Released:        p.stats.settled[driver.Release].Load(),
+		Modified:        p.stats.settled[driver.Modify].Load(),
+		Rejected:        p.stats.settled[driver.Reject].Load(),
+		Dropped:         p.stats.settled[driver.Drop].Load(),
 		SettleErrors:    p.stats.settleErrors.Load(),
 		Stale:           p.stats.stale.Load(),
 		Unsent:          p.stats.unsent.Load(),
@@ -107,13 +110,13 @@ func (p *Pump) Stats() Stats {
 		Credit:          int(p.stats.creditNow.Load()),
 		RoundTrip:       time.Duration(p.stats.roundTrip.Load()),
 	}
-	p.Each(func(d *Delivery) bool {
+	p.Each(func(d *driver.Delivery) bool {
 		switch d.State() {
-		case Buffered:
+		case driver.Buffered:
 			s.Buffered++
-		case Handling:
+		case driver.Handling:
 			s.Handling++
-		case Settling:
+		case driver.Settling:
 			s.Settling++
 		}
 		return true
@@ -141,5 +144,5 @@ type Event struct {
 	Kind    EventKind
 	Err     error
 	Message *amqp.Message // the delivery's message, for SettleFailed
-	Outcome Kind          // for SettleFailed
+	Outcome driver.Kind   // for SettleFailed
 }

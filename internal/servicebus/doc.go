@@ -14,8 +14,8 @@
 // consumer that holds a credit's worth of deliveries — waiting in the
 // pump's channel, in a lane, or in a handler — loses the locks of those
 // that wait longest, and the service delivers them again to someone else.
-// The [Book] knows every delivery the pump holds (the pump feeds it through
-// pump.Leases) with its lock token and expiry, and Run renews the locks:
+// [Leases] knows every delivery the pump holds (the pump feeds it through
+// driver.Leases) with its lock token and expiry, and Run renews the locks:
 // for as long as a delivery waits for its handler, and up to MaxRenewal
 // after its handler began (Bind).
 //
@@ -57,7 +57,7 @@
 // tokens ([ErrIncomplete]) is asked again without the locks settled
 // meanwhile, then token by token, and only a token refused on its own
 // (410) is a lost lock. With one lost lock in a batch of 256 that costs
-// 257 requests and 512 tokens for the round ([BookStats.Split] counts such
+// 257 requests and 512 tokens for the round ([LeasesStats.Split] counts such
 // batches).
 //
 // A server-busy answer (ErrServerBusy: the service is throttling) holds
@@ -74,7 +74,7 @@
 // delivery without a usable lock and a failed renewal request are logged
 // at warn at most once a minute each, and at debug otherwise (see package
 // internal/loglimit). A delivery whose settlement is being sent
-// (pump.Ticket.Sending) is neither renewed nor declared lost by the book,
+// (driver.Ticket.Sending) is neither renewed nor declared lost by the book,
 // and one whose settlement waits to be sent is renewed but not declared
 // lost: the settlement's answer decides, and the pump then removes it from
 // the book.

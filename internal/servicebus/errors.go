@@ -25,6 +25,9 @@ const (
 	// CondSessionCannotBeLocked: the session asked for is held by another
 	// receiver.
 	CondSessionCannotBeLocked amqp.ErrCond = "com.microsoft:session-cannot-be-locked"
+	// CondLockLost: the service answers a settlement so when the
+	// delivery's lock has expired (or the message was settled).
+	CondLockLost amqp.ErrCond = "com.microsoft:message-lock-lost"
 )
 
 // IsCond reports whether err is an *amqp.Error of condition cond.

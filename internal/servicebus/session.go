@@ -12,8 +12,8 @@ import (
 
 	"github.com/amqpsub/amqpsub/internal/amqpint"
 	"github.com/amqpsub/amqpsub/internal/backoff"
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/loglimit"
-	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 // The session filter, as the service reads it.
@@ -46,7 +46,7 @@ func IsNoSession(err error) bool {
 }
 
 // Session is the source of a session link: its receiver, which it ends
-// with [pump.ErrSourceDone] when the session has been idle (no message,
+// with [driver.ErrSourceDone] when the session has been idle (no message,
 // nothing held) for the idle timeout, and the renewal of the session's
 // lock, which a goroutine keeps up while the link lives.
 type Session struct {
@@ -55,7 +55,7 @@ type Session struct {
 	idle time.Duration
 	slot int
 	mgmt *Management
-	book *Book
+	book *Leases
 	// held counts the deliveries of the session's pipe held now.
 	held    func() int
 	log     *zap.Logger
@@ -69,7 +69,7 @@ type Session struct {
 type SessionConfig struct {
 	Idle    time.Duration // the SessionIdleTimeout
 	Slot    int           // the consumer's slot, for the log
-	Book    *Book         // the book of the slot's deliveries
+	Leases  *Leases       // the book of the slot's deliveries
 	Held    func() int    // how many deliveries the slot holds
 	Log     *zap.Logger
 	Limited *loglimit.Logger // for the lines that can repeat
@@ -87,7 +87,7 @@ func AcceptSession(rcv *amqp.Receiver, mgmt *Management, c SessionConfig) (*Sess
 		until = time.Now() // renew at once
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	src := &Session{Receiver: rcv, id: id, idle: c.Idle, slot: c.Slot, mgmt: mgmt, book: c.Book, held: c.Held,
+	src := &Session{Receiver: rcv, id: id, idle: c.Idle, slot: c.Slot, mgmt: mgmt, book: c.Leases, held: c.Held,
 		log: c.Log, limited: c.Limited, cancel: cancel, done: make(chan struct{})}
 	go src.renew(ctx, until)
 	c.Log.Info("session accepted", zap.String("session_id", id), zap.Int("slot", c.Slot),
@@ -113,7 +113,7 @@ func ticksTime(v any) (time.Time, bool) {
 }
 
 // Receive returns the session's next message, or an error wrapping
-// [pump.ErrSourceDone] once the session has been idle for SessionIdleTimeout
+// [driver.ErrSourceDone] once the session has been idle for SessionIdleTimeout
 // with nothing of it held. When the link is lost, the session's lock went
 // with it (a session is locked to its link): every delivery of the session
 // is given up at once, before Receive returns the link's error, and the
@@ -132,7 +132,7 @@ func (src *Session) Receive(ctx context.Context, opts *amqp.ReceiveOptions) (*am
 			src.book.LoseAll("the session link was lost")
 			return nil, err
 		case src.held() == 0:
-			return nil, fmt.Errorf("%w: session %q idle for %v", pump.ErrSourceDone, src.id, src.idle)
+			return nil, fmt.Errorf("%w: session %q idle for %v", driver.ErrSourceDone, src.id, src.idle)
 		}
 	}
 }

@@ -6,13 +6,13 @@ package testhook
 import (
 	"context"
 
-	"github.com/amqpsub/amqpsub/internal/pump"
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/wire"
 )
 
 // Attach gives a source to receive from, one call per attach (the first,
 // and one after each lost link).
-type Attach func(ctx context.Context) (pump.Source, error)
+type Attach func(ctx context.Context) (driver.Source, error)
 
 // Connector returns an amqpsub.Connector (as any: this package cannot
 // import amqpsub) that attaches to the sources next gives instead of a

@@ -12,6 +12,7 @@ import (
 	"github.com/Azure/go-amqp"
 	"go.uber.org/goleak"
 
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/fake"
 	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/servicebus"
@@ -198,7 +199,7 @@ type rig struct {
 	svc   *service
 	src   *fake.Source
 	pump  *pump.Pump
-	book  *servicebus.Book
+	book  *servicebus.Leases
 	lostM sync.Mutex
 	lost  []int
 	stop  func()
@@ -206,7 +207,7 @@ type rig struct {
 
 // newRig runs a pump holding n messages of svc, with a book renewing
 // their locks (through cfg.Renewer if set, else svc).
-func newRig(t *testing.T, svc *service, n int, cfg servicebus.BookConfig) *rig {
+func newRig(t *testing.T, svc *service, n int, cfg servicebus.LeasesConfig) *rig {
 	msgs := make([]*amqp.Message, n)
 	for i := range msgs {
 		msgs[i] = svc.message(i)
@@ -215,23 +216,23 @@ func newRig(t *testing.T, svc *service, n int, cfg servicebus.BookConfig) *rig {
 }
 
 // newRigWith is newRig with the source and the pump's configuration given.
-func newRigWith(t *testing.T, svc *service, src *fake.Source, cfg servicebus.BookConfig, pc pump.Config) *rig {
+func newRigWith(t *testing.T, svc *service, src *fake.Source, cfg servicebus.LeasesConfig, pc pump.Config) *rig {
 	r := &rig{svc: svc, src: src}
 	if cfg.Renewer == nil {
 		cfg.Renewer = svc
 	}
-	cfg.OnLost = func(t pump.Ticket, _ *amqp.Message, _ error) {
+	cfg.OnLost = func(t driver.Ticket, _ *amqp.Message, _ error) {
 		r.lostM.Lock()
 		r.lost = append(r.lost, t.Message().Value.(int))
 		r.lostM.Unlock()
-		r.pump.LoseLock(t)
+		r.pump.LoseLease(t)
 	}
-	r.book = servicebus.NewBook(cfg)
+	r.book = servicebus.NewLeases(cfg)
 	pc.Leases = r.book
 	r.pump = pump.New(pc)
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
-	wg.Go(func() { r.pump.Run(ctx, func(context.Context, error) (pump.Source, error) { return r.src, nil }) })
+	wg.Go(func() { r.pump.Run(ctx, func(context.Context, error) (driver.Source, error) { return r.src, nil }) })
 	wg.Go(func() { r.book.Run(ctx) })
 	var once sync.Once
 	r.stop = func() { once.Do(func() { cancel(); wg.Wait() }) }
@@ -244,7 +245,7 @@ func newRigWith(t *testing.T, svc *service, src *fake.Source, cfg servicebus.Boo
 func TestLocksOfWaitingDeliveriesAreRenewedInBatches(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
-		r := newRig(t, svc, 100, servicebus.BookConfig{})
+		r := newRig(t, svc, 100, servicebus.LeasesConfig{})
 		time.Sleep(30 * time.Second) // nobody takes them from Out
 		st := r.book.Stats()
 		r.stop()
@@ -264,7 +265,7 @@ func TestLocksOfWaitingDeliveriesAreRenewedInBatches(t *testing.T) {
 func TestStaggeredLocksShareRequests(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
-		r := newRig(t, svc, 0, servicebus.BookConfig{})
+		r := newRig(t, svc, 0, servicebus.LeasesConfig{})
 		for i := range 200 {
 			r.src.Push(svc.message(i))
 			time.Sleep(10 * time.Millisecond)
@@ -288,9 +289,9 @@ func TestStaggeredLocksShareRequests(t *testing.T) {
 func TestLostLockIsFoundAndOnlyItsDeliveryDisturbed(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
-		r := newRig(t, svc, 10, servicebus.BookConfig{})
+		r := newRig(t, svc, 10, servicebus.LeasesConfig{})
 		synctest.Wait()
-		var tickets []pump.Ticket
+		var tickets []driver.Ticket
 		for range 10 {
 			tickets = append(tickets, <-r.pump.Out())
 		}
@@ -312,13 +313,13 @@ func TestLostLockIsFoundAndOnlyItsDeliveryDisturbed(t *testing.T) {
 		if r.lostOnes() != "[3 7]" {
 			t.Fatalf("lost %s, want [3 7]", r.lostOnes())
 		}
-		if tickets[7].State() != pump.Dropped {
+		if tickets[7].State() != driver.Dropped {
 			t.Fatalf("waiting delivery with a lost lock is %s", tickets[7].State())
 		}
 		for i, tk := range tickets {
-			o := pump.Outcome{Kind: pump.Accept}
+			o := driver.Outcome{Kind: driver.Accept}
 			if i == 7 {
-				o.Kind = pump.Drop
+				o.Kind = driver.Drop
 			}
 			r.pump.Settle(tk, o)
 		}
@@ -337,13 +338,13 @@ func TestLostLockIsFoundAndOnlyItsDeliveryDisturbed(t *testing.T) {
 func TestThePumpHearsOfALostLockBeforeTheHandler(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
-		r := newRig(t, svc, 1, servicebus.BookConfig{MaxRenewal: time.Nanosecond})
+		r := newRig(t, svc, 1, servicebus.LeasesConfig{MaxRenewal: time.Nanosecond})
 		tk := <-r.pump.Out()
 		tk.Begin()
 		var markedFirst atomic.Bool
 		cancelled := make(chan struct{})
 		cancel := func(cause error) {
-			markedFirst.Store(tk.Entry().LockLost())
+			markedFirst.Store(tk.Entry().LeaseLost())
 			if cause == servicebus.ErrLockLost {
 				close(cancelled)
 			}
@@ -355,7 +356,7 @@ func TestThePumpHearsOfALostLockBeforeTheHandler(t *testing.T) {
 		if !markedFirst.Load() {
 			t.Fatal("the handler's ctx was cancelled before the pump marked its delivery's lock lost")
 		}
-		r.pump.Settle(tk, pump.Outcome{Kind: pump.Accept})
+		r.pump.Settle(tk, driver.Outcome{Kind: driver.Accept})
 		synctest.Wait()
 		ps := r.pump.Stats()
 		r.stop()
@@ -371,9 +372,9 @@ func TestThePumpHearsOfALostLockBeforeTheHandler(t *testing.T) {
 func TestALockSettledDuringItsRenewalCostsOneMoreRequest(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
-		r := newRig(t, svc, 50, servicebus.BookConfig{})
+		r := newRig(t, svc, 50, servicebus.LeasesConfig{})
 		synctest.Wait()
-		var tickets []pump.Ticket
+		var tickets []driver.Ticket
 		for range 50 {
 			tickets = append(tickets, <-r.pump.Out())
 		}
@@ -405,7 +406,7 @@ func TestALockSettledDuringItsRenewalCostsOneMoreRequest(t *testing.T) {
 func TestRenewalStopsMaxRenewalAfterTheHandlerBegan(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
-		r := newRig(t, svc, 1, servicebus.BookConfig{MaxRenewal: 10 * time.Second})
+		r := newRig(t, svc, 1, servicebus.LeasesConfig{MaxRenewal: 10 * time.Second})
 		time.Sleep(20 * time.Second) // waiting in Out, twice MaxRenewal
 		if r.lostOnes() != "[]" {
 			t.Fatal("lost while it waited for a handler")
@@ -436,7 +437,7 @@ func TestFailingRenewalsAndUnrenewableDeliveries(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
 		svc.fail = context.DeadlineExceeded
-		r := newRig(t, svc, 1, servicebus.BookConfig{Timeout: 100 * time.Millisecond})
+		r := newRig(t, svc, 1, servicebus.LeasesConfig{Timeout: 100 * time.Millisecond})
 		r.src.Push(&amqp.Message{DeliveryTag: []byte("short"), Value: 99})
 		time.Sleep(5 * time.Second)
 		st := r.book.Stats()
@@ -453,7 +454,7 @@ func TestStopDuringARenewalIsNotAFailure(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
 		h := &hanging{service: svc, hang: func(n int) bool { return n >= 2 }, linger: 10 * time.Millisecond}
-		r := newRig(t, svc, 1, servicebus.BookConfig{Renewer: h})
+		r := newRig(t, svc, 1, servicebus.LeasesConfig{Renewer: h})
 		time.Sleep(2100 * time.Millisecond) // renewed at 1 s; the request sent at 2 s is out (for ⅓ s)
 		synctest.Wait()
 		if out, _ := h.counts(); out != 1 {
@@ -478,7 +479,7 @@ func TestLocksAreRenewedAtHalfTheirRemainingTime(t *testing.T) {
 		t.Run(lockFor.String(), func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				svc := newService(lockFor)
-				r := newRig(t, svc, 5, servicebus.BookConfig{MaxRenewal: time.Hour})
+				r := newRig(t, svc, 5, servicebus.LeasesConfig{MaxRenewal: time.Hour})
 				time.Sleep(3*lockFor + lockFor/4) // renewals at ½, 1, … 3 lock durations
 				st := r.book.Stats()
 				r.stop()
@@ -505,7 +506,7 @@ func TestOneUnansweredRequestLosesNoLock(t *testing.T) {
 				start := time.Now()
 				svc := newService(lockFor)
 				h := &hanging{service: svc, hang: func(n int) bool { return n == 1 }}
-				r := newRig(t, svc, 20, servicebus.BookConfig{Renewer: h})
+				r := newRig(t, svc, 20, servicebus.LeasesConfig{Renewer: h})
 				time.Sleep(max(2*lockFor, 25*time.Second))
 				st := r.book.Stats()
 				r.stop()
@@ -536,7 +537,7 @@ func TestAHangingRequestHoldsUpNoOtherLock(t *testing.T) {
 		const lockFor = 60 * time.Second
 		svc := newService(lockFor)
 		h := &hanging{service: svc, hang: func(n int) bool { return n == 1 }}
-		r := newRig(t, svc, 1, servicebus.BookConfig{Renewer: h}) // 0: due at 30 s; its request hangs until 40 s
+		r := newRig(t, svc, 1, servicebus.LeasesConfig{Renewer: h}) // 0: due at 30 s; its request hangs until 40 s
 		for i := 1; i <= 4; i++ {
 			time.Sleep(2 * time.Second)
 			r.src.Push(svc.message(i)) // due at 32, 34, 36, 38 s
@@ -564,7 +565,7 @@ func TestRequestsInFlightAreBoundedAndAwaited(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		svc := newService(2 * time.Second)
 		h := &hanging{service: svc, hang: func(int) bool { return true }, linger: 10 * time.Millisecond}
-		r := newRig(t, svc, 10, servicebus.BookConfig{Renewer: h, MaxBatch: 1, MaxInFlight: 3})
+		r := newRig(t, svc, 10, servicebus.LeasesConfig{Renewer: h, MaxBatch: 1, MaxInFlight: 3})
 		time.Sleep(1100 * time.Millisecond) // all 10 due at 1 s; each request given ⅓ s
 		synctest.Wait()
 		if out, maxOut := h.counts(); out != 3 || maxOut != 3 {
@@ -591,12 +592,12 @@ func TestASettlingDeliveryIsNotReportedLost(t *testing.T) {
 			// 1 stays in a handler: its renewals wake the book.
 			src := fake.New(true, svc.message(0), svc.message(1))
 			src.SettleDelay = 2 * time.Second
-			r := newRigWith(t, svc, src, servicebus.BookConfig{}, pump.Config{Credit: 4, Settlers: 1, SettleTimeout: 30 * time.Second})
+			r := newRigWith(t, svc, src, servicebus.LeasesConfig{}, pump.Config{Credit: 4, Settlers: 1, SettleTimeout: 30 * time.Second})
 			tk, other := <-r.pump.Out(), <-r.pump.Out()
 			tk.Begin()
 			other.Begin()
 			time.Sleep(1500 * time.Millisecond) // renewed at 1 s: locked until 3 s
-			r.pump.Settle(tk, pump.Outcome{Kind: pump.Accept})
+			r.pump.Settle(tk, driver.Outcome{Kind: driver.Accept})
 			time.Sleep(5 * time.Second) // answered at 3.5 s
 			ps, bs := r.pump.Stats(), r.book.Stats()
 			r.stop()
@@ -610,7 +611,7 @@ func TestASettlingDeliveryIsNotReportedLost(t *testing.T) {
 			svc := newService(2 * time.Second)
 			src := fake.New(true, svc.message(0))
 			src.SettleDelay = 2 * time.Second
-			r := newRigWith(t, svc, src, servicebus.BookConfig{}, pump.Config{Credit: 4, Settlers: 1, SettleTimeout: 30 * time.Second})
+			r := newRigWith(t, svc, src, servicebus.LeasesConfig{}, pump.Config{Credit: 4, Settlers: 1, SettleTimeout: 30 * time.Second})
 			tk := <-r.pump.Out()
 			tk.Begin()
 			svc.mu.Lock()
@@ -618,7 +619,7 @@ func TestASettlingDeliveryIsNotReportedLost(t *testing.T) {
 				// Settled while the renewal is out; the service takes
 				// the settlement and refuses the renewal (and any that
 				// follows before the settler has begun to send it).
-				r.pump.Settle(tk, pump.Outcome{Kind: pump.Accept})
+				r.pump.Settle(tk, driver.Outcome{Kind: driver.Accept})
 				return fmt.Errorf("status 410: %w", servicebus.ErrLockLost)
 			}
 			svc.mu.Unlock()
@@ -648,7 +649,7 @@ func sortedInts(xs []int) []int {
 // it reports may name an entry that holds the next delivery by then (two
 // locks expire in one round; while the book reports the first, the second's
 // handler settles and its entry is reused). OnLost gets the message as it
-// entered the book, and LoseLock reports that the ticket is stale, so that
+// entered the book, and LoseLease reports that the ticket is stale, so that
 // amqpsub never names a delivery whose lock is fine.
 func TestOnLostNamesTheMessageThatLostItsLock(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
@@ -656,11 +657,11 @@ func TestOnLostNamesTheMessageThatLostItsLock(t *testing.T) {
 		src := fake.New(true, svc.message(0), svc.message(1))
 		var p *pump.Pump
 		var mu sync.Mutex
-		tickets := map[int]pump.Ticket{}
+		tickets := map[int]driver.Ticket{}
 		var reported []string
 		first := true
-		cfg := servicebus.BookConfig{Renewer: svc, MaxRenewal: time.Nanosecond}
-		cfg.OnLost = func(tk pump.Ticket, m *amqp.Message, _ error) {
+		cfg := servicebus.LeasesConfig{Renewer: svc, MaxRenewal: time.Nanosecond}
+		cfg.OnLost = func(tk driver.Ticket, m *amqp.Message, _ error) {
 			mu.Lock()
 			defer mu.Unlock()
 			if first {
@@ -669,7 +670,7 @@ func TestOnLostNamesTheMessageThatLostItsLock(t *testing.T) {
 				// returns and the pump reuses its entry for message 100.
 				for i, other := range tickets {
 					if other != tk {
-						p.Settle(other, pump.Outcome{Kind: pump.Accept})
+						p.Settle(other, driver.Outcome{Kind: driver.Accept})
 						src.Push(svc.message(100))
 						next := <-p.Out()
 						tickets[100] = next
@@ -678,15 +679,15 @@ func TestOnLostNamesTheMessageThatLostItsLock(t *testing.T) {
 				}
 			}
 			// What amqpsub's pipe.lockLost reports.
-			if p.LoseLock(tk) {
+			if p.LoseLease(tk) {
 				reported = append(reported, fmt.Sprint(m.Value))
 			}
 		}
-		book := servicebus.NewBook(cfg)
+		book := servicebus.NewLeases(cfg)
 		p = pump.New(pump.Config{Credit: 256, Leases: book})
 		ctx, cancel := context.WithCancel(context.Background())
 		var wg sync.WaitGroup
-		wg.Go(func() { _ = p.Run(ctx, func(context.Context, error) (pump.Source, error) { return src, nil }) })
+		wg.Go(func() { _ = p.Run(ctx, func(context.Context, error) (driver.Source, error) { return src, nil }) })
 		wg.Go(func() { book.Run(ctx) })
 		for range 2 {
 			tk := <-p.Out()
@@ -726,7 +727,7 @@ func TestAMixedBatchLosesOnlyItsLostLock(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				svc := newService(4 * time.Second)
 				svc.mixed = mode
-				r := newRig(t, svc, 256, servicebus.BookConfig{})
+				r := newRig(t, svc, 256, servicebus.LeasesConfig{})
 				synctest.Wait()
 				svc.mu.Lock()
 				svc.lost[token(100)] = true
@@ -766,7 +767,7 @@ func TestASingleTokenRefusedWith400IsTriedAgain(t *testing.T) {
 				}
 				return svc.RenewLocks(ctx, tokens)
 			})
-			r := newRig(t, svc, 1, servicebus.BookConfig{Renewer: rn})
+			r := newRig(t, svc, 1, servicebus.LeasesConfig{Renewer: rn})
 			time.Sleep(20 * time.Second)
 			st := r.book.Stats()
 			r.stop()
@@ -803,7 +804,7 @@ func TestServerBusyHoldsRenewalsBackTenSeconds(t *testing.T) {
 			}
 			return svc.RenewLocks(ctx, tokens)
 		})
-		r := newRig(t, svc, 10, servicebus.BookConfig{Renewer: rn})
+		r := newRig(t, svc, 10, servicebus.LeasesConfig{Renewer: rn})
 		time.Sleep(2 * time.Minute)
 		st := r.book.Stats()
 		r.stop()
@@ -829,7 +830,7 @@ func TestALockExpiringDuringTheServerBusyWaitIsLostOnTime(t *testing.T) {
 		svc.fail = fmt.Errorf("status 503: %w", servicebus.ErrServerBusy)
 		start := time.Now()
 		var lostAt time.Time
-		r := newRig(t, svc, 1, servicebus.BookConfig{})
+		r := newRig(t, svc, 1, servicebus.LeasesConfig{})
 		for r.lostOnes() == "[]" && time.Since(start) < time.Minute {
 			time.Sleep(100 * time.Millisecond)
 		}

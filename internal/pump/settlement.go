@@ -9,65 +9,35 @@ import (
 
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
+
+	"github.com/amqpsub/amqpsub/internal/driver"
 )
 
-// Kind is what a settlement tells the broker.
-type Kind uint8
+// op is what the pump does with a queued settlement besides sending it.
+type op uint8
 
 const (
-	// Accept settles the delivery as accepted.
-	Accept Kind = iota
-	// Release returns the delivery to the queue as released, not as a
-	// failed attempt; a broker may still count it toward a delivery limit.
-	Release
-	// Modify returns the delivery to the queue as modified (see [Outcome]).
-	Modify
-	// Reject settles the delivery as rejected: dead-lettered by most brokers.
-	Reject
-	// Drop frees the delivery's place without telling the broker, for
-	// deliveries of a lost link, which the broker redelivers anyway.
-	Drop
-
-	// reclaim frees the entry of a Dropped delivery, which no longer counts
-	// as held.
-	reclaim
-	// lostLock stops counting as held a delivery LoseLock dropped.
-	lostLock
+	// opSend sends the settlement's outcome (or, for Drop, only frees the
+	// entry).
+	opSend op = iota
+	// opReclaim frees the entry of a Dropped delivery, which no longer
+	// counts as held.
+	opReclaim
+	// opLeaseLost stops counting as held a delivery LoseLease dropped.
+	opLeaseLost
 )
 
-var kindNames = [...]string{"accept", "release", "modify", "reject", "drop", "reclaim", "lost-lock"}
-
-func (k Kind) String() string {
-	if int(k) < len(kindNames) {
-		return kindNames[k]
-	}
-	return fmt.Sprintf("Kind(%d)", k)
-}
-
-// Outcome is a settlement.
-type Outcome struct {
-	Kind Kind
-	// Error is sent with [Reject]; nil sends none.
-	Error *amqp.Error
-	// DeliveryFailed, UndeliverableHere and Annotations go with [Modify];
-	// the broker merges Annotations into the message's annotations (nil:
-	// none).
-	DeliveryFailed    bool
-	UndeliverableHere bool
-	Annotations       amqp.Annotations
-}
-
 type settlement struct {
-	d *Delivery
+	t driver.Ticket
 	// key orders the settlement behind the earlier ones of the same key
 	// (ordered): they go out one after another on one settler.
 	key     uint64
 	ordered bool
-	// gen is the entry's generation when LoseLock queued a lostLock: the
-	// entry may be reclaimed and reused before the pump applies it.
-	gen  uint32
-	size int64 // the delivery's Size, for a lostLock
-	o    Outcome
+	// The entry may be reclaimed and reused before the pump applies an
+	// opLeaseLost: t tells.
+	op   op
+	size int64 // the delivery's Size, for an opLeaseLost
+	o    driver.Outcome
 	// done: a settler has sent o and err is the broker's answer (Settlers).
 	done bool
 	err  error
@@ -83,8 +53,8 @@ type settlement struct {
 // whatever the outcome. Settlements that arrive after Run has returned are
 // not applied; the broker redelivers those deliveries once the link is
 // closed.
-func (p *Pump) Settle(t Ticket, o Outcome) bool {
-	return p.settleAs(t, settlement{d: t.d, o: o})
+func (p *Pump) Settle(t driver.Ticket, o driver.Outcome) bool {
+	return p.settleAs(t, settlement{t: t, op: opSend, o: o})
 }
 
 // SettleInOrder is Settle for a settlement that must reach the broker
@@ -97,34 +67,21 @@ func (p *Pump) Settle(t Ticket, o Outcome) bool {
 // once the broker answered the one before, while those of other keys go
 // out beside them. Without Settlers every settlement is sent in order on
 // the pump's goroutine, and SettleInOrder is Settle.
-func (p *Pump) SettleInOrder(t Ticket, o Outcome, key uint64) bool {
-	return p.settleAs(t, settlement{d: t.d, o: o, key: key, ordered: true})
+func (p *Pump) SettleInOrder(t driver.Ticket, o driver.Outcome, key uint64) bool {
+	return p.settleAs(t, settlement{t: t, op: opSend, o: o, key: key, ordered: true})
 }
 
-func (p *Pump) settleAs(t Ticket, st settlement) bool {
-	for {
-		w := t.d.word.Load()
-		gen, s := unpack(w)
-		if gen != t.gen {
-			s = Free
-		}
-		next := w&^0xff | uint64(Settling)
-		switch s {
-		case Buffered, Handling:
-			if t.d.word.CompareAndSwap(w, next) {
-				p.settle.push(st)
-				return true
-			}
-		case Dropped:
-			if t.d.word.CompareAndSwap(w, w&^0xff|uint64(Reclaiming)) {
-				p.settle.push(settlement{d: t.d, o: Outcome{Kind: reclaim}})
-				return true
-			}
-		default:
-			p.stats.doubleSettle.Add(1)
-			return false
-		}
+func (p *Pump) settleAs(t driver.Ticket, st settlement) bool {
+	switch t.HandBack() {
+	case driver.Buffered, driver.Handling:
+		p.settle.push(st)
+		return true
+	case driver.Dropped:
+		p.settle.push(settlement{t: t, op: opReclaim})
+		return true
 	}
+	p.stats.doubleSettle.Add(1)
+	return false
 }
 
 // applyQueued applies every queued settlement.
@@ -139,13 +96,13 @@ func (p *Pump) applyQueued(ctx context.Context) {
 // apply sends a settlement to the broker (or hands it to a settler) and
 // frees the delivery's entry.
 func (p *Pump) apply(ctx context.Context, s settlement) {
-	d := s.d
+	d := s.t.Entry()
 	switch {
-	case s.o.Kind == reclaim:
+	case s.op == opReclaim:
 		p.release(d)
 		return
-	case s.o.Kind == lostLock:
-		// Dropped by LoseLock: no longer held; the consumer frees it. The
+	case s.op == opLeaseLost:
+		// Dropped by LoseLease: no longer held; the consumer frees it. The
 		// consumer may have reclaimed the entry already, and the pump
 		// given it to the next delivery (release told the lease book
 		// then): the count still goes, but not that delivery's lease.
@@ -153,7 +110,7 @@ func (p *Pump) apply(ctx context.Context, s settlement) {
 		if p.cfg.Meter != nil {
 			p.cfg.Meter.Dropped(1)
 		}
-		if gen, _ := unpack(d.word.Load()); p.cfg.Leases != nil && gen == s.gen {
+		if p.cfg.Leases != nil && !s.t.Reused() {
 			p.cfg.Leases.Remove(d)
 		}
 		p.freed(1, s.size)
@@ -171,17 +128,17 @@ func (p *Pump) apply(ctx context.Context, s settlement) {
 		default:
 			p.settled(d, s.o.Kind, s.err)
 		}
-	case s.o.Kind == Drop:
-		p.stats.settled[Drop].Add(1)
+	case s.o.Kind == driver.Drop:
+		p.stats.settled[driver.Drop].Add(1)
 		if p.cfg.Meter != nil {
 			p.cfg.Meter.Dropped(1)
 		}
-	case d.link != p.link.Load() && !p.cfg.KeepAcrossLinks:
+	case p.links.Stale(d.Link()):
 		p.log.Debug("settlement of a delivery from a lost link skipped; the broker redelivers it",
 			zap.Stringer("outcome", s.o.Kind))
 		p.stats.stale.Add(1)
 		p.notSent(d, s.o.Kind)
-	case d.LockLost():
+	case d.LeaseLost():
 		p.log.Debug("settlement of a delivery whose lock was lost skipped; the broker redelivers it",
 			zap.Stringer("outcome", s.o.Kind))
 		p.stats.lockLostSkipped.Add(1)
@@ -195,10 +152,10 @@ func (p *Pump) apply(ctx context.Context, s settlement) {
 		p.dispatch(s)
 		return
 	default:
-		k, err := settleOn(ctx, d.src, d.msg.Load(), s.o)
+		k, err := settleOn(ctx, d.Source(), d.Message(), s.o)
 		p.settled(d, k, err)
 	}
-	size := d.size.Load()
+	size := d.Size()
 	p.release(d)
 	p.freed(1, size)
 }
@@ -249,7 +206,7 @@ type shard struct {
 }
 
 // errStale is a settler's report of a settlement it did not send because
-// its delivery's link was lost meanwhile (without KeepAcrossLinks).
+// its delivery's link was lost meanwhile (without LeasesOutliveLinks).
 var errStale = errors.New("pump: settlement not sent: its link was lost")
 
 // errUnsent is a settler's report of a settlement it did not send: Run
@@ -258,45 +215,35 @@ var errUnsent = errors.New("pump: settlement not sent: Run ended first")
 
 // unsent counts a settlement decided but never sent, because Run ended
 // first; the broker delivers the message again.
-func (p *Pump) unsent(d *Delivery, kind Kind) {
+func (p *Pump) unsent(d *driver.Delivery, kind driver.Kind) {
 	p.stats.unsent.Add(1)
 	p.log.Debug("settlement not sent: the stop's time ran out; the broker redelivers the delivery",
 		zap.Stringer("outcome", kind))
 	p.notSent(d, kind)
 }
 
-// ErrNotSent is what [Meter.Settled] and a [Ticket]'s OnSettled function hear
-// of a settlement that was not sent: the delivery's link was lost, or its
-// lock (Service Bus), while a handler had it, or Run ended before it could
-// be sent ([Stats.Unsent]). The broker delivers it again.
-var ErrNotSent = errors.New("pump: settlement not sent: the delivery's link or lock was lost; the broker delivers it again")
-
 // notSent reports a settlement that was skipped.
-func (p *Pump) notSent(d *Delivery, kind Kind) {
+func (p *Pump) notSent(d *driver.Delivery, kind driver.Kind) {
 	if p.cfg.Meter != nil {
-		p.cfg.Meter.Settled(kind, ErrNotSent)
+		p.cfg.Meter.Settled(kind, driver.ErrNotSent)
 	}
-	d.notify(kind, ErrNotSent)
+	d.Notify(kind, driver.ErrNotSent)
 }
 
 // settled counts the broker's answer to a settlement.
-func (p *Pump) settled(d *Delivery, kind Kind, err error) {
+func (p *Pump) settled(d *driver.Delivery, kind driver.Kind, err error) {
 	if p.cfg.Meter != nil {
 		p.cfg.Meter.Settled(kind, err)
 	}
-	d.notify(kind, err)
+	d.Notify(kind, err)
 	if err == nil {
 		p.stats.settled[kind].Add(1)
 		return
 	}
-	// Declared past the nil check: errors.As makes it escape, which would
-	// cost an allocation per settlement.
-	//
 	// Each is logged at debug: they happen once per delivery. They are
 	// counted (Stats), and OnEvent hears of each (SettleFailed).
-	var ae *amqp.Error
 	switch {
-	case errors.As(err, &ae) && ae.Condition == ErrCondLockLost:
+	case p.cfg.Leases != nil && p.cfg.Leases.LostAnswer(err):
 		p.log.Debug("settlement answered with lock-lost; the broker redelivers the delivery",
 			zap.Stringer("outcome", kind), zap.Error(err))
 		p.stats.lockLostAnswers.Add(1)
@@ -309,12 +256,8 @@ func (p *Pump) settled(d *Delivery, kind Kind, err error) {
 			zap.Stringer("outcome", kind), zap.Error(err))
 		p.stats.settleErrors.Add(1)
 	}
-	p.event(Event{Kind: SettleFailed, Message: d.msg.Load(), Outcome: kind, Err: err})
+	p.event(Event{Kind: SettleFailed, Message: d.Message(), Outcome: kind, Err: err})
 }
-
-// ErrCondLockLost is the condition Service Bus answers a settlement with
-// when the delivery's lock has expired.
-const ErrCondLockLost amqp.ErrCond = "com.microsoft:message-lock-lost"
 
 func (p *Pump) settleTimeout() time.Duration {
 	if p.cfg.SettleTimeout > 0 {
@@ -368,12 +311,12 @@ func (p *Pump) send(ctx context.Context, s settlement) {
 	switch {
 	case ctx.Err() != nil:
 		err = errUnsent
-	case s.d.link != p.link.Load() && !p.cfg.KeepAcrossLinks:
+	case p.links.Stale(s.t.Entry().Link()):
 		err = errStale // it could only fail on its lost link
 	default:
-		s.d.sending.Store(true)
-		sctx, cancel := context.WithTimeout(context.WithValue(ctx, restingKey{}, &s.d.sending), p.settleTimeout())
-		s.o.Kind, err = settleOn(sctx, s.d.src, s.d.msg.Load(), s.o)
+		d := s.t.Entry()
+		sctx, cancel := context.WithTimeout(d.Sending(ctx), p.settleTimeout())
+		s.o.Kind, err = settleOn(sctx, d.Source(), d.Message(), s.o)
 		cancel()
 		switch {
 		case err != nil && ctx.Err() != nil:
@@ -386,78 +329,25 @@ func (p *Pump) send(ctx context.Context, s settlement) {
 	p.settle.push(s)
 }
 
-type restingKey struct{}
-
-// Resting tells the pump that the settlement a [Source] is sending in ctx
-// (the context of its Accept, Release, Reject or Modify call) is not out
-// until resume is called: its first answer said to try again later, and
-// the Source waits before sending it again. Meanwhile the delivery's
-// Ticket.Sending is false, so that a lease book renews its lock while it
-// waits. Outside a settlement the pump's settlers send, it does nothing.
-// resume must be called before the Source sends again, and once.
-func Resting(ctx context.Context) (resume func()) {
-	sending, ok := ctx.Value(restingKey{}).(*atomic.Bool)
-	if !ok {
-		return func() {}
-	}
-	sending.Store(false)
-	return func() { sending.Store(true) }
-}
-
-// SentAs returns what a [Source]'s settlement call returns when it sent
-// the broker outcome k in place of the one asked for, err being the
-// broker's answer (nil: taken). The pump then counts the settlement, and
-// reports it to the [Meter] and the delivery's OnSettled function, as k.
-// Only Accept, Release, Modify and Reject are outcomes; another k is
-// ignored.
-func SentAs(k Kind, err error) error { return &sentAs{kind: k, err: err} }
-
-type sentAs struct {
-	kind Kind
-	err  error
-}
-
-func (e *sentAs) Error() string {
-	if e.err == nil {
-		return "pump: settled as " + e.kind.String()
-	}
-	return "pump: settling as " + e.kind.String() + ": " + e.err.Error()
-}
-
-func (e *sentAs) Unwrap() error { return e.err }
-
-// sentOutcome reads an answer of SentAs: the outcome that went out in
-// place of k, and the broker's answer.
-func sentOutcome(k Kind, err error) (Kind, error) {
-	var sa *sentAs
-	if err != nil && errors.As(err, &sa) {
-		if sa.kind <= Reject {
-			k = sa.kind
-		}
-		return k, sa.err
-	}
-	return k, err
-}
-
 // settleOn sends o for msg on src and returns the outcome that went out
 // (o's, unless src says otherwise with SentAs) and the broker's answer.
-func settleOn(ctx context.Context, src Source, msg *amqp.Message, o Outcome) (Kind, error) {
-	return sentOutcome(o.Kind, sendOutcome(ctx, src, msg, o))
+func settleOn(ctx context.Context, src driver.Source, msg *amqp.Message, o driver.Outcome) (driver.Kind, error) {
+	return driver.SentOutcome(o.Kind, sendOutcome(ctx, src, msg, o))
 }
 
-func sendOutcome(ctx context.Context, src Source, msg *amqp.Message, o Outcome) error {
+func sendOutcome(ctx context.Context, src driver.Source, msg *amqp.Message, o driver.Outcome) error {
 	switch o.Kind {
-	case Accept:
+	case driver.Accept:
 		return src.AcceptMessage(ctx, msg)
-	case Release:
+	case driver.Release:
 		return src.ReleaseMessage(ctx, msg)
-	case Modify:
+	case driver.Modify:
 		return src.ModifyMessage(ctx, msg, &amqp.ModifyMessageOptions{
 			DeliveryFailed:    o.DeliveryFailed,
 			UndeliverableHere: o.UndeliverableHere,
 			Annotations:       o.Annotations,
 		})
-	case Reject:
+	case driver.Reject:
 		return src.RejectMessage(ctx, msg, o.Error)
 	}
 	return fmt.Errorf("pump: unknown outcome %d", o.Kind)
@@ -467,7 +357,7 @@ func sendOutcome(ctx context.Context, src Source, msg *amqp.Message, o Outcome) 
 // its book, and lets it go: received, and dropped.
 func (p *Pump) dropUnheld() {
 	p.stats.received.Add(1)
-	p.stats.settled[Drop].Add(1)
+	p.stats.settled[driver.Drop].Add(1)
 	if p.cfg.Meter != nil {
 		p.cfg.Meter.Received()
 		p.cfg.Meter.Dropped(1)
@@ -475,11 +365,11 @@ func (p *Pump) dropUnheld() {
 }
 
 // releaseUnheld gives back a message the pump never entered in its book.
-func (p *Pump) releaseUnheld(ctx context.Context, src Source, msg *amqp.Message) {
+func (p *Pump) releaseUnheld(ctx context.Context, src driver.Source, msg *amqp.Message) {
 	// Received, never held: counted as received and released all the same,
 	// so that the counters add up to what the broker saw.
 	p.stats.received.Add(1)
-	k, err := sentOutcome(Release, src.ReleaseMessage(ctx, msg))
+	k, err := driver.SentOutcome(driver.Release, src.ReleaseMessage(ctx, msg))
 	if p.cfg.Meter != nil {
 		p.cfg.Meter.Received()
 		p.cfg.Meter.Settled(k, err)
@@ -496,7 +386,7 @@ func (p *Pump) releaseUnheld(ctx context.Context, src Source, msg *amqp.Message)
 // after their link was lost or while stopping without a link.
 func (p *Pump) dropBacklog() {
 	for _, t := range p.backlog {
-		p.Settle(t, Outcome{Kind: Drop})
+		p.Settle(t, driver.Outcome{Kind: driver.Drop})
 	}
 	clear(p.backlog)
 	p.backlog = p.backlog[:0]

@@ -11,6 +11,7 @@ import (
 
 	"github.com/Azure/go-amqp"
 
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/fake"
 	"github.com/amqpsub/amqpsub/internal/pump"
 )
@@ -32,7 +33,7 @@ func TestUnorderedSettlementsDoNotWaitBehindAStuckOne(t *testing.T) {
 		cancel, errc := start(t, p, attachTo(src))
 		for range n {
 			d := <-p.Out()
-			p.Settle(d, pump.Outcome{Kind: pump.Accept}) // unordered
+			p.Settle(d, driver.Outcome{Kind: driver.Accept}) // unordered
 		}
 		time.Sleep(time.Second)
 		synctest.Wait()
@@ -57,7 +58,7 @@ func TestUnorderedSettlementsDoNotWaitBehindAStuckOne(t *testing.T) {
 	})
 }
 
-// Without KeepAcrossLinks (Service Bus sessions), a settlement still
+// Without LeasesOutliveLinks (Service Bus sessions), a settlement still
 // queued for a settler when its link is lost is skipped as stale, not sent
 // on the dead link: Stale counts it, and OnSettled hears ErrNotSent.
 func TestASettlementQueuedWhenItsLinkIsLostIsStale(t *testing.T) {
@@ -79,9 +80,9 @@ func TestASettlementQueuedWhenItsLinkIsLostIsStale(t *testing.T) {
 		a, b := <-p.Out(), <-p.Out()
 		var mu sync.Mutex
 		var heard error
-		b.OnSettled(func(_ pump.Kind, err error) { mu.Lock(); heard = err; mu.Unlock() })
-		p.Settle(a, pump.Outcome{Kind: pump.Accept})
-		p.Settle(b, pump.Outcome{Kind: pump.Accept})
+		b.OnSettled(func(_ driver.Kind, err error) { mu.Lock(); heard = err; mu.Unlock() })
+		p.Settle(a, driver.Outcome{Kind: driver.Accept})
+		p.Settle(b, driver.Outcome{Kind: driver.Accept})
 		synctest.Wait()
 		first.Fail(fake.ErrLinkLost)
 		synctest.Wait()
@@ -94,7 +95,7 @@ func TestASettlementQueuedWhenItsLinkIsLostIsStale(t *testing.T) {
 		mu.Unlock()
 		cancel()
 		<-errc
-		if st.Stale != 1 || !errors.Is(h, pump.ErrNotSent) {
+		if st.Stale != 1 || !errors.Is(h, driver.ErrNotSent) {
 			t.Fatalf("a settlement queued for a settler when its link was lost: stale %d (want 1), OnSettled %v (want ErrNotSent)", st.Stale, h)
 		}
 	})
@@ -112,7 +113,7 @@ func TestSettlersKeepSettlementsInFlight(t *testing.T) {
 		cancel, errc := start(t, p, attachTo(src))
 		begin := time.Now()
 		for range n {
-			p.Settle(<-p.Out(), pump.Outcome{Kind: pump.Accept})
+			p.Settle(<-p.Out(), driver.Outcome{Kind: driver.Accept})
 		}
 		for src.Count(fake.Accepted) < n {
 			time.Sleep(rtt)
@@ -131,8 +132,24 @@ func TestSettlersKeepSettlementsInFlight(t *testing.T) {
 	})
 }
 
+// lostLeaseCond is the condition the broker of the tests below answers a
+// settlement with when the delivery's lease is gone.
+const lostLeaseCond amqp.ErrCond = "test:lease-lost"
+
+// lostOnCond are Leases that keep nothing and read lostLeaseCond as a lost
+// lease.
+type lostOnCond struct{}
+
+func (lostOnCond) Add(driver.Ticket)       {}
+func (lostOnCond) Remove(*driver.Delivery) {}
+func (lostOnCond) LostAnswer(err error) bool {
+	var ae *amqp.Error
+	return errors.As(err, &ae) && ae.Condition == lostLeaseCond
+}
+
 // A settlement the broker answers late is bounded by SettleTimeout and
-// counted; one answered with lock-lost is counted, not retried.
+// counted; one answered with a lost lease (the Leases' LostAnswer) is
+// counted, not retried.
 func TestSettlementsAnsweredLateOrWithLockLost(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		msgs := fake.Messages(3)
@@ -140,17 +157,17 @@ func TestSettlementsAnsweredLateOrWithLockLost(t *testing.T) {
 		src.SettleErr = func(ctx context.Context, m *amqp.Message) error {
 			switch m {
 			case msgs[1]:
-				return &amqp.Error{Condition: pump.ErrCondLockLost, Description: "the lock supplied is invalid"}
+				return &amqp.Error{Condition: lostLeaseCond, Description: "the lock supplied is invalid"}
 			case msgs[2]:
 				<-ctx.Done() // never answered
 				return ctx.Err()
 			}
 			return nil
 		}
-		p := pump.New(pump.Config{Credit: 4, Settlers: 2, SettleTimeout: time.Second})
+		p := pump.New(pump.Config{Credit: 4, Settlers: 2, SettleTimeout: time.Second, Leases: lostOnCond{}})
 		cancel, errc := start(t, p, attachTo(src))
 		for range 3 {
-			p.Settle(<-p.Out(), pump.Outcome{Kind: pump.Accept})
+			p.Settle(<-p.Out(), driver.Outcome{Kind: driver.Accept})
 		}
 		time.Sleep(2 * time.Second)
 		synctest.Wait()
@@ -169,13 +186,13 @@ func TestSettlementsAnsweredLateOrWithLockLost(t *testing.T) {
 // is true. Outside a settler's call Resting does nothing.
 func TestRestingSettlementIsNotSending(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		pump.Resting(context.Background())() // no settlement: nothing to do
+		driver.Resting(context.Background())() // no settlement: nothing to do
 		src := fake.New(true, fake.Messages(1)...)
-		var tk pump.Ticket
+		var tk driver.Ticket
 		var seen []bool
 		src.SettleErr = func(ctx context.Context, _ *amqp.Message) error {
 			seen = append(seen, tk.Sending())
-			resume := pump.Resting(ctx)
+			resume := driver.Resting(ctx)
 			seen = append(seen, tk.Sending())
 			resume()
 			seen = append(seen, tk.Sending())
@@ -184,7 +201,7 @@ func TestRestingSettlementIsNotSending(t *testing.T) {
 		p := pump.New(pump.Config{Credit: 1, Settlers: 1})
 		cancel, errc := start(t, p, attachTo(src))
 		tk = <-p.Out()
-		p.Settle(tk, pump.Outcome{Kind: pump.Accept})
+		p.Settle(tk, driver.Outcome{Kind: driver.Accept})
 		synctest.Wait()
 		cancel()
 		<-errc

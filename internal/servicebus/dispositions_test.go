@@ -11,7 +11,8 @@ import (
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
 
-	"github.com/amqpsub/amqpsub/internal/pump"
+	"github.com/amqpsub/amqpsub/internal/driver"
+
 	"github.com/amqpsub/amqpsub/internal/servicebus"
 )
 
@@ -52,7 +53,7 @@ func TestASettlementAnsweredBusyOrTimedOutIsSentAgainByLockToken(t *testing.T) {
 		{"timeout", cond(servicebus.CondTimeout), true, servicebus.DispositionRetries - 1, 0},
 		{"operation-cancelled", cond("com.microsoft:operation-cancelled"), true, servicebus.DispositionRetries - 1, 0},
 		{"link gone", &amqp.LinkError{}, true, servicebus.DispositionRetries, 0},
-		{"lock lost", cond(pump.ErrCondLockLost), false, 0, 0},
+		{"lock lost", cond(servicebus.CondLockLost), false, 0, 0},
 		{"not allowed", cond(amqp.ErrCondNotAllowed), false, 0, 0},
 		{"taken", nil, false, 0, 0},
 	} {
@@ -63,9 +64,9 @@ func TestASettlementAnsweredBusyOrTimedOutIsSentAgainByLockToken(t *testing.T) {
 				start := time.Now()
 				var waited time.Duration
 				msg := &amqp.Message{DeliveryTag: make([]byte, 16)}
-				err := servicebus.SettleThrough(context.Background(), msg, pump.Outcome{Kind: pump.Accept}, link.settle,
-					func(_ context.Context, m *amqp.Message, o pump.Outcome, retries int) error {
-						if m != msg || o.Kind != pump.Accept {
+				err := servicebus.SettleThrough(context.Background(), msg, driver.Outcome{Kind: driver.Accept}, link.settle,
+					func(_ context.Context, m *amqp.Message, o driver.Outcome, retries int) error {
+						if m != msg || o.Kind != driver.Accept {
 							t.Errorf("by token: message %p outcome %v, want %p accept", m, o.Kind, msg)
 						}
 						waited = time.Since(start)
@@ -103,8 +104,8 @@ func TestASettlementCancelledBeforeItsResendReturnsTheAnswer(t *testing.T) {
 		defer cancel()
 		time.AfterFunc(time.Second, cancel) // a stop, during the server-busy wait
 		sent := 0
-		err := servicebus.SettleThrough(ctx, &amqp.Message{DeliveryTag: make([]byte, 16)}, pump.Outcome{Kind: pump.Accept}, link.settle,
-			func(context.Context, *amqp.Message, pump.Outcome, int) error { sent++; return nil })
+		err := servicebus.SettleThrough(ctx, &amqp.Message{DeliveryTag: make([]byte, 16)}, driver.Outcome{Kind: driver.Accept}, link.settle,
+			func(context.Context, *amqp.Message, driver.Outcome, int) error { sent++; return nil })
 		if !errors.Is(err, busy) || sent != 0 {
 			t.Fatalf("returned %v, sent by token %d times: want the server-busy answer, nothing by token", err, sent)
 		}
@@ -120,8 +121,8 @@ func TestASettlementWithAShortDeadlineIsStillSentAgain(t *testing.T) {
 		defer cancel()
 		start := time.Now()
 		var at time.Duration
-		err := servicebus.SettleThrough(ctx, &amqp.Message{DeliveryTag: make([]byte, 16)}, pump.Outcome{Kind: pump.Accept}, link.settle,
-			func(context.Context, *amqp.Message, pump.Outcome, int) error { at = time.Since(start); return nil })
+		err := servicebus.SettleThrough(ctx, &amqp.Message{DeliveryTag: make([]byte, 16)}, driver.Outcome{Kind: driver.Accept}, link.settle,
+			func(context.Context, *amqp.Message, driver.Outcome, int) error { at = time.Since(start); return nil })
 		if err != nil || at != time.Second {
 			t.Fatalf("returned %v, sent by token after %v: want nil, sent after 1s", err, at)
 		}
@@ -142,7 +143,7 @@ func TestAReleaseByTokenIsAnAbandonOnEveryAnswer(t *testing.T) {
 		ran := make(chan struct{})
 		go func() { defer close(ran); f.Run(rctx) }()
 		msg := &amqp.Message{DeliveryTag: make([]byte, 16)}
-		release := pump.Outcome{Kind: pump.Release}
+		release := driver.Outcome{Kind: driver.Release}
 		ctx, cancel := context.WithTimeout(t.Context(), 50*time.Millisecond)
 		late := servicebus.SettleByToken(ctx, f, msg, release)
 		cancel()
@@ -150,12 +151,12 @@ func TestAReleaseByTokenIsAnAbandonOnEveryAnswer(t *testing.T) {
 		<-ran
 		after := servicebus.SettleByToken(t.Context(), f, msg, release)
 		for name, err := range map[string]error{"unanswered": late, "after Run ended": after} {
-			if err == nil || !strings.HasPrefix(err.Error(), "pump: settling as modify: ") {
-				t.Errorf("%s: %v, want the answer of an abandon (pump.SentAs(pump.Modify, …))", name, err)
+			if err == nil || !strings.HasPrefix(err.Error(), "driver: settling as modify: ") {
+				t.Errorf("%s: %v, want the answer of an abandon (driver.SentAs(driver.Modify, …))", name, err)
 			}
 		}
-		accept := servicebus.SettleByToken(t.Context(), f, msg, pump.Outcome{Kind: pump.Accept})
-		if accept == nil || strings.HasPrefix(accept.Error(), "pump: settling as") {
+		accept := servicebus.SettleByToken(t.Context(), f, msg, driver.Outcome{Kind: driver.Accept})
+		if accept == nil || strings.HasPrefix(accept.Error(), "driver: settling as") {
 			t.Errorf("an accept after Run ended: %v, want the plain refusal", accept)
 		}
 	})

@@ -11,8 +11,8 @@ import (
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
 
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/loglimit"
-	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 // Renewer renews message locks (com.microsoft:renew-lock on the entity's
@@ -55,8 +55,8 @@ var ErrServerBusy = errors.New("amqpsub: the service is busy (throttling)")
 // expires meanwhile is lost.
 const ServerBusyWait = 10 * time.Second
 
-// BookConfig configures a [Book].
-type BookConfig struct {
+// LeasesConfig configures a [Leases].
+type LeasesConfig struct {
 	// Renewer renews locks. nil renews none: the book then only binds
 	// handlers' contexts to their deliveries (LoseAll), as for the messages
 	// of a Service Bus session, which the session's lock covers.
@@ -83,7 +83,7 @@ type BookConfig struct {
 	// and must not block. Required.
 	// m is the delivery's message, as it was when the delivery entered the
 	// book (the ticket's entry may hold another by now).
-	OnLost func(t pump.Ticket, m *amqp.Message, why error)
+	OnLost func(t driver.Ticket, m *amqp.Message, why error)
 	// Logger receives the book's logs; nil means none.
 	Logger *zap.Logger
 	// OnRenewed, when set, is told of each request that renewed locks: n
@@ -92,8 +92,8 @@ type BookConfig struct {
 	OnRenewed func(n int)
 }
 
-// BookStats are a [Book]'s counters.
-type BookStats struct {
+// LeasesStats are a [Leases]'s counters.
+type LeasesStats struct {
 	Held          int    // deliveries in the book now, renewable or not
 	Requests      uint64 // renewal requests sent
 	Renewed       uint64 // locks renewed
@@ -106,22 +106,22 @@ type BookStats struct {
 	ServerBusy    uint64 // requests answered server-busy
 }
 
-// Book is the lease book. Create it with [NewBook]; run Run.
-type Book struct {
-	cfg     BookConfig
+// Leases is the lease book. Create it with [NewLeases]; run Run.
+type Leases struct {
+	cfg     LeasesConfig
 	log     *zap.Logger
 	limited *loglimit.Logger // lines that can fire once per delivery or request
 	wake    chan struct{}
 
 	mu      sync.Mutex
-	entries map[*pump.Delivery]*entry
-	stats   BookStats
+	entries map[*driver.Delivery]*entry
+	stats   LeasesStats
 	// busyUntil: no request goes out before it (a server-busy answer).
 	busyUntil time.Time
 }
 
 type entry struct {
-	t        pump.Ticket
+	t        driver.Ticket
 	msg      *amqp.Message // t's message, which t may no longer reach
 	token    amqp.UUID
 	until    time.Time // when the lock expires
@@ -131,11 +131,11 @@ type entry struct {
 	renewing bool // in a request now
 }
 
-// NewBook returns a [Book]. It panics on a [BookConfig] without OnLost, which
+// NewLeases returns a [Leases]. It panics on a [LeasesConfig] without OnLost, which
 // callers validate first.
-func NewBook(cfg BookConfig) *Book {
+func NewLeases(cfg LeasesConfig) *Leases {
 	if cfg.OnLost == nil {
-		panic("servicebus: BookConfig needs OnLost")
+		panic("servicebus: LeasesConfig needs OnLost")
 	}
 	if cfg.MaxRenewal <= 0 {
 		cfg.MaxRenewal = 5 * time.Minute
@@ -153,8 +153,8 @@ func NewBook(cfg BookConfig) *Book {
 	if log == nil {
 		log = zap.NewNop()
 	}
-	return &Book{cfg: cfg, log: log, limited: loglimit.New(log, loglimit.Every), wake: make(chan struct{}, 1),
-		entries: map[*pump.Delivery]*entry{}}
+	return &Leases{cfg: cfg, log: log, limited: loglimit.New(log, loglimit.Every), wake: make(chan struct{}, 1),
+		entries: map[*driver.Delivery]*entry{}}
 }
 
 // LockToken returns the lock token of a Service Bus delivery: its 16-byte
@@ -197,14 +197,14 @@ func dueAt(now, until time.Time) time.Time {
 
 // requestTimeout bounds a request, sent at now, whose earliest lock expires
 // at until: a third of what is left of that lock, at most Timeout.
-func (b *Book) requestTimeout(now, until time.Time) time.Duration {
+func (b *Leases) requestTimeout(now, until time.Time) time.Duration {
 	return max(time.Millisecond, min(b.cfg.Timeout, until.Sub(now)/3))
 }
 
-// Add enters the delivery t in the book ([pump.Leases]). A delivery without
+// Add enters the delivery t in the book ([driver.Leases]). A delivery without
 // a usable lock token or expiry is kept (so Bind and Remove work) but never
-// renewed, counted ([BookStats.Unrenewable]) and logged, limited.
-func (b *Book) Add(t pump.Ticket) {
+// renewed, counted ([LeasesStats.Unrenewable]) and logged, limited.
+func (b *Leases) Add(t driver.Ticket) {
 	now := time.Now()
 	m := t.Message()
 	e := &entry{t: t, msg: m}
@@ -226,18 +226,23 @@ func (b *Book) Add(t pump.Ticket) {
 	b.signal()
 }
 
-// Remove takes the delivery out of the book ([pump.Leases]): settled,
+// Remove takes the delivery out of the book ([driver.Leases]): settled,
 // dropped or released.
-func (b *Book) Remove(d *pump.Delivery) {
+func (b *Leases) Remove(d *driver.Delivery) {
 	b.mu.Lock()
 	delete(b.entries, d)
 	b.mu.Unlock()
 }
 
+// LostAnswer reports whether err, the service's answer to a settlement,
+// says that the delivery's lock was lost ([CondLockLost]); for
+// [driver.Leases].
+func (b *Leases) LostAnswer(err error) bool { return IsCond(err, CondLockLost) }
+
 // Bind ties a handler's context to t: it is cancelled, with [ErrLockLost] as
 // its cause, if t's lock is lost. MaxRenewal counts from the first Bind of
 // t. It reports false if t is not in the book (any more).
-func (b *Book) Bind(t pump.Ticket, cancel context.CancelCauseFunc) bool {
+func (b *Leases) Bind(t driver.Ticket, cancel context.CancelCauseFunc) bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	e, ok := b.entries[t.Entry()]
@@ -251,7 +256,7 @@ func (b *Book) Bind(t pump.Ticket, cancel context.CancelCauseFunc) bool {
 	return true
 }
 
-func (b *Book) signal() {
+func (b *Leases) signal() {
 	select {
 	case b.wake <- struct{}{}:
 	default:
@@ -259,7 +264,7 @@ func (b *Book) signal() {
 }
 
 // Stats returns the book's counters; it may be called from any goroutine.
-func (b *Book) Stats() BookStats {
+func (b *Leases) Stats() LeasesStats {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	s := b.stats
@@ -272,7 +277,7 @@ func (b *Book) Stats() BookStats {
 // returned: ctx's end cancels them (a [Renewer] must honour its ctx). A
 // renewal cut short by ctx is not a failure; a lock the service refused
 // meanwhile is still reported to OnLost, before Run returns.
-func (b *Book) Run(ctx context.Context) {
+func (b *Leases) Run(ctx context.Context) {
 	// Each request goroutine sends one report on finished as its last act,
 	// and at most MaxInFlight are out, so none ever blocks on it.
 	finished := make(chan []*entry, b.cfg.MaxInFlight)
@@ -327,12 +332,12 @@ func (b *Book) Run(ctx context.Context) {
 // the earliest, so that they share a request; at most room, those that
 // expire first), the ones past their expiry, and when to look next.
 //
-// Deliveries whose settlement is being sent (pump.Ticket.Sending) are left
+// Deliveries whose settlement is being sent (driver.Ticket.Sending) are left
 // alone: renewing one would only be refused as lost, and whether it is lost
 // is for the settlement's answer to say. One whose settlement waits for its
 // turn (behind the earlier ones of its group) is still renewed, but not
 // reported lost when it expires: its settlement's answer says that too.
-func (b *Book) round(now time.Time, room int) (renew, lost []*entry, next time.Time) {
+func (b *Leases) round(now time.Time, room int) (renew, lost []*entry, next time.Time) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	next = now.Add(time.Hour)
@@ -342,7 +347,7 @@ func (b *Book) round(now time.Time, room int) (renew, lost []*entry, next time.T
 			continue
 		}
 		if !e.until.After(now) {
-			if e.t.State() != pump.Settling { // else its settlement's answer says
+			if e.t.State() != driver.Settling { // else its settlement's answer says
 				lost = append(lost, e)
 				delete(b.entries, d)
 			}
@@ -410,7 +415,7 @@ func (b *Book) round(now time.Time, room int) (renew, lost []*entry, next time.T
 // says a lock is lost and the request held several, it asks again to find
 // which. It returns the entries whose locks the service refused, taken out
 // of the book, for Run to report.
-func (b *Book) renew(ctx context.Context, es []*entry) (refused []*entry) {
+func (b *Leases) renew(ctx context.Context, es []*entry) (refused []*entry) {
 	tokens := make([]amqp.UUID, len(es))
 	b.mu.Lock()
 	earliest := es[0].until
@@ -457,7 +462,7 @@ func (b *Book) renew(ctx context.Context, es []*entry) (refused []*entry) {
 		b.mu.Unlock()
 		var still []*entry
 		for _, e := range es {
-			if b.held(e) && e.t.State() != pump.Settling {
+			if b.held(e) && e.t.State() != driver.Settling {
 				still = append(still, e)
 			} else {
 				b.done(e)
@@ -479,7 +484,7 @@ func (b *Book) renew(ctx context.Context, es []*entry) (refused []*entry) {
 		b.mu.Lock()
 		defer b.mu.Unlock()
 		e.renewing = false
-		if b.entries[e.t.Entry()] != e || e.t.State() == pump.Settling {
+		if b.entries[e.t.Entry()] != e || e.t.State() == driver.Settling {
 			// Settled, or its settlement's answer will say.
 			return nil
 		}
@@ -524,21 +529,21 @@ func (b *Book) renew(ctx context.Context, es []*entry) (refused []*entry) {
 }
 
 // loseRefused reports the locks the service refused to renew.
-func (b *Book) loseRefused(es []*entry) {
+func (b *Leases) loseRefused(es []*entry) {
 	for _, e := range es {
 		b.lose(e, errRefused)
 	}
 }
 
 // held reports whether e is still in the book.
-func (b *Book) held(e *entry) bool {
+func (b *Leases) held(e *entry) bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.entries[e.t.Entry()] == e
 }
 
 // done ends a renewal without a result.
-func (b *Book) done(e *entry) {
+func (b *Leases) done(e *entry) {
 	b.mu.Lock()
 	e.renewing = false
 	b.mu.Unlock()
@@ -547,7 +552,7 @@ func (b *Book) done(e *entry) {
 // LoseAll reports every delivery in the book lost, and empties it: for the
 // deliveries of a Service Bus session whose session lock was lost. OnLost
 // is told why: an error wrapping [ErrLockLost] that says why.
-func (b *Book) LoseAll(why string) {
+func (b *Leases) LoseAll(why string) {
 	err := fmt.Errorf("%w: %s", ErrLockLost, why)
 	b.mu.Lock()
 	es := make([]*entry, 0, len(b.entries))
@@ -568,7 +573,7 @@ var (
 )
 
 // lose reports a lost lock: to OnLost, and to the handler's context.
-func (b *Book) lose(e *entry, why error) {
+func (b *Leases) lose(e *entry, why error) {
 	b.mu.Lock()
 	b.stats.Lost++
 	cancel := e.cancel

@@ -4,17 +4,18 @@ import (
 	"context"
 	"sync"
 
+	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/wait"
 )
 
 // attach asks for a source while still applying settlements (which, for
 // deliveries of a lost link, only free their entries). After Stop it waits
 // for nothing held and returns ErrStopped.
-func (p *Pump) attach(ctx context.Context, attach AttachFunc, lost error) (Source, error) {
+func (p *Pump) attach(ctx context.Context, attach AttachFunc, lost error) (driver.Source, error) {
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	type result struct {
-		src Source
+		src driver.Source
 		err error
 	}
 	res := make(chan result, 1)
@@ -40,7 +41,7 @@ func (p *Pump) attach(ctx context.Context, attach AttachFunc, lost error) (Sourc
 				}
 				return nil, r.err
 			}
-			p.link.Add(1)
+			p.links.Next()
 			p.acct.Attach()
 			p.stats.links.Add(1)
 			return r.src, nil
@@ -50,7 +51,7 @@ func (p *Pump) attach(ctx context.Context, attach AttachFunc, lost error) (Sourc
 			hold = nil
 		case <-stop:
 			// Without a link there is nothing to release: what Out holds
-			// is stale, and is dropped by waitIdle (under KeepAcrossLinks,
+			// is stale, and is dropped by waitIdle (under LeasesOutliveLinks,
 			// released through its source by waitIdle).
 			stop = nil
 			cancel()
@@ -64,12 +65,12 @@ func (p *Pump) attach(ctx context.Context, attach AttachFunc, lost error) (Sourc
 }
 
 // waitIdle applies settlements until nothing is held. What waits in the
-// pump and Out is dropped, or, under KeepAcrossLinks, released through
+// pump and Out is dropped, or, under LeasesOutliveLinks, released through
 // the source it came from.
 func (p *Pump) waitIdle(ctx context.Context) error {
-	kind := Drop
-	if p.cfg.KeepAcrossLinks {
-		kind = Release
+	kind := driver.Drop
+	if p.cfg.LeasesOutliveLinks {
+		kind = driver.Release
 		p.releaseBuffered(ctx)
 	} else {
 		p.dropBacklog()
@@ -77,7 +78,7 @@ func (p *Pump) waitIdle(ctx context.Context) error {
 	for p.acct.Held() > 0 {
 		select {
 		case t := <-p.out:
-			p.Settle(t, Outcome{Kind: kind})
+			p.Settle(t, driver.Outcome{Kind: kind})
 			p.applyQueued(ctx)
 		case <-p.settle.wake:
 			p.applyQueued(ctx)

@@ -11,7 +11,8 @@ import (
 	"github.com/Azure/go-amqp"
 	"go.uber.org/zap"
 
-	"github.com/amqpsub/amqpsub/internal/pump"
+	"github.com/amqpsub/amqpsub/internal/driver"
+
 	"github.com/amqpsub/amqpsub/internal/wait"
 )
 
@@ -28,7 +29,7 @@ import (
 // (azure-sdk-for-net #37676). So a link the
 // service detaches (an idle link after 10 minutes, or
 // amqp:link:detach-forced) costs no finished work: the pump keeps what the
-// link held (pump.Config.KeepAcrossLinks), and Receiver settles it this
+// link held (its LeasesOutliveLinks), and Receiver settles it this
 // way. Session messages are not settled so: their locks are the session's,
 // which ends with the session link.
 
@@ -43,10 +44,10 @@ type Receiver struct {
 
 // byToken settles a message by its lock token ([Dispositions]).
 type byToken interface {
-	settle(ctx context.Context, msg *amqp.Message, o pump.Outcome, retries int) error
+	settle(ctx context.Context, msg *amqp.Message, o driver.Outcome, retries int) error
 }
 
-// NewReceiver returns rcv as a [pump.Source] that settles through fb once
+// NewReceiver returns rcv as a [driver.Source] that settles through fb once
 // the link is gone.
 func NewReceiver(rcv *amqp.Receiver, fb *Dispositions) Receiver {
 	return Receiver{Receiver: rcv, fb: fb}
@@ -55,25 +56,25 @@ func NewReceiver(rcv *amqp.Receiver, fb *Dispositions) Receiver {
 // AcceptMessage settles msg on the link, or by lock token once the link is gone
 // (see settle).
 func (r Receiver) AcceptMessage(ctx context.Context, msg *amqp.Message) error {
-	return r.settle(ctx, msg, pump.Outcome{Kind: pump.Accept}, func() error { return r.Receiver.AcceptMessage(ctx, msg) })
+	return r.settle(ctx, msg, driver.Outcome{Kind: driver.Accept}, func() error { return r.Receiver.AcceptMessage(ctx, msg) })
 }
 
 // ReleaseMessage settles msg on the link, or by lock token once the link is gone
 // (see settle).
 func (r Receiver) ReleaseMessage(ctx context.Context, msg *amqp.Message) error {
-	return r.settle(ctx, msg, pump.Outcome{Kind: pump.Release}, func() error { return r.Receiver.ReleaseMessage(ctx, msg) })
+	return r.settle(ctx, msg, driver.Outcome{Kind: driver.Release}, func() error { return r.Receiver.ReleaseMessage(ctx, msg) })
 }
 
 // RejectMessage settles msg on the link, or by lock token once the link is gone
 // (see settle).
 func (r Receiver) RejectMessage(ctx context.Context, msg *amqp.Message, e *amqp.Error) error {
-	return r.settle(ctx, msg, pump.Outcome{Kind: pump.Reject, Error: e}, func() error { return r.Receiver.RejectMessage(ctx, msg, e) })
+	return r.settle(ctx, msg, driver.Outcome{Kind: driver.Reject, Error: e}, func() error { return r.Receiver.RejectMessage(ctx, msg, e) })
 }
 
 // ModifyMessage settles msg on the link, or by lock token once the link is gone
 // (see settle).
 func (r Receiver) ModifyMessage(ctx context.Context, msg *amqp.Message, o *amqp.ModifyMessageOptions) error {
-	out := pump.Outcome{Kind: pump.Modify}
+	out := driver.Outcome{Kind: driver.Modify}
 	if o != nil {
 		out.DeliveryFailed, out.UndeliverableHere = o.DeliveryFailed, o.UndeliverableHere
 	}
@@ -95,7 +96,7 @@ func (r Receiver) ModifyMessage(ctx context.Context, msg *amqp.Message, o *amqp.
 // writing nothing), so the link cannot carry it again, while the service
 // still holds the message's lock. The link's attempt counts in the retry
 // budget: the request by token gets the dispositionRetries - 1 retries left.
-func (r Receiver) settle(ctx context.Context, msg *amqp.Message, o pump.Outcome, onLink func() error) error {
+func (r Receiver) settle(ctx context.Context, msg *amqp.Message, o driver.Outcome, onLink func() error) error {
 	err := onLink()
 	switch {
 	case err == nil || ctx.Err() != nil:
@@ -106,9 +107,9 @@ func (r Receiver) settle(ctx context.Context, msg *amqp.Message, o pump.Outcome,
 		return err
 	}
 	// While it waits nothing is out for the message, so its lock is
-	// renewed (pump.Resting); the wait leaves half the time left to the
+	// renewed (driver.Resting); the wait leaves half the time left to the
 	// request by token.
-	resume := pump.Resting(ctx)
+	resume := driver.Resting(ctx)
 	slept := wait.Sleep(ctx, restWait(ctx, RetryWait(err, 0, settleRetryFloor, settleRetryMax)))
 	resume()
 	if !slept {
@@ -189,7 +190,7 @@ type disposition struct {
 	// (in doubt), and the settlement is sent no more.
 	ctx   context.Context
 	token amqp.UUID
-	o     pump.Outcome
+	o     driver.Outcome
 	// retries is how often its request is sent again after a transient
 	// failure (a request carrying several sends again as often as the
 	// one of them allowed the most).
@@ -219,11 +220,11 @@ var errNotRunning = errors.New("amqpsub: the subscriber is no longer running")
 // settle sends o for msg by its lock token, sending it again up to retries
 // times after a transient failure, and returns the service's answer: nil,
 // an *amqp.Error of condition com.microsoft:message-lock-lost
-// (pump.ErrCondLockLost) when the service says the lock is gone, or
+// ([CondLockLost]) when the service says the lock is gone, or
 // another error. It returns when ctx ends, with ctx's error; the
 // settlement is then in doubt. A release's answer, whatever it is, is
-// wrapped by pump.SentAs(pump.Modify, …): it goes as abandoned.
-func (f *Dispositions) settle(ctx context.Context, msg *amqp.Message, o pump.Outcome, retries int) error {
+// wrapped by driver.SentAs(driver.Modify, …): it goes as abandoned.
+func (f *Dispositions) settle(ctx context.Context, msg *amqp.Message, o driver.Outcome, retries int) error {
 	token, ok := LockToken(msg.DeliveryTag)
 	if !ok {
 		return sentAs(o, errNoLock)
@@ -250,10 +251,10 @@ func (f *Dispositions) settle(ctx context.Context, msg *amqp.Message, o pump.Out
 
 // sentAs tells the pump what went out for o: a release goes by lock token
 // as abandoned (dispositionOf), which the service counts as a modified
-// delivery (delivery count + 1), and so does the pump (pump.SentAs).
-func sentAs(o pump.Outcome, err error) error {
-	if o.Kind == pump.Release {
-		return pump.SentAs(pump.Modify, err)
+// delivery (delivery count + 1), and so does the pump (driver.SentAs).
+func sentAs(o driver.Outcome, err error) error {
+	if o.Kind == driver.Release {
+		return driver.SentAs(driver.Modify, err)
 	}
 	return err
 }
@@ -307,7 +308,7 @@ func batches(q []*disposition) [][]*disposition {
 	return out
 }
 
-func sameDisposition(a, b pump.Outcome) bool {
+func sameDisposition(a, b driver.Outcome) bool {
 	sa, ra, da := dispositionOf(a)
 	sb, rb, db := dispositionOf(b)
 	return sa == sb && ra == rb && da == db
@@ -317,14 +318,14 @@ func sameDisposition(a, b pump.Outcome) bool {
 // a dead-letter, its reason and description. A release has no status of
 // its own there: it goes back as abandoned (counted), as it would when its
 // lock expired.
-func dispositionOf(o pump.Outcome) (status, reason, description string) {
+func dispositionOf(o driver.Outcome) (status, reason, description string) {
 	switch o.Kind {
-	case pump.Accept:
+	case driver.Accept:
 		return "completed", "", ""
-	case pump.Reject:
+	case driver.Reject:
 		reason, description = deadLetterReason(o.Error)
 		return "suspended", reason, description
-	case pump.Modify:
+	case driver.Modify:
 		if o.UndeliverableHere {
 			return "defered", "", "" // sic: what azservicebus sends
 		}
@@ -359,7 +360,7 @@ func (f *Dispositions) send(ctx context.Context, batch []*disposition) {
 		return
 	}
 	if errors.Is(err, ErrLockLost) {
-		err = &amqp.Error{Condition: pump.ErrCondLockLost, Description: err.Error()}
+		err = &amqp.Error{Condition: CondLockLost, Description: err.Error()}
 	}
 	if err == nil {
 		f.taken.Add(uint64(len(batch)))
@@ -436,7 +437,7 @@ func (f *Dispositions) request(ctx context.Context, batch []*disposition) error 
 		// Nothing is out for them while they wait: their locks are renewed.
 		resumes := make([]func(), len(live))
 		for i, x := range live {
-			resumes[i] = pump.Resting(x.ctx)
+			resumes[i] = driver.Resting(x.ctx)
 		}
 		slept := wait.Sleep(ctx, d)
 		for _, resume := range resumes {

@@ -2,6 +2,8 @@ package driver
 
 import (
 	"context"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/Azure/go-amqp"
@@ -137,3 +139,14 @@ func (Plain) NewPipe(PipeEnv) Pipe { return nil }
 
 // Address uses the queue name as the address.
 func (Plain) Address(q string) string { return q }
+
+// MajorVersion is the major version of a version string an open frame
+// gives ("4.1.0-rc.1": 4), 0 when it has none.
+func MajorVersion(version string) int {
+	major, _, _ := strings.Cut(version, ".")
+	n, err := strconv.Atoi(major)
+	if err != nil {
+		return 0
+	}
+	return n
+}

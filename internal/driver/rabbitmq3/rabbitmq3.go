@@ -5,7 +5,6 @@
 package rabbitmq3
 
 import (
-	"strconv"
 	"strings"
 
 	"github.com/Azure/go-amqp"
@@ -44,16 +43,5 @@ func (Driver) Address(q string) string {
 
 // Claims claims RabbitMQ below major version 4.
 func (Driver) Claims(product, version string) bool {
-	return strings.EqualFold(product, "rabbitmq") && Major(version) < 4
-}
-
-// Major is the major version of a RabbitMQ version string, 0 when it has
-// none.
-func Major(version string) int {
-	major, _, _ := strings.Cut(version, ".")
-	n, err := strconv.Atoi(major)
-	if err != nil {
-		return 0
-	}
-	return n
+	return strings.EqualFold(product, "rabbitmq") && driver.MajorVersion(version) < 4
 }

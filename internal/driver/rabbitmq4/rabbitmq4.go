@@ -32,7 +32,6 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/internal/driver"
-	"github.com/amqpsub/amqpsub/internal/driver/rabbitmq3"
 )
 
 // The annotations a Reject on a quorum queue puts on the dead letter.
@@ -70,7 +69,7 @@ func (Driver) Address(q string) string { return address(q) }
 
 // Claims claims RabbitMQ from major version 4.
 func (Driver) Claims(product, version string) bool {
-	return strings.EqualFold(product, "rabbitmq") && rabbitmq3.Major(version) >= 4
+	return strings.EqualFold(product, "rabbitmq") && driver.MajorVersion(version) >= 4
 }
 
 // NewPipe returns the pipe part that reads the queue's type at each attach.

@@ -53,13 +53,16 @@ type Facts struct {
 }
 
 // Driver is one broker's side of the only seam between the core and a
-// broker. The core calls exactly these methods: Facts and Address while it
-// builds and attaches a subscriber, Claims when a connection opens,
-// FatalCond in IsFatal (of every driver the package knows), DefaultFatal when
-// FatalErrors is not given, Wait after every failed attach or lost link,
-// and NewPipe once per pipe. What NewPipe returns it calls as its doc
-// says. A driver imports nothing of the core or the engine: it reaches
-// them only through the interfaces of this package.
+// broker. The core calls exactly these methods: Facts once, as the
+// profile is made; Address whenever it needs the queue's address (the
+// attach, its log line, a dead-letter copy's annotations); Claims of every
+// driver the package knows, as a link is attached, to suggest a better
+// profile; FatalCond of every driver the package knows, in IsFatal;
+// DefaultFatal in the default FatalErrors test; Wait after every failed
+// attach and every lost link; and NewPipe once per pipe (of a profile that
+// makes no kind of its own), whose Pipe it then calls as Pipe's doc says.
+// A driver imports nothing of the core or the engine: it reaches them
+// only through the interfaces of this package (PipeEnv, Source).
 type Driver interface {
 	// Facts returns the broker's static facts.
 	Facts() Facts

@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/Azure/go-amqp"
@@ -22,7 +20,7 @@ type link struct {
 	dlq  deadLetterSender // DeadLetterCopy's sender on sess
 	src  driver.Source    // what the pump receives from: rcv, or what the kind made of it
 	kind brokerKind       // the pipe's, which releases what it added
-	sb   *sbLink          // what Service Bus added (sbkind.go); nil elsewhere
+	ext  any              // what the pipe's kind keeps of the link; nil for most
 }
 
 // attach connects (or takes the given connection), opens a session and
@@ -87,10 +85,10 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 			return fail("open session", err)
 		}
 	}
-	addr := s.cfg.profile.address(s.queue)
+	addr := s.cfg.profile.drv.Address(s.queue)
 	ro := &amqp.ReceiverOptions{
 		Credit:             -1,
-		SourceCapabilities: s.cfg.profile.sourceCaps,
+		SourceCapabilities: s.cfg.profile.f.SourceCaps,
 		Name:               s.cfg.linkName,
 	}
 	p.kind.receiverOptions(ro)
@@ -133,7 +131,7 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 // failover.pass), or else within DialTimeout; by is when the DialTimeout of
 // the address that answered ends.
 func (s *Subscriber) connect(ctx context.Context, from int, first bool) (c *connection, by time.Time, err error) {
-	req := connectRequest{idle: s.cfg.idleTimeout, entity: s.cfg.profile.address(s.queue), log: s.log,
+	req := connectRequest{idle: s.cfg.idleTimeout, entity: s.cfg.profile.drv.Address(s.queue), log: s.log,
 		from: from, noWrap: first, timeout: s.cfg.dialTimeout, fatal: s.cfg.isFatal}
 	if f, ok := s.connector.(*failover); ok {
 		return f.pass(ctx, req)
@@ -179,31 +177,15 @@ func (s *Subscriber) attached(p *pipe, l *link) {
 		product, _ = props["product"].(string)
 		version, _ = props["version"].(string)
 	}
-	s.log.Info("attached", zap.String("broker", broker), zap.String("address", s.cfg.profile.address(s.queue)),
+	s.log.Info("attached", zap.String("broker", broker), zap.String("address", s.cfg.profile.drv.Address(s.queue)),
 		zap.String("link", name), zap.Stringer("profile", s.cfg.profile), zap.Int("credit", p.pump.Credit()),
 		zap.String("product", product), zap.String("version", version))
-	if want := profileFor(product, version); want != "" && want != s.cfg.profile.name && s.cfg.profile.name != "generic" &&
+	if want := profileFor(product, version); want != "" && want != s.cfg.profile.String() && !s.cfg.profile.f.AnyBroker &&
 		!s.profileWarned.Swap(true) {
 		s.log.Warn("the broker is not the profile's; give WithProfile the broker's profile",
 			zap.String("product", product), zap.String("version", version),
 			zap.Stringer("profile", s.cfg.profile), zap.String("suggested", want))
 	}
-}
-
-// profileFor names the profile for a broker that calls itself product,
-// version in its open frame, "" when it is none amqpsub knows.
-func profileFor(product, version string) string {
-	switch p := strings.ToLower(product); {
-	case p == "rabbitmq":
-		major, _, _ := strings.Cut(version, ".")
-		if n, err := strconv.Atoi(major); err == nil && n >= 4 {
-			return "rabbitmq4"
-		}
-		return "rabbitmq3"
-	case strings.Contains(p, "artemis"):
-		return "artemis"
-	}
-	return ""
 }
 
 // closeLink closes what l opened, all steps within CloseTimeout and before
@@ -255,7 +237,7 @@ func (s *Subscriber) closeLink(ctx context.Context, l *link, why error) {
 // connection, and what runs beside it, stay.
 func (s *Subscriber) closeSession(ctx context.Context, l *link, why error) {
 	l.kind.release(ctx, l, why, func() {
-		if l.rcv != nil && s.cfg.profile.detach {
+		if l.rcv != nil && s.cfg.profile.f.Detach {
 			if err := l.rcv.Close(ctx); err != nil {
 				s.log.Debug("close receiver", zap.Error(err))
 			}

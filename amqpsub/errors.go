@@ -2,7 +2,6 @@ package amqpsub
 
 import (
 	"errors"
-	"time"
 
 	"github.com/Azure/go-amqp"
 	"github.com/amqpsub/amqpsub/internal/driver"
@@ -53,8 +52,10 @@ func IsFatal(err error) bool {
 	if errors.As(err, &ae) {
 		switch ae.Condition {
 		case amqp.ErrCondUnauthorizedAccess, amqp.ErrCondNotFound,
-			amqp.ErrCondInvalidField, amqp.ErrCondNotImplemented, amqp.ErrCondIllegalState,
-			servicebus.CondEntityDisabled:
+			amqp.ErrCondInvalidField, amqp.ErrCondNotImplemented, amqp.ErrCondIllegalState:
+			return true
+		}
+		if knownFatal(err) {
 			return true
 		}
 	}
@@ -140,16 +141,3 @@ var ErrConnectionString = servicebus.ErrConnectionString
 // for a delivery that did not come through a session consumer ([Sessions],
 // [SessionIDs]), or whose session the consumer no longer holds.
 var ErrNoSession = errors.New("amqpsub: the delivery's session is not held")
-
-// busyWait is the least wait after err, whatever the kind: 10 s
-// (servicebus.ServerBusyWait, the ServerBusyBaseSleepTime of Microsoft's
-// .NET clients) after the broker said it is throttling
-// (com.microsoft:server-busy, or a $management answer that wraps
-// servicebus.ErrServerBusy), 0 otherwise. Any broker that sends the
-// condition gets the wait, as before the kinds were split.
-func busyWait(err error) time.Duration {
-	if servicebus.Busy(err) {
-		return servicebus.ServerBusyWait
-	}
-	return 0
-}

@@ -31,7 +31,7 @@ func ServiceBusSourceOf(src driver.Source) Connector { return ServiceBusSourcesO
 // ServiceBusSourcesOf is SourcesOf for sources that play Service Bus (see
 // ServiceBusSourceOf).
 func ServiceBusSourcesOf(next func(ctx context.Context) (driver.Source, error)) Connector {
-	return sourceConnector{name: "a test Service Bus source", next: next, serviceBus: true}
+	return sourceConnector{name: "a test Service Bus source", next: next, peekLock: true}
 }
 
 func always(src driver.Source) func(context.Context) (driver.Source, error) {

@@ -227,13 +227,13 @@ func (s *Subscriber) poison(d *Delivery) error {
 		}
 	}
 	limit := s.cfg.maxDelivery
-	n := uint64(d.DeliveryCount()) + uint64(s.cfg.profile.countBase)
+	n := uint64(d.DeliveryCount()) + uint64(s.cfg.profile.f.CountBase)
 	if limit == 0 || n <= uint64(limit) {
 		return nil
 	}
 	s.results.poisoned.Add(1)
 	detail := fmt.Sprintf("amqpsub: delivery count %d is past the limit %d", d.DeliveryCount(), limit)
-	if s.cfg.profile.namedReasons {
+	if s.cfg.profile.f.NamedReasons {
 		// The delivery's number: the earlier deliveries (the header's
 		// count) and this one.
 		detail = fmt.Sprintf("amqpsub: delivery %d is past MaxDeliveryCount %d", uint64(d.DeliveryCount())+1, limit)

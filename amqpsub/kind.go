@@ -2,29 +2,32 @@ package amqpsub
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"time"
 
 	"github.com/Azure/go-amqp"
+	"go.uber.org/zap"
 
 	"github.com/amqpsub/amqpsub/internal/driver"
 
 	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
-// brokerKind is what a kind of broker adds to the links of one pipe, and
-// the only place where kinds differ beyond their Profile's settings. The
-// core (attach.go, reconnect.go, pipe.go, run.go, handle.go, settle.go,
-// stats.go) calls these methods and nothing else of a kind; only
-// servicebus.go, the Service Bus API, reads what its kind put on a link
-// (link.sb).
+// brokerKind is what a profile adds to the links of one pipe: the plain
+// kind (plainKind) over the profile's driver (package internal/driver,
+// the seam every broker's facts and behaviour come through), or, for a
+// profile that makes its own, Service Bus's kind (sbkind.go: peek-lock,
+// the lease book that renews locks, settlements by lock token once a link
+// is gone, the $management node beside each link, and sessions).
 //
-// plainKind, for Artemis, RabbitMQ 3 and any other AMQP 1.0 broker, adds
-// nothing. RabbitMQ 4's kind (rabbitmq4.go) reads the queue's type at each
-// attach, and settles a Reject on a quorum queue as modified. Service
-// Bus's kind (sbkind.go) adds peek-lock: the lease book
-// (servicebus.Leases) that renews locks, settlements sent concurrently in
-// each group's order and by lock token once a link is gone, the
-// $management node beside each link, and sessions.
+// The core calls these methods and nothing else of a kind: attach.go
+// (receiverOptions, refused, attached, reattachOn, release), reconnect.go
+// (attachedSource, reattachOn, refused, ready), pipe.go (configure),
+// run.go (start, attachedSource, returnsCounted), handle.go
+// (handlerContext), settle.go (settle), stats.go (addLocks) and
+// testhook.go (checkSource). Besides, servicebus.go, the Service Bus API,
+// reads what its kind keeps on a link (link.ext, through link.sb).
 type brokerKind interface {
 	// configure adds to the pipe's pump configuration, once, as the pipe
 	// is made.
@@ -68,6 +71,9 @@ type brokerKind interface {
 	settle(t driver.Ticket, o driver.Outcome, lane int)
 	// addLocks adds the kind's lock counters to l.
 	addLocks(l *Locks)
+	// checkSource checks a test source (package amqpsubtest) attached in
+	// place of a link, as attached checks a link; step names what failed.
+	checkSource(src driver.Source) (step string, err error)
 	// returnsCounted says whether the broker counts a release as a
 	// delivery attempt (a RabbitMQ quorum queue does), as far as the kind
 	// knows now: a graceful stop then finishes what is buffered before it
@@ -91,8 +97,19 @@ const (
 	refusedHeld
 )
 
-// plainKind is the kind of every broker but Service Bus: it adds nothing.
-type plainKind struct{ p *pipe }
+// plainKind is the kind of every profile that makes no kind of its own
+// (all but AzureServiceBus, this round): it adds what its driver's pipe
+// part adds (driver.Pipe: the queue's check at attach, the outcome sent,
+// whether returns count), nothing when the driver has none.
+type plainKind struct {
+	p  *pipe
+	dp driver.Pipe // nil: the driver adds nothing
+}
+
+// newPlainKind is the plain kind of p under its profile's driver.
+func newPlainKind(p *pipe) plainKind {
+	return plainKind{p: p, dp: p.s.cfg.profile.drv.NewPipe(pipeEnv{p.s})}
+}
 
 func (plainKind) configure(*pump.Config)                                     {}
 func (plainKind) start(context.Context) func()                               { return func() {} }
@@ -102,15 +119,55 @@ func (plainKind) attachedSource(driver.Source)                               {}
 func (plainKind) refused(error, int) (refusal, time.Duration)                { return refusedNot, 0 }
 func (plainKind) addLocks(*Locks)                                            {}
 func (plainKind) reattachOn(context.Context, *connection, error, bool) bool  { return false }
-func (plainKind) returnsCounted() bool                                       { return false }
 func (plainKind) release(_ context.Context, _ *link, _ error, detach func()) { detach() }
 
-func (plainKind) attached(_ context.Context, l *link) (driver.Source, string, error) {
+func (k plainKind) returnsCounted() bool { return k.dp != nil && k.dp.ReturnsCounted() }
+
+func (k plainKind) attached(ctx context.Context, l *link) (driver.Source, string, error) {
+	if k.dp != nil {
+		if step, err := k.dp.Attached(ctx, l.conn); err != nil {
+			return nil, step, mismatch(err)
+		}
+	}
 	return l.rcv, "", nil
 }
 
-func (k plainKind) settle(t driver.Ticket, o driver.Outcome, _ int) { k.p.pump.Settle(t, o) }
+// checkSource is attached for a test source attached in place of a link.
+func (k plainKind) checkSource(src driver.Source) (step string, err error) {
+	if k.dp == nil {
+		return "", nil
+	}
+	step, err = k.dp.AttachedSource(src)
+	return step, mismatch(err)
+}
+
+func (k plainKind) settle(t driver.Ticket, o driver.Outcome, _ int) {
+	if k.dp != nil {
+		o = k.dp.Settle(o)
+	}
+	k.p.pump.Settle(t, o)
+}
 
 func (plainKind) handlerContext(ctx context.Context, _ ...driver.Ticket) (context.Context, func()) {
 	return ctx, func() {}
 }
+
+// errQueueMismatch wraps ErrInvalidOption for a queue that does not fit an
+// option (a driver's MismatchError), found at an attach.
+var errQueueMismatch = fmt.Errorf("%w for this queue", ErrInvalidOption)
+
+// mismatch turns a driver's MismatchError into an errQueueMismatch.
+func mismatch(err error) error {
+	var me *driver.MismatchError
+	if errors.As(err, &me) {
+		return fmt.Errorf("%w: %s", errQueueMismatch, me.Detail)
+	}
+	return err
+}
+
+// pipeEnv is what a driver's pipe part reads of the subscriber.
+type pipeEnv struct{ s *Subscriber }
+
+func (e pipeEnv) Log() *zap.Logger      { return e.s.log }
+func (e pipeEnv) Queue() string         { return e.s.queue }
+func (e pipeEnv) MaxDeliveryCount() int { return int(e.s.cfg.maxDelivery) }

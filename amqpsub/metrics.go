@@ -144,17 +144,7 @@ func WithMetrics(m Metrics) Option {
 }
 
 // system returns the messaging.system value of a profile.
-func (p Profile) system() string {
-	switch p.name {
-	case "artemis":
-		return "activemq"
-	case "rabbitmq3", "rabbitmq4":
-		return "rabbitmq"
-	case "servicebus":
-		return "servicebus"
-	}
-	return "amqp"
-}
+func (p Profile) system() string { return p.f.System }
 
 // meter passes the pump's reports to a Recorder (pump.Meter).
 type meter struct{ r Recorder }

@@ -260,8 +260,8 @@ func CloseTimeout(d time.Duration) Option {
 // is settled and how the link is closed. Default: Artemis.
 func WithProfile(p Profile) Option {
 	return optionFunc(func(c *config) {
-		if p.name == "" {
-			c.invalid("WithProfile: the zero Profile; use Artemis, RabbitMQ4, RabbitMQ3 or Generic")
+		if p.drv == nil {
+			c.invalid("WithProfile: the zero Profile; use one of the package's profiles")
 			return
 		}
 		c.profile, c.profileSet = p, true

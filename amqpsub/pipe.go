@@ -5,6 +5,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/amqpsub/amqpsub/internal/credit"
 	"github.com/amqpsub/amqpsub/internal/lanes"
 	"github.com/amqpsub/amqpsub/internal/pump"
 	"github.com/amqpsub/amqpsub/internal/wait"
@@ -53,14 +54,18 @@ func (c *config) creditFloor(batch bool) int {
 
 func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
 	p := &pipe{s: s, index: index, gauge: lanes.NewGauge(s.cfg.workers)}
-	p.kind = s.cfg.profile.kind(p, session)
+	if mk := s.cfg.profile.kind; mk != nil {
+		p.kind = mk(p, session)
+	} else {
+		p.kind = newPlainKind(p)
+	}
 	up, down := make(chan struct{}), make(chan struct{})
 	p.linkUp.Store(&up)
 	p.linkDown.Store(&down)
 	p.att = &attacher{s: s, p: p}
 	pc := pump.Config{
 		Credit:  credit,
-		Mode:    s.cfg.profile.creditMode,
+		Mode:    creditMode(s.cfg.profile.f.Windowed),
 		Logger:  s.log,
 		OnEvent: s.pumpEvent,
 		// The pump bounds it by credit, a session's share.
@@ -80,7 +85,7 @@ func (s *Subscriber) newPipe(index, credit int, session string) *pipe {
 		// could take, so at most the floor more: a delivery (or a batch)
 		// per lane.
 		g, most := p.gauge, math.MaxInt
-		if !s.cfg.profile.pinsGroups && !s.cfg.sessions() {
+		if !s.cfg.profile.f.PinsGroups && !s.cfg.sessions() {
 			most = s.cfg.floor
 		}
 		pc.Parked = func() int {
@@ -127,4 +132,13 @@ func shareOf(b int64, part, whole int) int64 {
 		return b
 	}
 	return max(1, b*int64(part)/int64(whole))
+}
+
+// creditMode is the pump's credit mode at start: windowed for a broker
+// that sends past its credit.
+func creditMode(windowed bool) credit.Mode {
+	if windowed {
+		return credit.Windowed
+	}
+	return credit.Continuous
 }

@@ -1,309 +1,54 @@
 package amqpsub
 
-import (
-	"context"
-	"crypto/rand"
-	"encoding/hex"
-	"errors"
-	"fmt"
-	"strings"
-	"sync/atomic"
+import "github.com/amqpsub/amqpsub/internal/driver/rabbitmq4"
 
-	"github.com/Azure/go-amqp"
-	"go.uber.org/zap"
-
-	"github.com/amqpsub/amqpsub/internal/driver"
-)
-
-// The RabbitMQ 4 kind (rabbit4Kind) adds one thing to the plain kind: at
-// each attach it asks the broker's management node what type the queue is,
-// because RabbitMQ 4 treats returns differently by queue type:
+// RabbitMQ4 is for RabbitMQ 4.x, whose AMQP 1.0 is native. A queue
+// name q is addressed as /queues/q, q percent-encoded (RFC 3986); a
+// name that already starts with /queues/ is used as it is. The queue
+// must exist: attaching to a missing one fails with amqp:not-found
+// (see [WaitForQueue]). Retry is settled as modified{delivery-failed}.
 //
-//   - a quorum queue counts every return (released, and modified with or
-//     without delivery-failed) toward its delivery-limit (20 by default) and
-//     dead-letters at the limit; modified{delivery-failed} raises the
-//     header's delivery-count. It keeps the annotations of a
-//     modified{undeliverable-here} on the dead letter;
-//   - a classic queue counts nothing (the header's delivery-count stays 0)
-//     and has no delivery limit; a rejection's reason reaches nothing.
+// At each attach the subscriber asks the broker's management node for
+// the queue's type, since what a return costs depends on it:
 //
-// So on a quorum queue (or one whose type could not be read) a stop
-// finishes what is buffered rather than release it (returnsCounted), and
-// a Reject is sent as modified{delivery-failed, undeliverable-here} with the
-// reason in x-opt- annotations; on a classic queue MaxDeliveryCount is
-// refused, since nothing would ever reach it. A test source (package
-// amqpsubtest) says the queue's type itself: see checkSource.
-type rabbit4Kind struct {
-	plainKind
-	queue atomic.Pointer[rabbitQueue] // what the last attach read; nil before
-	warn  atomic.Bool                 // the management node's failure was logged
-}
+//   - A quorum queue counts every return of a delivery toward its
+//     delivery-limit (20 by default), a release included, and
+//     dead-letters past the limit. So a graceful stop takes the credit
+//     back and finishes what is buffered, for up to half the
+//     [GracePeriod] (GracePeriod(0) skips it), before it releases what
+//     is left; [Release] counts there too. A [Reject] is settled as modified{delivery-failed,
+//     undeliverable-here} with the reason in the message annotations
+//     [AnnotationDeadLetterReason], [AnnotationDeadLetterDescription]
+//     and [AnnotationDeadLetterCondition], which the dead letter keeps.
+//     [MaxDeliveryCount] reads the header's delivery-count, which counts
+//     the Retry attempts (modified{delivery-failed}) but not releases.
+//   - A classic queue counts nothing: its delivery-count stays 0 and it
+//     has no delivery limit, so a message that always fails is retried
+//     for ever. [MaxDeliveryCount] is refused there (Run fails with
+//     [ErrInvalidOption]). A message whose handler always fails comes
+//     back for ever, and holds its lane (and, under [WorkersByKey], the
+//     groups behind it, with the credit they take) while it does: use
+//     a quorum queue, or count the attempts in the handler (by
+//     message-id, in the process) and [Reject]. [LocalRetry] bounds the
+//     retries of one delivery in its lane, not the deliveries. A Reject
+//     is settled as rejected, which dead-letters (with a dead-letter
+//     exchange) but keeps no reason.
+//
+// If the management node cannot be read, the queue is treated as a
+// quorum queue but for Reject, which is settled as rejected.
+var RabbitMQ4 = newProfile(rabbitmq4.New(RejectCondition))
 
-func newRabbit4Kind(p *pipe, _ string) brokerKind { return &rabbit4Kind{plainKind: plainKind{p: p}} }
-
-// rabbitQueue is what RabbitMQ 4's management node says of a queue.
-type rabbitQueue struct {
-	// typ is "classic", "quorum" or "stream"; "" when it could not be read.
-	typ string
-	// limit is the queue's x-delivery-limit argument, 0 when it has none
-	// (a quorum queue's default is 20, and a policy may set another).
-	limit int64
-	// reused: this attach could not read the queue, and goes on with what
-	// an earlier one read.
-	reused bool
-}
-
-func (k *rabbit4Kind) attached(ctx context.Context, l *link) (driver.Source, string, error) {
-	s := k.p.s
-	q, err := readRabbitQueue(ctx, l.conn, s.cfg.profile.address(s.queue))
-	if err != nil {
-		if ctx.Err() != nil {
-			return nil, "read the queue's type", err
-		}
-		if !k.warn.Swap(true) {
-			s.log.Warn("could not read the queue's type from RabbitMQ's management node; going on with the type an earlier attach read, or else as on a quorum queue, rejecting without the reason",
-				zap.Error(err))
-		}
-		q = rabbitQueue{}
-		if last := k.queue.Load(); last != nil {
-			// What an earlier attach read still holds: a queue keeps its
-			// type while it exists.
-			q = *last
-			q.reused = true
-		}
-	}
-	if err := k.use(q); err != nil {
-		return nil, "check the queue", err
-	}
-	return l.rcv, "", nil
-}
-
-// errQueueMismatch wraps ErrInvalidOption for a queue that does not fit an
-// option (MaxDeliveryCount on a classic queue), found at an attach.
-var errQueueMismatch = fmt.Errorf("%w for this queue", ErrInvalidOption)
-
-// use keeps q, what an attach read of the queue, for the settlements and
-// the stop, and refuses MaxDeliveryCount on a classic queue.
-func (k *rabbit4Kind) use(q rabbitQueue) error {
-	s := k.p.s
-	k.queue.Store(&q)
-	if q.typ == "classic" && s.cfg.maxDelivery > 0 {
-		return fmt.Errorf("%w: MaxDeliveryCount(%d) on classic queue %q: RabbitMQ counts no "+
-			"delivery attempts on a classic queue, so no delivery would ever reach the limit; use a quorum queue "+
-			"(its x-delivery-limit dead-letters too), or leave MaxDeliveryCount off and count attempts in the handler (by message-id) to Reject",
-			errQueueMismatch, s.cfg.maxDelivery, s.queue)
-	}
-	if q.typ != "" && !q.reused {
-		// Once per attach, beside "attached": what a return costs here.
-		s.log.Info("queue type read", zap.String("type", q.typ), zap.Int64("delivery_limit", q.limit))
-	}
-	return nil
-}
-
-// rabbitQueueSource is a test source that plays a RabbitMQ 4 queue
-// (package amqpsubtest's, under its RabbitMQ4 profile): it says what the
-// management node says of a broker's queue, its type ("quorum",
-// "classic") and its x-delivery-limit argument (0 when it has none).
-type rabbitQueueSource interface {
-	RabbitMQQueue() (typ string, deliveryLimit int64)
-}
-
-// checkSource is attached for a test source attached in place of a link
-// (sourceChecker): the queue is what the source says, or, from a source
-// that plays no RabbitMQ 4 queue, one whose type could not be read.
-func (k *rabbit4Kind) checkSource(src driver.Source) (step string, err error) {
-	var q rabbitQueue
-	if rs, ok := src.(rabbitQueueSource); ok {
-		q.typ, q.limit = rs.RabbitMQQueue()
-	}
-	return "check the queue", k.use(q)
-}
-
-// returnsCounted: anything but a classic queue may count a release.
-func (k *rabbit4Kind) returnsCounted() bool {
-	q := k.queue.Load()
-	return q == nil || q.typ != "classic"
-}
-
-// settle sends a Reject on a quorum queue as modified{delivery-failed,
-// undeliverable-here} with the reason in annotations, which the queue
-// dead-letters keeping them; a rejected outcome's error reaches nothing on
-// RabbitMQ.
-func (k *rabbit4Kind) settle(t driver.Ticket, o driver.Outcome, _ int) {
-	if o.Kind == driver.Reject {
-		if q := k.queue.Load(); q != nil && q.typ == "quorum" {
-			o = quorumReject(o.Error)
-		}
-	}
-	k.p.pump.Settle(t, o)
-}
+func init() { known = append(known, RabbitMQ4) }
 
 // The annotations a Reject on a quorum queue puts on the dead letter.
 // RabbitMQ takes only keys that start with "x-": any other ends the session.
 const (
 	// AnnotationDeadLetterReason holds a Reject's reason on a dead letter
 	// of a RabbitMQ 4 quorum queue.
-	AnnotationDeadLetterReason = "x-opt-dead-letter-reason"
+	AnnotationDeadLetterReason = rabbitmq4.AnnotationReason
 	// AnnotationDeadLetterDescription holds RejectWith's description.
-	AnnotationDeadLetterDescription = "x-opt-dead-letter-description"
+	AnnotationDeadLetterDescription = rabbitmq4.AnnotationDescription
 	// AnnotationDeadLetterCondition holds the rejection's AMQP error
 	// condition ([RejectCondition], or MaxMessageSize's).
-	AnnotationDeadLetterCondition = "x-opt-dead-letter-condition"
+	AnnotationDeadLetterCondition = rabbitmq4.AnnotationCondition
 )
-
-// quorumReject is the modified outcome that dead-letters on a quorum queue
-// with e's reason, description and condition as annotations.
-func quorumReject(e *amqp.Error) driver.Outcome {
-	a := amqp.Annotations{}
-	if e != nil {
-		if e.Description != "" {
-			a[AnnotationDeadLetterReason] = e.Description
-		}
-		if d, ok := e.Info["DeadLetterErrorDescription"].(string); ok && d != "" {
-			a[AnnotationDeadLetterDescription] = d
-		}
-		if e.Condition != "" {
-			a[AnnotationDeadLetterCondition] = string(e.Condition)
-		}
-	}
-	return driver.Outcome{Kind: driver.Modify, DeliveryFailed: true, UndeliverableHere: true, Annotations: a}
-}
-
-// rabbitManagement is RabbitMQ 4's management node, and the name its link
-// pair must have.
-const (
-	rabbitManagement     = "/management"
-	rabbitManagementPair = "management-link-pair"
-)
-
-// errNoAnswer: the management node sent something that is not an answer.
-var errNoAnswer = errors.New("the management node's answer is not one")
-
-// readRabbitQueue asks RabbitMQ 4's management node (an HTTP-like request
-// over a pair of links, as RabbitMQ's own AMQP 1.0 clients do) for the
-// queue at address (/queues/<name>), on a session of its own on conn (an
-// error of the management node ends its session, which must not be the
-// receiver's), within ctx, and closes the session again.
-//
-// The receiving link is attached and given its credit first: the node
-// answers on it at once, and ends the session if it has no credit then;
-// the credit goes out as soon as the link has it, a round trip (the
-// sending link's attach) before the request.
-func readRabbitQueue(ctx context.Context, conn *amqp.Conn, address string) (rabbitQueue, error) {
-	sess, err := conn.NewSession(ctx, nil)
-	if err != nil {
-		return rabbitQueue{}, fmt.Errorf("open a session for %s: %w", rabbitManagement, err)
-	}
-	defer func() { _ = sess.Close(ctx) }()
-	props := map[string]any{"paired": true}
-	rcv, err := sess.NewReceiver(ctx, rabbitManagement, &amqp.ReceiverOptions{
-		Name:                      rabbitManagementPair,
-		Properties:                props,
-		TargetAddress:             rabbitManagement,
-		SettlementMode:            amqp.ReceiverSettleModeFirst.Ptr(),
-		RequestedSenderSettleMode: amqp.SenderSettleModeSettled.Ptr(),
-		Credit:                    -1, // manual: go-amqp would send an automatic credit only once Receive is called
-	})
-	if err != nil {
-		return rabbitQueue{}, fmt.Errorf("attach from %s: %w", rabbitManagement, err)
-	}
-	if err := rcv.IssueCredit(1); err != nil {
-		return rabbitQueue{}, fmt.Errorf("credit from %s: %w", rabbitManagement, err)
-	}
-	snd, err := sess.NewSender(ctx, rabbitManagement, &amqp.SenderOptions{
-		Name:                        rabbitManagementPair,
-		Properties:                  props,
-		SourceAddress:               rabbitManagement,
-		SettlementMode:              amqp.SenderSettleModeSettled.Ptr(),
-		RequestedReceiverSettleMode: amqp.ReceiverSettleModeFirst.Ptr(),
-	})
-	if err != nil {
-		return rabbitQueue{}, fmt.Errorf("attach to %s: %w", rabbitManagement, err)
-	}
-	var b [8]byte
-	_, _ = rand.Read(b[:])
-	id, get, me := hex.EncodeToString(b[:]), "GET", "$me"
-	req := &amqp.Message{
-		Properties: &amqp.MessageProperties{MessageID: id, To: &address, Subject: &get, ReplyTo: &me},
-		Value:      amqp.Null{},
-	}
-	if err := snd.Send(ctx, req, &amqp.SendOptions{Settled: true}); err != nil {
-		return rabbitQueue{}, fmt.Errorf("send to %s: %w", rabbitManagement, err)
-	}
-	ans, err := rcv.Receive(ctx, nil)
-	if err != nil {
-		return rabbitQueue{}, fmt.Errorf("receive from %s: %w", rabbitManagement, err)
-	}
-	return parseRabbitQueue(ans, id)
-}
-
-// parseRabbitQueue reads the management node's answer to request id.
-func parseRabbitQueue(m *amqp.Message, id string) (rabbitQueue, error) {
-	if m.Properties == nil || m.Properties.CorrelationID != id || m.Properties.Subject == nil {
-		return rabbitQueue{}, errNoAnswer
-	}
-	if code := *m.Properties.Subject; code != "200" {
-		return rabbitQueue{}, fmt.Errorf("the management node answered %s to GET: %v", code, m.Value)
-	}
-	v, ok := m.Value.(map[string]any)
-	if !ok {
-		return rabbitQueue{}, fmt.Errorf("%w: a body of %T", errNoAnswer, m.Value)
-	}
-	var q rabbitQueue
-	q.typ, _ = v["type"].(string)
-	if args, ok := v["arguments"].(map[string]any); ok {
-		q.limit = anyInt(args["x-delivery-limit"])
-	}
-	return q, nil
-}
-
-// anyInt returns an AMQP integer of any width as int64, 0 for anything else.
-func anyInt(v any) int64 {
-	switch n := v.(type) {
-	case int8:
-		return int64(n)
-	case int16:
-		return int64(n)
-	case int32:
-		return int64(n)
-	case int64:
-		return n
-	case uint8:
-		return int64(n)
-	case uint16:
-		return int64(n)
-	case uint32:
-		return int64(n)
-	case uint64:
-		if n > 1<<62 {
-			return 1 << 62
-		}
-		return int64(n)
-	}
-	return 0
-}
-
-// rabbit4Address maps a queue name to RabbitMQ 4's v2 address
-// /queues/<name>, the name percent-encoded as RFC 3986 says of a path
-// segment (everything but the unreserved characters); an address that
-// already starts with /queues/ is used as it is.
-func rabbit4Address(q string) string {
-	if strings.HasPrefix(q, "/queues/") {
-		return q
-	}
-	const hexDigits = "0123456789ABCDEF"
-	var b strings.Builder
-	b.Grow(len("/queues/") + len(q))
-	b.WriteString("/queues/")
-	for i := 0; i < len(q); i++ {
-		switch c := q[i]; {
-		case 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z', '0' <= c && c <= '9', c == '-', c == '.', c == '_', c == '~':
-			b.WriteByte(c)
-		default:
-			b.WriteByte('%')
-			b.WriteByte(hexDigits[c>>4])
-			b.WriteByte(hexDigits[c&15])
-		}
-	}
-	return b.String()
-}

@@ -14,11 +14,11 @@ import (
 )
 
 // reconnectWait is the wait before reconnect attempt k after err: the
-// jittered backoff, and at least busyWait after err (10 s after the broker
-// said it is throttling: the ServerBusyBaseSleepTime of Microsoft's .NET
-// clients; azservicebus has no such floor).
+// jittered backoff, and at least the driver's Wait after err (on Service Bus,
+// 10 s after the service said it is throttling: the ServerBusyBaseSleepTime
+// of Microsoft's .NET clients; azservicebus has no such floor).
 func (a *attacher) reconnectWait(err error, k int) time.Duration {
-	return max(backoff.Jittered(k, a.s.cfg.backoffMin, a.s.cfg.backoffMax), busyWait(err))
+	return max(backoff.Jittered(k, a.s.cfg.backoffMin, a.s.cfg.backoffMax), a.s.cfg.profile.drv.Wait(err))
 }
 
 func (a *attacher) attach(ctx context.Context, lost error) (driver.Source, error) {
@@ -78,7 +78,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (driver.Source, error
 			}
 		} else {
 			a.quick = 0
-			if d := busyWait(lost); d > 0 {
+			if d := a.s.cfg.profile.drv.Wait(lost); d > 0 {
 				// A healthy link the broker ended for throttling:
 				// reattaching at once would only be refused again.
 				if !wait.Sleep(ctx, d) {

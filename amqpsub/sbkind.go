@@ -19,6 +19,64 @@ import (
 	"github.com/amqpsub/amqpsub/internal/wait"
 )
 
+// sbDriver is Service Bus's driver: its facts, the conditions its clients
+// take as fatal, and the throttling wait. What it adds to a pipe is
+// sbKind, which the profile makes in place of a driver's pipe part.
+type sbDriver struct{ driver.Plain }
+
+func (sbDriver) Facts() driver.Facts {
+	return driver.Facts{
+		Name:         "servicebus",
+		System:       "servicebus",
+		Retry:        driver.Outcome{Kind: driver.Modify},
+		Detach:       true,
+		RejectCond:   ErrCondDeadLetter,
+		PeekLock:     true,
+		CountBase:    1,
+		NamedReasons: true,
+	}
+}
+
+// FatalCond: an entity an operator disabled stays so until one enables it.
+func (sbDriver) FatalCond(err error) bool { return isCond(err, servicebus.CondEntityDisabled) }
+
+// DefaultFatal: under the AzureServiceBus profile the default test of
+// FatalErrors is [IsFatal] and amqp:not-allowed. For the two
+// conditions azservicebus takes as fatal beyond IsFatal's
+// (internal/errors.go, RecoveryKindFatal), on a receiver's reconnect:
+//
+//   - amqp:not-allowed is fatal. The .NET client turns it into an
+//     InvalidOperationException (Amqp/AmqpExceptionHelper.cs), which
+//     Learn's "Service Bus messaging exceptions (.NET)" describes as an
+//     operation not valid for the client's configuration, mended by
+//     changing its options: the same attach is refused again.
+//   - amqp:resource-limit-exceeded is retried, with the backoff. On the
+//     receive path it is a quota (the .NET client's QuotaExceeded): per
+//     Learn's "Service Bus messaging exceptions (.NET)", too many
+//     concurrent receives on the entity, or too many connections to the
+//     namespace, which frees as other clients close. azservicebus's
+//     entry is about a full entity, which only a sender meets; and the
+//     .NET ServiceBusProcessor receives again after any receive error
+//     (ServiceBusProcessor.cs), as a subscriber here reconnects.
+func (sbDriver) DefaultFatal(err error) bool { return isCond(err, amqp.ErrCondNotAllowed) }
+
+// Wait is 10 s (servicebus.ServerBusyWait, the ServerBusyBaseSleepTime of
+// Microsoft's .NET clients) after the service said it is throttling
+// (com.microsoft:server-busy, or a $management answer that wraps
+// servicebus.ErrServerBusy), 0 otherwise.
+func (sbDriver) Wait(err error) time.Duration {
+	if servicebus.Busy(err) {
+		return servicebus.ServerBusyWait
+	}
+	return 0
+}
+
+// sb returns what Service Bus keeps of l, nil before its attach did.
+func (l *link) sb() *sbLink {
+	v, _ := l.ext.(*sbLink)
+	return v
+}
+
 // sbKind is Service Bus's brokerKind for one pipe: peek-lock links with
 // their locks kept by a lease book, settlement by lock token once a link
 // is gone (queues and subscriptions without sessions), and session links
@@ -152,8 +210,8 @@ func (k *sbKind) stopNode(ctx context.Context) (*servicebus.Management, error) {
 	k.stopMu.Lock()
 	defer k.stopMu.Unlock()
 	if l := k.stopLink; l != nil {
-		if l.conn.Err() == nil && !wait.Closed(l.sb.mgmt.Done()) {
-			return l.sb.mgmt, nil
+		if l.conn.Err() == nil && !wait.Closed(l.sb().mgmt.Done()) {
+			return l.sb().mgmt, nil
 		}
 		k.stopLink = nil
 		k.s.closeWithin(l, time.Now().Add(k.s.cfg.closeTimeout/4))
@@ -174,8 +232,8 @@ func (k *sbKind) stopNode(ctx context.Context) (*servicebus.Management, error) {
 	defer cancel()
 	if l.sess, err = c.conn.NewSession(cctx, nil); err == nil {
 		var mgmt *servicebus.Management
-		if mgmt, err = servicebus.NewManagement(cctx, l.sess, s.cfg.profile.address(s.queue), ""); err == nil {
-			l.sb = &sbLink{mgmt: mgmt}
+		if mgmt, err = servicebus.NewManagement(cctx, l.sess, s.cfg.profile.drv.Address(s.queue), ""); err == nil {
+			l.ext = &sbLink{mgmt: mgmt}
 			k.stopLink = l
 			s.log.Info("stopping without a connection: opened one for $management, to settle what was decided",
 				zap.String("broker", c.addr))
@@ -211,11 +269,11 @@ func (k *sbKind) receiverOptions(ro *amqp.ReceiverOptions) {
 // session consumer, accepts the session the service granted.
 func (k *sbKind) attached(ctx context.Context, l *link) (driver.Source, string, error) {
 	s := k.s
-	mgmt, err := servicebus.NewManagement(ctx, l.sess, s.cfg.profile.address(s.queue), l.rcv.LinkName())
+	mgmt, err := servicebus.NewManagement(ctx, l.sess, s.cfg.profile.drv.Address(s.queue), l.rcv.LinkName())
 	if err != nil {
 		return nil, "attach $management", err
 	}
-	l.sb = &sbLink{mgmt: mgmt}
+	l.ext = &sbLink{mgmt: mgmt}
 	if !k.sessions {
 		return servicebus.NewReceiver(l.rcv, k.fallback), "", nil
 	}
@@ -225,7 +283,7 @@ func (k *sbKind) attached(ctx context.Context, l *link) (driver.Source, string, 
 	if err != nil {
 		return nil, "accept session", err
 	}
-	l.sb.session = src
+	l.sb().session = src
 	return src, "", nil
 }
 
@@ -233,11 +291,15 @@ func (k *sbKind) attached(ctx context.Context, l *link) (driver.Source, string, 
 // handler of l's session runs here any more (awaitSession): a handler of
 // the session from its lost link may outlive any attach timeout.
 func (k *sbKind) ready(ctx context.Context, l *link) error {
-	if l.sb == nil || l.sb.session == nil {
+	if l.sb() == nil || l.sb().session == nil {
 		return nil
 	}
-	return k.awaitSession(ctx, l.sb.session)
+	return k.awaitSession(ctx, l.sb().session)
 }
+
+// checkSource finds nothing to check on a test source: what Service Bus
+// adds to it is made by attachedSource.
+func (*sbKind) checkSource(driver.Source) (string, error) { return "", nil }
 
 func (k *sbKind) attachedSource(src driver.Source) {
 	if rn, ok := src.(servicebus.Renewer); ok {
@@ -252,8 +314,8 @@ func (k *sbKind) attachedSource(src driver.Source) {
 // for the $management node's routing goroutine, which ends with the
 // session, after.
 func (k *sbKind) release(ctx context.Context, l *link, why error, detach func()) {
-	if l.sb != nil && l.sb.session != nil {
-		l.sb.session.Stop()
+	if l.sb() != nil && l.sb().session != nil {
+		l.sb().session.Stop()
 		// An idle session (driver.ErrSourceDone) is let go as it should be:
 		// no error to report, only the reason.
 		reason, err := "link lost", why
@@ -263,13 +325,13 @@ func (k *sbKind) release(ctx context.Context, l *link, why error, detach func())
 		case errors.Is(why, driver.ErrSourceDone):
 			reason, err = "idle", nil
 		}
-		k.s.log.Info("session released", zap.String("session_id", l.sb.session.ID()), zap.Int("slot", l.sb.session.Slot()),
+		k.s.log.Info("session released", zap.String("session_id", l.sb().session.ID()), zap.Int("slot", l.sb().session.Slot()),
 			zap.String("reason", reason), zap.Error(err))
 	}
 	detach()
-	if l.sb != nil {
+	if l.sb() != nil {
 		select {
-		case <-l.sb.mgmt.Done():
+		case <-l.sb().mgmt.Done():
 		case <-ctx.Done():
 		}
 	}
@@ -412,7 +474,7 @@ type renewer struct{ k *sbKind }
 func (r renewer) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Time, error) {
 	p := r.k.p
 	l := p.current.Load()
-	if l == nil || l.sb == nil || wait.Closed(p.pump.Stopping()) && l.conn.Err() != nil {
+	if l == nil || l.sb() == nil || wait.Closed(p.pump.Stopping()) && l.conn.Err() != nil {
 		if sr := r.k.sourceRenewer.Load(); sr != nil {
 			return (*sr).RenewLocks(ctx, tokens)
 		}
@@ -427,8 +489,8 @@ func (r renewer) RenewLocks(ctx context.Context, tokens []amqp.UUID) ([]time.Tim
 		}
 		return nil, errNoLink
 	}
-	exp, err := l.sb.mgmt.RenewLocks(ctx, tokens)
-	if errors.Is(err, servicebus.ErrNodeGone) && p.current.Load() == l && l.sb.mgmt.AbandonLink(ctx, l.rcv) {
+	exp, err := l.sb().mgmt.RenewLocks(ctx, tokens)
+	if errors.Is(err, servicebus.ErrNodeGone) && p.current.Load() == l && l.sb().mgmt.AbandonLink(ctx, l.rcv) {
 		r.k.s.log.Warn("the $management link is gone and could not be attached again; closing the receive link to attach both anew",
 			zap.Error(err))
 	}
@@ -444,8 +506,8 @@ func (k *sbKind) management(ctx context.Context) (*servicebus.Management, error)
 	p := k.p
 	for {
 		up := p.linkUp.Load()
-		if l := p.current.Load(); l != nil && l.sb != nil && l.conn.Err() == nil && !wait.Closed(l.sb.mgmt.Done()) {
-			return l.sb.mgmt, nil
+		if l := p.current.Load(); l != nil && l.sb() != nil && l.conn.Err() == nil && !wait.Closed(l.sb().mgmt.Done()) {
+			return l.sb().mgmt, nil
 		}
 		// None, or the one still recorded is of a connection that is gone
 		// (the attacher has not replaced it yet): wait for the next.

@@ -396,42 +396,45 @@ func tokenFunc(tp TokenProvider) servicebus.TokenFunc {
 // AzureServiceBus profile (no other will do), and checks the queue against
 // the connection string's EntityPath (servicebus.InEntity).
 func (c *sbConnector) validate(cfg *config, queue string) {
-	serviceBusProfile(cfg)
+	peekLockProfile(cfg)
 	if c.entity != "" && !servicebus.InEntity(c.entity, queue) {
 		cfg.invalid("queue %q is outside the connection string's EntityPath %q (its subscriptions and dead-letter queues are inside): "+
 			"to read another entity, use a namespace-level connection string, without EntityPath", queue, c.entity)
 	}
 }
 
-// serviceBusFatal is the default test of FatalErrors under the
-// AzureServiceBus profile: [IsFatal], and amqp:not-allowed. For the two
-// conditions azservicebus takes as fatal beyond IsFatal's
-// (internal/errors.go, RecoveryKindFatal), on a receiver's reconnect:
-//
-//   - amqp:not-allowed is fatal. The .NET client turns it into an
-//     InvalidOperationException (Amqp/AmqpExceptionHelper.cs), which
-//     Learn's "Service Bus messaging exceptions (.NET)" describes as an
-//     operation not valid for the client's configuration, mended by
-//     changing its options: the same attach is refused again.
-//   - amqp:resource-limit-exceeded is retried, with the backoff. On the
-//     receive path it is a quota (the .NET client's QuotaExceeded): per
-//     Learn's "Service Bus messaging exceptions (.NET)", too many
-//     concurrent receives on the entity, or too many connections to the
-//     namespace, which frees as other clients close. azservicebus's
-//     entry is about a full entity, which only a sender meets; and the
-//     .NET ServiceBusProcessor receives again after any receive error
-//     (ServiceBusProcessor.cs), as a subscriber here reconnects.
-func serviceBusFatal(err error) bool {
-	return IsFatal(err) || isCond(err, amqp.ErrCondNotAllowed)
+// AzureServiceBus is for Azure Service Bus in peek-lock mode; the
+// [ServiceBus] connector selects it. The queue name is the entity path: a
+// queue, "<topic>/Subscriptions/<subscription>", or either followed by
+// "/$DeadLetterQueue" (an entity of its own: its claims, lock renewals
+// and settlements by lock token go to its own path and its own
+// "<entity>/$DeadLetterQueue/$management" node). Accept completes a message; [Retry] abandons it
+// (modified: Service Bus counts it towards [MaxDeliveryCount] and
+// dead-letters it there); [Release] releases it (the service does not
+// count a release, so the buffered deliveries a stop gives back do not
+// count either; a release sent by lock token, once the delivery's link
+// is gone, goes as an abandon, counted, and is [OutcomeModified] in
+// Stats and OnSettled); [Reject] dead-letters it with DeadLetterReason and
+// DeadLetterErrorDescription. Settlements wait for the service's
+// answer, many at a time, and the lock of every delivery held is
+// renewed ([MaxLockRenewal]).
+var AzureServiceBus = azureServiceBus()
+
+func init() { known = append(known, AzureServiceBus) }
+
+func azureServiceBus() Profile {
+	p := newProfile(sbDriver{})
+	p.kind = newServiceBusKind
+	return p
 }
 
-// serviceBusProfile sets the AzureServiceBus profile unless another was
+// peekLockProfile sets the AzureServiceBus profile unless another was
 // given, which is an error.
-func serviceBusProfile(cfg *config) {
+func peekLockProfile(cfg *config) {
 	switch {
 	case !cfg.profileSet:
 		cfg.profile = AzureServiceBus
-	case !cfg.profile.peekLock:
+	case !cfg.profile.f.PeekLock:
 		cfg.invalid("WithProfile(%s) with a Service Bus connector: use AzureServiceBus", cfg.profile)
 	}
 }
@@ -442,7 +445,7 @@ func validateSessions(cfg *config) {
 		return
 	}
 	switch {
-	case !cfg.profile.peekLock:
+	case !cfg.profile.f.PeekLock:
 		cfg.invalid("Sessions and SessionIDs need the AzureServiceBus profile")
 	case cfg.maxSessions > 0 && len(cfg.sessionIDs) > 0:
 		cfg.invalid("give Sessions or SessionIDs, not both")
@@ -452,10 +455,10 @@ func validateSessions(cfg *config) {
 // SessionID returns the Service Bus session the delivery belongs to, when
 // it came through a session consumer ([Sessions], [SessionIDs]); "" otherwise.
 func (d *Delivery) SessionID() string {
-	if d.l == nil || d.l.sb == nil || d.l.sb.session == nil {
+	if d.l == nil || d.l.sb() == nil || d.l.sb().session == nil {
 		return ""
 	}
-	return d.l.sb.session.ID()
+	return d.l.sb().session.ID()
 }
 
 // SessionState returns the state stored with the delivery's session (nil
@@ -482,13 +485,13 @@ func (d *Delivery) SetSessionState(ctx context.Context, state []byte) error {
 }
 
 func (d *Delivery) heldSession() (*servicebus.Session, error) {
-	if d.l == nil || d.l.sb == nil || d.l.sb.session == nil {
+	if d.l == nil || d.l.sb() == nil || d.l.sb().session == nil {
 		return nil, ErrNoSession
 	}
 	if d.t.Stale() {
-		return nil, fmt.Errorf("%w: session %q: its link is gone", ErrNoSession, d.l.sb.session.ID())
+		return nil, fmt.Errorf("%w: session %q: its link is gone", ErrNoSession, d.l.sb().session.ID())
 	}
-	return d.l.sb.session, nil
+	return d.l.sb().session, nil
 }
 
 func sessionErr(err error) error {

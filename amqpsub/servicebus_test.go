@@ -637,7 +637,7 @@ func TestServiceBusManagementLinkDies(t *testing.T) {
 				waitUntil(t, 10*time.Second, "a renewal", func() bool { return s.Stats().Locks.Renewed >= 4 })
 			}
 			cctx, ccancel := context.WithTimeout(context.Background(), time.Second)
-			_ = tc.link(l.sb.mgmt).Close(cctx) // the link is gone
+			_ = tc.link(l.sb().mgmt).Close(cctx) // the link is gone
 			ccancel()
 			if !tc.afterRenew {
 				p.enqueue(t, q, 4, nil)
@@ -702,7 +702,7 @@ func TestServiceBusManagementLinkDiesSession(t *testing.T) {
 	waitUntil(t, 10*time.Second, "a session lock renewal", func() bool { return lockedUntil() > first })
 	l := s.pipes[0].current.Load()
 	cctx, ccancel := context.WithTimeout(context.Background(), time.Second)
-	_, rcv := l.sb.mgmt.Pair()
+	_, rcv := l.sb().mgmt.Pair()
 	_ = rcv.Close(cctx)
 	ccancel()
 	waitUntil(t, 30*time.Second, "1 completed", func() bool { return p.stat(t, q, "completed") == 1 })

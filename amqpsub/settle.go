@@ -40,7 +40,7 @@ func (s *Subscriber) settle(d *Delivery, err error) {
 		o = s.rejection(d, oe, lost)
 	default:
 		s.results.retry.Add(1)
-		o = s.cfg.profile.retry
+		o = s.cfg.profile.f.Retry
 		if !lost {
 			if !errors.Is(err, ErrHandlerPanic) && s.debug() {
 				// Debug: a failing handler fails once per delivery. OnEvent
@@ -73,7 +73,7 @@ func (s *Subscriber) rejection(d *Delivery, oe *OutcomeError, lost bool) driver.
 			s.events.send(s.event(d, EventDeadLetterCopyFailed, err))
 		}
 	}
-	cond := s.cfg.profile.rejectCond
+	cond := s.cfg.profile.f.RejectCond
 	if oe.cond != "" {
 		cond = oe.cond
 	}

@@ -109,7 +109,7 @@ func build(c Connector, queue string, opts []Option, batch bool) (*Subscriber, e
 	if v, ok := c.(validator); ok {
 		v.validate(&cfg, queue)
 	}
-	if cfg.deadLetterCopy != "" && (cfg.profile.name == "servicebus" || cfg.profile.name == "rabbitmq3" || cfg.profile.name == "rabbitmq4") {
+	if cfg.deadLetterCopy != "" && !cfg.profile.f.DeadLetterCopy {
 		cfg.invalid("DeadLetterCopy is for brokers that drop a rejection's reason (Artemis, Generic); %s keeps it or dead-letters through its own configuration", cfg.profile.system())
 	}
 	if cfg.batchSet && !batch {
@@ -119,8 +119,8 @@ func build(c Connector, queue string, opts []Option, batch bool) (*Subscriber, e
 		cfg.invalid("BalanceKeys needs WorkersByKey")
 	}
 	validateSessions(&cfg)
-	if !cfg.fatalSet && cfg.profile.fatal != nil {
-		cfg.isFatal = cfg.profile.fatal
+	if !cfg.fatalSet {
+		cfg.isFatal = cfg.profile.defaultFatal()
 	}
 	if err := errors.Join(cfg.errs...); err != nil {
 		return nil, err

@@ -11,8 +11,8 @@ import (
 )
 
 func init() {
-	testhook.Connector = func(name string, next testhook.Attach, serviceBus bool) any {
-		return sourceConnector{name: name, next: next, serviceBus: serviceBus}
+	testhook.Connector = func(name string, next testhook.Attach, peekLock bool) any {
+		return sourceConnector{name: name, next: next, peekLock: peekLock}
 	}
 	testhook.DialWire = func(url string, o wire.Options) any { return &dialer{url: url, wire: o} }
 }
@@ -22,9 +22,9 @@ func init() {
 type sourceConnector struct {
 	name string
 	next testhook.Attach
-	// serviceBus: the sources play Service Bus, so the subscriber takes
-	// the AzureServiceBus profile (see build).
-	serviceBus bool
+	// peekLock: the sources play a peek-lock broker, so the subscriber
+	// takes its profile (see validate).
+	peekLock bool
 }
 
 func (sourceConnector) connect(context.Context, connectRequest) (*connection, error) {
@@ -32,13 +32,6 @@ func (sourceConnector) connect(context.Context, connectRequest) (*connection, er
 }
 
 func (c sourceConnector) String() string { return c.name }
-
-// sourceChecker is a kind that checks a test source at attach as its
-// attached checks a link (rabbit4Kind: the queue's type, which may refuse
-// the options). step names what failed, as attached's does.
-type sourceChecker interface {
-	checkSource(src driver.Source) (step string, err error)
-}
 
 // attach takes the next test source for p, and has p's kind check it. A
 // source the kind refuses is closed, if it can be (as a refused link is),
@@ -49,24 +42,22 @@ func (c sourceConnector) attach(ctx context.Context, s *Subscriber, p *pipe) (dr
 	if err != nil {
 		return nil, err
 	}
-	if k, ok := p.kind.(sourceChecker); ok {
-		if step, err := k.checkSource(src); err != nil {
-			if cl, ok := src.(interface{ Close(context.Context) error }); ok {
-				_ = cl.Close(ctx)
-			}
-			return nil, fmt.Errorf("amqpsub: %s on %s queue %q: %w", step, c, s.queue, err)
+	if step, err := p.kind.checkSource(src); err != nil {
+		if cl, ok := src.(interface{ Close(context.Context) error }); ok {
+			_ = cl.Close(ctx)
 		}
+		return nil, fmt.Errorf("amqpsub: %s on %s queue %q: %w", step, c, s.queue, err)
 	}
 	return src, nil
 }
 
-// validate: sources that play Service Bus take the AzureServiceBus profile,
-// and play no sessions.
+// validate: sources that play a peek-lock broker take its profile, and
+// play no sessions.
 func (c sourceConnector) validate(cfg *config, _ string) {
-	if !c.serviceBus {
+	if !c.peekLock {
 		return
 	}
-	serviceBusProfile(cfg)
+	peekLockProfile(cfg)
 	if cfg.sessions() {
 		cfg.invalid("Sessions and SessionIDs: %s does not play Service Bus sessions", c)
 	}

@@ -9,7 +9,18 @@ import (
 
 	"github.com/Azure/go-amqp"
 	"github.com/cespare/xxhash/v2"
+
+	"github.com/amqpsub/amqpsub/internal/driver/artemis"
 )
+
+// Artemis is for Apache ActiveMQ Artemis. The link asks for source
+// capability "queue", so an address names an anycast queue (created if
+// the broker auto-creates queues) rather than a throwaway subscription.
+// Retry is settled as modified{delivery-failed}: Artemis counts it and
+// dead-letters at max-delivery-attempts.
+var Artemis = newProfile(artemis.New(RejectCondition))
+
+func init() { known = append(known, Artemis) }
 
 // DeadLetterCopy makes a [Reject] (and a [MaxDeliveryCount] or [MaxMessageSize]
 // rejection: the copy then carries the whole oversized body back) keep its
@@ -105,7 +116,7 @@ func (s *Subscriber) deadLetterAddress() string {
 // deadLetterSender attaches a sender to DeadLetterCopy's address on sess.
 func (s *Subscriber) deadLetterSender(ctx context.Context, sess *amqp.Session) (*amqp.Sender, error) {
 	addr := s.deadLetterAddress()
-	snd, err := sess.NewSender(ctx, addr, &amqp.SenderOptions{TargetCapabilities: s.cfg.profile.sourceCaps})
+	snd, err := sess.NewSender(ctx, addr, &amqp.SenderOptions{TargetCapabilities: s.cfg.profile.f.SourceCaps})
 	if err != nil {
 		return nil, fmt.Errorf("attach to dead-letter address %q: %w", addr, err)
 	}
@@ -174,7 +185,7 @@ func (s *Subscriber) copyToDeadLetter(d *Delivery, oe *OutcomeError) error {
 		l.dlq.snd = snd
 	}
 	l.dlq.mu.Unlock()
-	if err := snd.Send(ctx, deadLetterCopy(d.msg, s.cfg.profile.address(s.queue), s.queue, oe), nil); err != nil {
+	if err := snd.Send(ctx, deadLetterCopy(d.msg, s.cfg.profile.drv.Address(s.queue), s.queue, oe), nil); err != nil {
 		var le *amqp.LinkError
 		if errors.As(err, &le) {
 			// The sender is gone: attach a new one for the next copy.

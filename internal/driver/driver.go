@@ -1,0 +1,155 @@
+package driver
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/Azure/go-amqp"
+	"go.uber.org/zap"
+)
+
+// Facts are what a broker's driver says of its broker, fixed for the
+// driver's life. The core reads them where it would otherwise name a
+// broker.
+type Facts struct {
+	// Name is the profile's name (Profile.String), for logs.
+	Name string
+	// System is the messaging.system value of the subscriber's metrics.
+	System string
+	// SourceCaps are sent as the source capabilities at attach (and as
+	// the target capabilities of a dead-letter copy's sender).
+	SourceCaps []string
+	// Retry is how a Retry outcome is settled.
+	Retry Outcome
+	// Windowed: the credit is granted in windows, since the broker sends
+	// past its credit; otherwise it is granted continuously.
+	Windowed bool
+	// Detach says whether the broker answers a link detach; if not, the
+	// session is closed instead.
+	Detach bool
+	// RejectCond is the condition of a Reject outcome's error.
+	RejectCond amqp.ErrCond
+	// PeekLock: receiver settle mode second, settlements answered by the
+	// broker, message locks renewed.
+	PeekLock bool
+	// CountBase is added to the AMQP delivery-count to give the count
+	// MaxDeliveryCount(n) holds to n.
+	CountBase uint32
+	// NamedReasons: a dead-letter made before a handler ran carries a
+	// reason code as its reason and what happened as its description.
+	NamedReasons bool
+	// PinsGroups: the broker gives every delivery of a group-id to the
+	// consumer that took its first, and stops its dispatch at a group
+	// whose consumer has no credit.
+	PinsGroups bool
+	// DeadLetterCopy: the broker drops a rejection's reason, so the
+	// DeadLetterCopy option may send a copy that keeps it.
+	DeadLetterCopy bool
+	// AnyBroker: the profile fits every broker, so the core does not
+	// suggest another from the broker's open frame.
+	AnyBroker bool
+}
+
+// Driver is one broker's side of the only seam between the core and a
+// broker. The core calls exactly these methods: Facts once, as the
+// profile is made; Address whenever it needs the queue's address (the
+// attach, its log line, a dead-letter copy's annotations); Claims of every
+// driver the package knows, as a link is attached, to suggest a better
+// profile; FatalCond of every driver the package knows, in IsFatal;
+// DefaultFatal in the default FatalErrors test; Wait after every failed
+// attach and every lost link; and NewPipe once per pipe (of a profile that
+// makes no kind of its own), whose Pipe it then calls as Pipe's doc says.
+// A driver imports nothing of the core or the engine: it reaches them
+// only through the interfaces of this package (PipeEnv, Source).
+type Driver interface {
+	// Facts returns the broker's static facts.
+	Facts() Facts
+	// Address maps a queue name to the link's source address.
+	Address(queue string) string
+	// Claims reports whether the broker that names itself product,
+	// version in its open frame is this driver's.
+	Claims(product, version string) bool
+	// FatalCond reports whether err carries a condition of this broker's own
+	// that no retry mends (IsFatal asks every driver).
+	FatalCond(err error) bool
+	// DefaultFatal reports whether err is fatal under this driver's
+	// profile beyond IsFatal, when FatalErrors is not given.
+	DefaultFatal(err error) bool
+	// Wait is the least wait after err before the next attach: the
+	// broker said it is throttling. 0 otherwise.
+	Wait(err error) time.Duration
+	// NewPipe returns what the driver adds to the links of one pipe, nil
+	// for nothing.
+	NewPipe(env PipeEnv) Pipe
+}
+
+// PipeEnv is what the core tells a driver of the pipe it serves.
+type PipeEnv interface {
+	// Log is the subscriber's logger.
+	Log() *zap.Logger
+	// Queue is the queue name the subscriber was made for.
+	Queue() string
+	// MaxDeliveryCount is the MaxDeliveryCount option, 0 when not given.
+	MaxDeliveryCount() int
+}
+
+// Pipe is what a driver adds to the links of one pipe. The core calls
+// Attached once each link's receiver is attached (AttachedSource for a
+// test source in its place), Settle on every settlement it hands the
+// engine, and ReturnsCounted as a graceful stop begins.
+type Pipe interface {
+	// Attached runs once a receiver is attached on conn, within ctx. On
+	// an error, step names what failed, and the core closes the link. A
+	// *MismatchError says the queue does not fit an option.
+	Attached(ctx context.Context, conn *amqp.Conn) (step string, err error)
+	// AttachedSource is Attached for a test source (package amqpsubtest)
+	// attached in place of a link.
+	AttachedSource(src Source) (step string, err error)
+	// Settle returns the outcome to send for o.
+	Settle(o Outcome) Outcome
+	// ReturnsCounted says whether the broker counts a release as a
+	// delivery attempt, as far as the driver knows now: a graceful stop
+	// then finishes what is buffered before it releases anything.
+	ReturnsCounted() bool
+}
+
+// MismatchError says the queue does not fit an option the subscriber was
+// given (the core reports it as an invalid option).
+type MismatchError struct{ Detail string }
+
+func (e *MismatchError) Error() string { return e.Detail }
+
+// Plain is a Driver's part that adds nothing to a pipe, claims no broker
+// and knows no condition: a driver embeds it and overrides what it adds.
+type Plain struct{}
+
+// Claims claims no broker.
+func (Plain) Claims(string, string) bool { return false }
+
+// FatalCond knows no condition.
+func (Plain) FatalCond(error) bool { return false }
+
+// DefaultFatal adds nothing to IsFatal.
+func (Plain) DefaultFatal(error) bool { return false }
+
+// Wait asks for no wait.
+func (Plain) Wait(error) time.Duration { return 0 }
+
+// NewPipe adds nothing.
+func (Plain) NewPipe(PipeEnv) Pipe { return nil }
+
+// Address uses the queue name as the address.
+func (Plain) Address(q string) string { return q }
+
+// MajorVersion is the major version of a version string an open frame
+// gives ("4.1.0-rc.1": 4), 0 when it has none.
+func MajorVersion(version string) int {
+	major, _, _ := strings.Cut(version, ".")
+	n, err := strconv.Atoi(major)
+	if err != nil {
+		return 0
+	}
+	return n
+}

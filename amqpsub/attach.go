@@ -19,7 +19,7 @@ type link struct {
 	rcv  *amqp.Receiver
 	dlq  deadLetterSender // DeadLetterCopy's sender on sess
 	src  driver.Source    // what the pump receives from: rcv, or what the kind made of it
-	kind brokerKind       // the pipe's, which releases what it added
+	kind driver.Pipe      // the pipe's, which releases what it added
 	ext  any              // what the pipe's kind keeps of the link; nil for most
 }
 
@@ -29,19 +29,18 @@ type link struct {
 // address tried having its own.
 //
 // It attaches on the connection (and session) the attacher kept
-// (attacher.spare) when it has one: the pipe's kind said that the broker
-// refused the last link for want of something to give it (refused), the
-// last source ended by itself (driver.ErrSourceDone), or the kind attaches a
-// lost link again on its connection (reattachOn). A new connection is
-// opened only when that one is lost. On Service Bus this is how a session
-// consumer asks for the next session, as azservicebus does (see
-// sbKind.refused), and how a detached link is recovered (see
-// sbKind.reattachOn).
+// (attacher.spare) when it has one: the pipe's driver said that the broker
+// refused the last link for want of something to give it
+// (driver.Pipe.Refused), the last source ended by itself
+// (driver.ErrSourceDone), or the driver attaches a lost link again on its
+// connection (driver.Pipe.ReattachOn). A new connection is opened only
+// when that one is lost. (On Service Bus this is how a session consumer
+// asks for the next session, and how a detached link is recovered.)
 func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 	l, by := p.att.spare, time.Now().Add(s.cfg.dialTimeout)
 	p.att.spare = nil
 	// On the connection of a lost link attached again there (see
-	// brokerKind.reattachOn), which also carries what the lost link left
+	// driver.Pipe.ReattachOn), which also carries what the lost link left
 	// open until this one is up.
 	relink := l != nil && p.att.retired != nil && l.connection == p.att.retired.connection
 	if l == nil {
@@ -57,7 +56,7 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 	conn := c.conn
 	var err error
 	fail := func(what string, err error) (*link, error) {
-		if relink && live(conn) && (ctx.Err() != nil || p.kind.reattachOn(ctx, c, err, true)) {
+		if relink && live(conn) && (ctx.Err() != nil || p.kind.ReattachOn(ctx, c.reclaim, err, true)) {
 			// Cut short (a stop, or DialTimeout), or refused as the kind
 			// says is worth asking again on the same connection: it
 			// stays, for the next attempt and for what the lost link
@@ -91,10 +90,10 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 		SourceCapabilities: s.cfg.profile.f.SourceCaps,
 		Name:               s.cfg.linkName,
 	}
-	p.kind.receiverOptions(ro)
+	p.kind.ReceiverOptions(ro)
 	l.rcv, err = l.sess.NewReceiver(ctx, addr, ro)
 	if err != nil {
-		if r, _ := p.kind.refused(err, 0); r != refusedNot && live(conn) {
+		if r, _ := p.kind.Refused(err, 0); r != driver.RefusedNot && live(conn) {
 			// The broker refused the link for want of something to give
 			// it (a Service Bus session) and nothing else: the
 			// connection and session stay for the next attach.
@@ -118,13 +117,47 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 			s.log.Warn("dead-letter address refused at a reconnect; going on, copies will try it again", zap.Error(err))
 		}
 	}
-	src, step, err := p.kind.attached(ctx, l)
+	src, step, err := p.kind.Attached(ctx, l)
 	if err != nil {
-		return fail(step, err)
+		return fail(step, mismatch(err))
 	}
-	l.src = src
+	if l.src = src; src == nil {
+		l.src = l.rcv
+	}
 	return l, nil
 }
+
+// errQueueMismatch wraps ErrInvalidOption for a queue that does not fit an
+// option (a driver's MismatchError), found at an attach.
+var errQueueMismatch = fmt.Errorf("%w for this queue", ErrInvalidOption)
+
+// mismatch turns a driver's MismatchError into an errQueueMismatch.
+func mismatch(err error) error {
+	var me *driver.MismatchError
+	if errors.As(err, &me) {
+		return fmt.Errorf("%w: %s", errQueueMismatch, me.Detail)
+	}
+	return err
+}
+
+// Conn is l's connection (driver.Link).
+func (l *link) Conn() *amqp.Conn { return l.conn }
+
+// Broker names the address l is connected to (driver.Link).
+func (l *link) Broker() string { return l.addr }
+
+// Session is l's AMQP session (driver.Link).
+func (l *link) Session() *amqp.Session { return l.sess }
+
+// Receiver is l's receiver (driver.Link); nil on a link opened for a node
+// only (pipeEnv.OpenSession).
+func (l *link) Receiver() *amqp.Receiver { return l.rcv }
+
+// Ext is what the pipe's driver keeps of l (driver.Link).
+func (l *link) Ext() any { return l.ext }
+
+// SetExt keeps v with l, for the pipe's driver (driver.Link).
+func (l *link) SetExt(v any) { l.ext = v }
 
 // connect opens a connection for an attach, from the address at index from
 // on for a DialFailover connector, each address within DialTimeout (see
@@ -236,7 +269,7 @@ func (s *Subscriber) closeLink(ctx context.Context, l *link, why error) {
 // $management link pair), the receiver, and the AMQP session. The
 // connection, and what runs beside it, stay.
 func (s *Subscriber) closeSession(ctx context.Context, l *link, why error) {
-	l.kind.release(ctx, l, why, func() {
+	l.kind.Release(ctx, l, why, func() {
 		if l.rcv != nil && s.cfg.profile.f.Detach {
 			if err := l.rcv.Close(ctx); err != nil {
 				s.log.Debug("close receiver", zap.Error(err))
@@ -302,7 +335,7 @@ type attacher struct {
 	// for want of a session, or this slot moved on from an idle session.
 	// attach takes it; the attacher closes it when it returns without.
 	// Also the connection of a lost link that is attached again on it
-	// (brokerKind.reattachOn).
+	// (driver.Pipe.ReattachOn).
 	spare *link
 	// retired is the lost link whose connection is spare, kept open, and
 	// the pipe's current link, until the next link is up (see

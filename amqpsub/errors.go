@@ -5,7 +5,7 @@ import (
 
 	"github.com/Azure/go-amqp"
 	"github.com/amqpsub/amqpsub/internal/driver"
-	"github.com/amqpsub/amqpsub/internal/servicebus"
+	"github.com/amqpsub/amqpsub/internal/driver/servicebus"
 	"github.com/amqpsub/amqpsub/internal/wire"
 )
 

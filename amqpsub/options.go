@@ -52,39 +52,46 @@ type config struct {
 	deadLetterCopy string
 	// waitForQueue makes amqp:not-found at attach a reason to wait.
 	waitForQueue bool
-	// Session consumers (Service Bus): maxSessions > 0 or sessionIDs.
-	maxSessions int
-	sessionIDs  []string
-	sessionIdle time.Duration
-	// maxLockRenewal and settleTimeout: peek-lock profiles only.
-	maxLockRenewal time.Duration
-	settleTimeout  time.Duration
-	errs           []error
+	// slots, when not nil, makes one pipe per element, each asking its
+	// broker for that key ("" for whatever is free) and holding one group
+	// at a time (so its groups are pinned to it), the credit shared
+	// between them. A broker's options set it (Service Bus's Sessions
+	// and SessionIDs); nil is one pipe.
+	slots []string
+	// broker holds the options of the profile's broker, set by the
+	// option functions in its file; nil when none was given.
+	broker brokerOptions
+	errs   []error
+}
+
+// brokerOptions are a broker's own options (config.broker), kept for its
+// driver by the option functions in the broker's file.
+type brokerOptions interface {
+	// check checks them against the rest of cfg, once every option has
+	// been applied and the connector has validated cfg.
+	check(cfg *config)
+	// driver returns them as the driver reads them
+	// (driver.PipeConfig.Options).
+	driver() any
 }
 
 func defaultConfig() config {
 	return config{
-		credit:         256,
-		workers:        1,
-		batchSize:      100,
-		batchWait:      10 * time.Millisecond,
-		grace:          30 * time.Second,
-		dialTimeout:    10 * time.Second,
-		closeTimeout:   5 * time.Second,
-		profile:        Artemis,
-		log:            zap.NewNop(),
-		idleTimeout:    30 * time.Second,
-		backoffMin:     100 * time.Millisecond,
-		backoffMax:     2 * time.Second,
-		isFatal:        IsFatal,
-		maxLockRenewal: 5 * time.Minute,
-		sessionIdle:    time.Minute,
-		settleTimeout:  30 * time.Second,
+		credit:       256,
+		workers:      1,
+		batchSize:    100,
+		batchWait:    10 * time.Millisecond,
+		grace:        30 * time.Second,
+		dialTimeout:  10 * time.Second,
+		closeTimeout: 5 * time.Second,
+		profile:      Artemis,
+		log:          zap.NewNop(),
+		idleTimeout:  30 * time.Second,
+		backoffMin:   100 * time.Millisecond,
+		backoffMax:   2 * time.Second,
+		isFatal:      IsFatal,
 	}
 }
-
-// sessions reports whether the subscriber is a session consumer.
-func (c *config) sessions() bool { return c.maxSessions > 0 || len(c.sessionIDs) > 0 }
 
 // checked returns the option that applies set when ok, and otherwise
 // reports "name(v): rule" as invalid.

@@ -14,9 +14,6 @@ type Profile struct {
 	drv driver.Driver
 	// f is drv's facts, read once.
 	f driver.Facts
-	// kind, when set, makes the pipe's kind in place of the plain kind
-	// over drv's pipe part (the Service Bus kind, sbkind.go).
-	kind func(p *pipe, session string) brokerKind
 }
 
 // String returns the profile's name.

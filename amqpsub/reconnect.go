@@ -24,7 +24,7 @@ func (a *attacher) reconnectWait(err error, k int) time.Duration {
 func (a *attacher) attach(ctx context.Context, lost error) (driver.Source, error) {
 	s := a.s
 	a.p.lostLink()
-	a.p.kind.attachedSource(nil)
+	a.p.kind.SourceAttached(nil)
 	first := 0
 	moveOn := errors.Is(lost, driver.ErrSourceDone) // a session consumer's next session
 	defer a.closeSpare(ctx)
@@ -39,7 +39,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (driver.Source, error
 			s.closeSession(cctx, a.current, lost)
 			cancel()
 			a.spare = &link{connection: a.current.connection, kind: a.p.kind}
-		case !moveOn && lost != nil && live(a.current.conn) && a.p.kind.reattachOn(ctx, a.current.connection, lost, false):
+		case !moveOn && lost != nil && live(a.current.conn) && a.p.kind.ReattachOn(ctx, a.current.reclaim, lost, false):
 			// The link is attached again on its connection. Where a lost
 			// link's deliveries stay settleable (LeasesOutliveLinks), the
 			// lost one stays the pipe's current link until the next is
@@ -99,7 +99,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (driver.Source, error
 			a.endRetired(ctx, lost)
 			s.attached(a.p, l)
 			if l == nil {
-				a.p.kind.attachedSource(src)
+				a.p.kind.SourceAttached(src)
 			}
 			if a.before && !moveOn {
 				n := attempt - first + 1
@@ -121,7 +121,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (driver.Source, error
 				// Stopped while OnReconnect ran: nobody will use the new
 				// link, and Run no longer closes it.
 				a.p.current.Store(nil)
-				a.p.kind.attachedSource(nil)
+				a.p.kind.SourceAttached(nil)
 				a.current = nil
 				if l != nil { // nil under a test source
 					s.closeLink(context.WithoutCancel(ctx), l, nil)
@@ -130,13 +130,13 @@ func (a *attacher) attach(ctx context.Context, lost error) (driver.Source, error
 			}
 			return src, nil
 		}
-		refused, heldWait := a.p.kind.refused(err, attempt-first)
-		noSession := refused != refusedNot
+		refused, heldWait := a.p.kind.Refused(err, attempt-first)
+		noSession := refused != driver.RefusedNot
 		waiting := s.cfg.waitForQueue && isNotFound(err) || noSession
 		switch {
 		case ctx.Err() != nil:
 			return nil, ctx.Err()
-		case refused == refusedNoneFree:
+		case refused == driver.RefusedNoneFree:
 			// The service waited for a session to become free and none
 			// did: ask again at once (on the same connection).
 			a.served = true
@@ -175,7 +175,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (driver.Source, error
 			return nil, fmt.Errorf("%w: reconnecting failed: %w", ErrLinkLost, err)
 		}
 		pause := a.reconnectWait(err, attempt)
-		if refused == refusedHeld {
+		if refused == driver.RefusedHeld {
 			// Another receiver holds what was asked for (a named
 			// session): ask again, on the same connection, after the
 			// kind's wait.
@@ -213,7 +213,7 @@ func (s *Subscriber) attachOnce(ctx context.Context, p *pipe) (driver.Source, *l
 	if err != nil {
 		return nil, nil, err
 	}
-	if err := p.kind.ready(ctx, l); err != nil {
+	if err := p.kind.Ready(ctx, l); err != nil {
 		s.closeLink(ctx, l, nil)
 		return nil, nil, err
 	}

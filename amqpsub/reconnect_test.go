@@ -15,8 +15,8 @@ import (
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/internal/backoff"
 	"github.com/amqpsub/amqpsub/internal/driver"
+	"github.com/amqpsub/amqpsub/internal/driver/servicebus"
 	"github.com/amqpsub/amqpsub/internal/fake"
-	"github.com/amqpsub/amqpsub/internal/servicebus"
 	"github.com/amqpsub/amqpsub/internal/wire"
 )
 

@@ -76,7 +76,7 @@ func (s *Subscriber) Run(ctx context.Context) error {
 		runs[i] = r
 		// What the kind runs beside the pipe (a lease book) ends after the
 		// pumps: their settlers may use it until they have returned.
-		defer p.kind.start(context.WithoutCancel(ctx))()
+		defer p.kind.Start(context.WithoutCancel(ctx))()
 		go func() {
 			r.err = p.pump.Run(pctx, p.att.attach)
 			close(r.done)
@@ -186,7 +186,7 @@ func (s *Subscriber) Run(ctx context.Context) error {
 			continue
 		}
 		r.p.current.Store(nil)
-		r.p.kind.attachedSource(nil)
+		r.p.kind.SourceAttached(nil)
 		if l := r.p.att.current; l != nil {
 			closings.Go(func() { s.closeWithin(l, closeBy) })
 		}
@@ -297,7 +297,7 @@ func (s *Subscriber) finishBuffered(runs []*running, stopAt time.Time) {
 	}
 	var counted []*running
 	for _, r := range runs {
-		if r.p.kind.returnsCounted() {
+		if r.p.kind.ReturnsCounted() {
 			r.p.pump.Hold()
 			counted = append(counted, r)
 		}

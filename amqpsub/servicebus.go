@@ -12,7 +12,7 @@ import (
 
 	"github.com/Azure/go-amqp"
 
-	"github.com/amqpsub/amqpsub/internal/servicebus"
+	"github.com/amqpsub/amqpsub/internal/driver/servicebus"
 	"github.com/amqpsub/amqpsub/internal/wire"
 )
 
@@ -188,9 +188,9 @@ func (c *sbConnector) connect(ctx context.Context, req connectRequest) (*connect
 // from the handler's start.
 func MaxLockRenewal(d time.Duration) Option {
 	return checked("MaxLockRenewal", d, d >= 0, "must be ≥ 0", func(c *config) {
-		c.maxLockRenewal = d
-		if d == 0 {
-			c.maxLockRenewal = time.Nanosecond
+		o := sbOptionsOf(c)
+		if o.o.MaxRenewal = d; d == 0 {
+			o.o.MaxRenewal = time.Nanosecond
 		}
 	})
 }
@@ -227,7 +227,9 @@ func Sessions(max int) Option {
 			c.invalid("Sessions(%d): must be between 1 and %d", max, maxSessions)
 			return
 		}
-		c.maxSessions = max
+		o := sbOptionsOf(c)
+		o.maxSessions = max
+		c.slots = make([]string, max)
 	})
 }
 
@@ -250,7 +252,9 @@ func SessionIDs(ids ...string) Option {
 			}
 			seen[id] = true
 		}
-		c.sessionIDs = slices.Clone(ids)
+		o := sbOptionsOf(c)
+		o.ids = slices.Clone(ids)
+		c.slots = o.ids
 	})
 }
 
@@ -261,7 +265,7 @@ func SessionIDs(ids ...string) Option {
 // a few seconds keeps the consumer moving. Must be > 0. Default: 1 min.
 func SessionIdleTimeout(d time.Duration) Option {
 	return checked("SessionIdleTimeout", d, d > 0, "must be > 0", func(c *config) {
-		c.sessionIdle = d
+		sbOptionsOf(c).o.SessionIdle = d
 	})
 }
 
@@ -274,7 +278,7 @@ func SessionIdleTimeout(d time.Duration) Option {
 // again. Must be ≥ 1 s. Default: 30 s.
 func SettleTimeout(d time.Duration) Option {
 	return checked("SettleTimeout", d, d >= time.Second, "must be ≥ 1s (it is also the frame's write deadline)", func(c *config) {
-		c.settleTimeout = d
+		sbOptionsOf(c).o.SettleTimeout = d
 	})
 }
 
@@ -422,11 +426,43 @@ var AzureServiceBus = azureServiceBus()
 
 func init() { known = append(known, AzureServiceBus) }
 
-func azureServiceBus() Profile {
-	p := newProfile(sbDriver{})
-	p.kind = newServiceBusKind
-	return p
+func azureServiceBus() Profile { return newProfile(servicebus.Driver{}) }
+
+// sbOptions are Service Bus's options (config.broker).
+type sbOptions struct {
+	o servicebus.Options
+	// maxSessions and ids: Sessions and SessionIDs, of which one may be
+	// given (each sets config.slots).
+	maxSessions int
+	ids         []string
 }
+
+// sbOptionsOf returns cfg's Service Bus options, made with their defaults
+// by the first option that sets one.
+func sbOptionsOf(c *config) *sbOptions {
+	o, ok := c.broker.(*sbOptions)
+	if !ok {
+		o = &sbOptions{o: servicebus.DefaultOptions()}
+		c.broker = o
+	}
+	return o
+}
+
+// check checks Sessions and SessionIDs.
+func (o *sbOptions) check(cfg *config) {
+	if o.maxSessions == 0 && len(o.ids) == 0 {
+		return
+	}
+	switch {
+	case !cfg.profile.f.PeekLock:
+		cfg.invalid("Sessions and SessionIDs need the AzureServiceBus profile")
+	case o.maxSessions > 0 && len(o.ids) > 0:
+		cfg.invalid("give Sessions or SessionIDs, not both")
+	}
+	o.o.Sessions = true
+}
+
+func (o *sbOptions) driver() any { return o.o }
 
 // peekLockProfile sets the AzureServiceBus profile unless another was
 // given, which is an error.
@@ -439,26 +475,16 @@ func peekLockProfile(cfg *config) {
 	}
 }
 
-// validateSessions checks Sessions and SessionIDs.
-func validateSessions(cfg *config) {
-	if !cfg.sessions() {
-		return
-	}
-	switch {
-	case !cfg.profile.f.PeekLock:
-		cfg.invalid("Sessions and SessionIDs need the AzureServiceBus profile")
-	case cfg.maxSessions > 0 && len(cfg.sessionIDs) > 0:
-		cfg.invalid("give Sessions or SessionIDs, not both")
-	}
-}
-
 // SessionID returns the Service Bus session the delivery belongs to, when
 // it came through a session consumer ([Sessions], [SessionIDs]); "" otherwise.
 func (d *Delivery) SessionID() string {
-	if d.l == nil || d.l.sb() == nil || d.l.sb().session == nil {
+	if d.l == nil {
 		return ""
 	}
-	return d.l.sb().session.ID()
+	if src := servicebus.LinkSession(d.l); src != nil {
+		return src.ID()
+	}
+	return ""
 }
 
 // SessionState returns the state stored with the delivery's session (nil
@@ -485,13 +511,17 @@ func (d *Delivery) SetSessionState(ctx context.Context, state []byte) error {
 }
 
 func (d *Delivery) heldSession() (*servicebus.Session, error) {
-	if d.l == nil || d.l.sb() == nil || d.l.sb().session == nil {
+	if d.l == nil {
 		return nil, ErrNoSession
 	}
-	if d.t.Stale() {
-		return nil, fmt.Errorf("%w: session %q: its link is gone", ErrNoSession, d.l.sb().session.ID())
+	src := servicebus.LinkSession(d.l)
+	switch {
+	case src == nil:
+		return nil, ErrNoSession
+	case d.t.Stale():
+		return nil, fmt.Errorf("%w: session %q: its link is gone", ErrNoSession, src.ID())
 	}
-	return d.l.sb().session, nil
+	return src, nil
 }
 
 func sessionErr(err error) error {

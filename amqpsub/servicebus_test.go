@@ -30,7 +30,7 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
-	"github.com/amqpsub/amqpsub/internal/servicebus"
+	"github.com/amqpsub/amqpsub/internal/driver/servicebus"
 	"github.com/amqpsub/amqpsub/internal/wait"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -637,7 +637,7 @@ func TestServiceBusManagementLinkDies(t *testing.T) {
 				waitUntil(t, 10*time.Second, "a renewal", func() bool { return s.Stats().Locks.Renewed >= 4 })
 			}
 			cctx, ccancel := context.WithTimeout(context.Background(), time.Second)
-			_ = tc.link(l.sb().mgmt).Close(cctx) // the link is gone
+			_ = tc.link(servicebus.LinkManagement(l)).Close(cctx) // the link is gone
 			ccancel()
 			if !tc.afterRenew {
 				p.enqueue(t, q, 4, nil)
@@ -702,7 +702,7 @@ func TestServiceBusManagementLinkDiesSession(t *testing.T) {
 	waitUntil(t, 10*time.Second, "a session lock renewal", func() bool { return lockedUntil() > first })
 	l := s.pipes[0].current.Load()
 	cctx, ccancel := context.WithTimeout(context.Background(), time.Second)
-	_, rcv := l.sb().mgmt.Pair()
+	_, rcv := servicebus.LinkManagement(l).Pair()
 	_ = rcv.Close(cctx)
 	ccancel()
 	waitUntil(t, 30*time.Second, "1 completed", func() bool { return p.stat(t, q, "completed") == 1 })

@@ -80,8 +80,16 @@ func (s *Subscriber) rejection(d *Delivery, oe *OutcomeError, lost bool) driver.
 	return driver.Outcome{Kind: driver.Reject, Error: oe.rejectError(cond)}
 }
 
-// settle hands t's settlement to the pump, through the pipe's kind: on
-// Service Bus, which sends settlements concurrently, in the order of its
-// group (see sbKind.settle). lane is the delivery's lane, -1 when it is
-// not known (a release at a stop).
-func (p *pipe) settle(t driver.Ticket, o driver.Outcome, lane int) { p.kind.settle(t, o, lane) }
+// settle hands t's settlement to the pump, with the outcome the pipe's
+// driver sends for o, and in the order the driver asks for
+// (driver.Pipe.SettleOrder: a broker whose settlements go out
+// concurrently keeps a group's in order). lane is the delivery's lane, -1
+// when it is not known (a release at a stop).
+func (p *pipe) settle(t driver.Ticket, o driver.Outcome, lane int) {
+	o = p.kind.Outcome(o)
+	if key, ok := p.kind.SettleOrder(t, lane); ok {
+		p.pump.SettleInOrder(t, o, key)
+		return
+	}
+	p.pump.Settle(t, o)
+}

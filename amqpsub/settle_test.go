@@ -17,8 +17,8 @@ import (
 
 	"github.com/Azure/go-amqp"
 	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/internal/driver/servicebus"
 	"github.com/amqpsub/amqpsub/internal/fake"
-	"github.com/amqpsub/amqpsub/internal/servicebus"
 )
 
 // The settlements of a group reach the broker in the order its messages

@@ -5,9 +5,10 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/amqpsub/amqpsub/internal/pump"
-
 	"go.uber.org/zap/zapcore"
+
+	"github.com/amqpsub/amqpsub/internal/driver"
+	"github.com/amqpsub/amqpsub/internal/pump"
 )
 
 // Stats are a [Subscriber]'s counters: totals since [New], and a census of the
@@ -195,7 +196,7 @@ func (s *Subscriber) Stats() Stats {
 		st.Parked += min(group+stalled, q.Held)
 		st.CreditLimit += pp.pump.Credit()
 		addPump(&st, q)
-		pp.kind.addLocks(&st.Locks)
+		st.Locks.add(pp.kind.Locks())
 	}
 	st.Results = Results{
 		Accept:       s.results.accept.Load(),
@@ -291,4 +292,16 @@ func (st Stats) MarshalLogObject(enc zapcore.ObjectEncoder) error {
 		}
 	}
 	return nil
+}
+
+// add adds a driver's lease counters to l.
+func (l *Locks) add(d driver.Locks) {
+	l.Held += d.Held
+	l.RenewRequests += d.RenewRequests
+	l.Renewed += d.Renewed
+	l.RenewFailures += d.RenewFailures
+	l.Lost += d.Lost
+	l.Unrenewable += d.Unrenewable
+	l.SettledByToken += d.SettledByToken
+	l.DispositionRequests += d.DispositionRequests
 }

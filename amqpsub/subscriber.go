@@ -118,7 +118,9 @@ func build(c Connector, queue string, opts []Option, batch bool) (*Subscriber, e
 	if cfg.balanced && !cfg.byKey {
 		cfg.invalid("BalanceKeys needs WorkersByKey")
 	}
-	validateSessions(&cfg)
+	if cfg.broker != nil {
+		cfg.broker.check(&cfg)
+	}
 	if !cfg.fatalSet {
 		cfg.isFatal = cfg.profile.defaultFatal()
 	}
@@ -137,15 +139,11 @@ func build(c Connector, queue string, opts []Option, batch bool) (*Subscriber, e
 		closeReq:  make(chan struct{}),
 		done:      make(chan struct{}),
 	}
-	// A session consumer has one pipe per session held at once, the
-	// credit shared between them.
-	sessions, credit := 1, cfg.credit
-	if cfg.sessions() {
-		sessions = cfg.maxSessions
-		if len(cfg.sessionIDs) > 0 {
-			sessions = len(cfg.sessionIDs)
-		}
-		credit = max(1, cfg.credit/sessions)
+	// One pipe per slot (a Service Bus session held at once), the credit
+	// shared between them.
+	pipes, credit := 1, cfg.credit
+	if n := len(cfg.slots); n > 0 {
+		pipes, credit = n, max(1, cfg.credit/n)
 	}
 	if cfg.metrics != nil {
 		// The Recorder is made first, since the pipes report to it; an
@@ -154,7 +152,7 @@ func build(c Connector, queue string, opts []Option, batch bool) (*Subscriber, e
 		s.rec = cfg.metrics.Recorder(MetricsInfo{
 			Queue:  queue,
 			System: cfg.profile.system(),
-			Credit: credit * sessions,
+			Credit: credit * pipes,
 			Lanes:  cfg.workers,
 			Batch:  batch,
 			Stats: func() Stats {
@@ -167,12 +165,12 @@ func build(c Connector, queue string, opts []Option, batch bool) (*Subscriber, e
 		})
 	}
 	s.events = newEvents(cfg.onEvent, s.rec)
-	for i := range sessions {
-		id := ""
-		if len(cfg.sessionIDs) > 0 {
-			id = cfg.sessionIDs[i]
+	for i := range pipes {
+		key := ""
+		if len(cfg.slots) > 0 {
+			key = cfg.slots[i]
 		}
-		s.pipes = append(s.pipes, s.newPipe(i, credit, id))
+		s.pipes = append(s.pipes, s.newPipe(i, credit, key))
 	}
 	s.built.Store(true)
 	return s, nil

@@ -42,7 +42,8 @@ func (c sourceConnector) attach(ctx context.Context, s *Subscriber, p *pipe) (dr
 	if err != nil {
 		return nil, err
 	}
-	if step, err := p.kind.checkSource(src); err != nil {
+	if step, err := p.kind.CheckSource(src); err != nil {
+		err = mismatch(err)
 		if cl, ok := src.(interface{ Close(context.Context) error }); ok {
 			_ = cl.Close(ctx)
 		}
@@ -58,7 +59,7 @@ func (c sourceConnector) validate(cfg *config, _ string) {
 		return
 	}
 	peekLockProfile(cfg)
-	if cfg.sessions() {
+	if len(cfg.slots) > 0 {
 		cfg.invalid("Sessions and SessionIDs: %s does not play Service Bus sessions", c)
 	}
 }

@@ -13,7 +13,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
-	"github.com/amqpsub/amqpsub/internal/servicebus"
+	"github.com/amqpsub/amqpsub/internal/driver/servicebus"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }

@@ -11,7 +11,7 @@ import (
 	"github.com/Azure/go-amqp"
 
 	"github.com/amqpsub/amqpsub/amqpsub"
-	"github.com/amqpsub/amqpsub/internal/servicebus"
+	"github.com/amqpsub/amqpsub/internal/driver/servicebus"
 )
 
 // Service Bus peek-lock, as the queue plays it under

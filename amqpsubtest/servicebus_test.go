@@ -14,7 +14,7 @@ import (
 
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/amqpsubtest"
-	"github.com/amqpsub/amqpsub/internal/servicebus"
+	"github.com/amqpsub/amqpsub/internal/driver/servicebus"
 	"github.com/amqpsub/amqpsub/internal/shapes"
 )
 

@@ -1,13 +1,11 @@
 package driver
 
 import (
-	"context"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/Azure/go-amqp"
-	"go.uber.org/zap"
 )
 
 // Facts are what a broker's driver says of its broker, fixed for the
@@ -59,10 +57,10 @@ type Facts struct {
 // driver the package knows, as a link is attached, to suggest a better
 // profile; FatalCond of every driver the package knows, in IsFatal;
 // DefaultFatal in the default FatalErrors test; Wait after every failed
-// attach and every lost link; and NewPipe once per pipe (of a profile that
-// makes no kind of its own), whose Pipe it then calls as Pipe's doc says.
-// A driver imports nothing of the core or the engine: it reaches them
-// only through the interfaces of this package (PipeEnv, Source).
+// attach and every lost link; and NewPipe once per pipe, whose Pipe it
+// then calls as Pipe's doc says. A driver imports nothing of the core or
+// the engine: it reaches them only through the interfaces of this package
+// (PipeEnv, EngineEnv, Link, Source, Leases).
 type Driver interface {
 	// Facts returns the broker's static facts.
 	Facts() Facts
@@ -80,39 +78,9 @@ type Driver interface {
 	// Wait is the least wait after err before the next attach: the
 	// broker said it is throttling. 0 otherwise.
 	Wait(err error) time.Duration
-	// NewPipe returns what the driver adds to the links of one pipe, nil
-	// for nothing.
+	// NewPipe returns what the driver adds to the links of one pipe
+	// (Base for nothing).
 	NewPipe(env PipeEnv) Pipe
-}
-
-// PipeEnv is what the core tells a driver of the pipe it serves.
-type PipeEnv interface {
-	// Log is the subscriber's logger.
-	Log() *zap.Logger
-	// Queue is the queue name the subscriber was made for.
-	Queue() string
-	// MaxDeliveryCount is the MaxDeliveryCount option, 0 when not given.
-	MaxDeliveryCount() int
-}
-
-// Pipe is what a driver adds to the links of one pipe. The core calls
-// Attached once each link's receiver is attached (AttachedSource for a
-// test source in its place), Settle on every settlement it hands the
-// engine, and ReturnsCounted as a graceful stop begins.
-type Pipe interface {
-	// Attached runs once a receiver is attached on conn, within ctx. On
-	// an error, step names what failed, and the core closes the link. A
-	// *MismatchError says the queue does not fit an option.
-	Attached(ctx context.Context, conn *amqp.Conn) (step string, err error)
-	// AttachedSource is Attached for a test source (package amqpsubtest)
-	// attached in place of a link.
-	AttachedSource(src Source) (step string, err error)
-	// Settle returns the outcome to send for o.
-	Settle(o Outcome) Outcome
-	// ReturnsCounted says whether the broker counts a release as a
-	// delivery attempt, as far as the driver knows now: a graceful stop
-	// then finishes what is buffered before it releases anything.
-	ReturnsCounted() bool
 }
 
 // MismatchError says the queue does not fit an option the subscriber was
@@ -137,8 +105,8 @@ func (Plain) DefaultFatal(error) bool { return false }
 // Wait asks for no wait.
 func (Plain) Wait(error) time.Duration { return 0 }
 
-// NewPipe adds nothing.
-func (Plain) NewPipe(PipeEnv) Pipe { return nil }
+// NewPipe returns a pipe part that adds nothing (Base).
+func (Plain) NewPipe(PipeEnv) Pipe { return Base{} }
 
 // Address uses the queue name as the address.
 func (Plain) Address(q string) string { return q }

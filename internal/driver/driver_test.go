@@ -85,22 +85,22 @@ func TestPlainDriversAddNoCondition(t *testing.T) {
 // Reject into modified{delivery-failed, undeliverable-here}.
 func TestRabbitMQ4QueueType(t *testing.T) {
 	p := rabbitmq4.New(cond).NewPipe(env{max: 5})
-	if _, err := p.AttachedSource(queue{typ: "classic"}); !errors.As(err, new(*driver.MismatchError)) {
+	if _, err := p.CheckSource(queue{typ: "classic"}); !errors.As(err, new(*driver.MismatchError)) {
 		t.Fatalf("classic queue with MaxDeliveryCount: %v, want a MismatchError", err)
 	}
 	if p.ReturnsCounted() {
 		t.Error("a classic queue counts returns")
 	}
-	if o := p.Settle(driver.Outcome{Kind: driver.Reject}); o.Kind != driver.Reject {
+	if o := p.Outcome(driver.Outcome{Kind: driver.Reject}); o.Kind != driver.Reject {
 		t.Errorf("a Reject on a classic queue sent as %+v", o)
 	}
-	if _, err := p.AttachedSource(queue{typ: "quorum", limit: 20}); err != nil {
+	if _, err := p.CheckSource(queue{typ: "quorum", limit: 20}); err != nil {
 		t.Fatal(err)
 	}
 	if !p.ReturnsCounted() {
 		t.Error("a quorum queue counts no returns")
 	}
-	if o := p.Settle(driver.Outcome{Kind: driver.Reject}); o.Kind != driver.Modify || !o.UndeliverableHere {
+	if o := p.Outcome(driver.Outcome{Kind: driver.Reject}); o.Kind != driver.Modify || !o.UndeliverableHere {
 		t.Errorf("a Reject on a quorum queue sent as %+v", o)
 	}
 }

@@ -6,12 +6,18 @@ import (
 	"github.com/amqpsub/amqpsub/internal/driver"
 )
 
-// env is a pipe's environment with MaxDeliveryCount max.
-type env struct{ max int }
+// env is a pipe's environment for queue "q" with MaxDeliveryCount max.
+// It plays only what RabbitMQ 4's pipe reads: any other call panics on the
+// nil PipeEnv.
+type env struct {
+	driver.PipeEnv
+	max int
+}
 
-func (env) Log() *zap.Logger        { return zap.NewNop() }
-func (env) Queue() string           { return "q" }
-func (e env) MaxDeliveryCount() int { return e.max }
+func (env) Log() *zap.Logger { return zap.NewNop() }
+func (e env) Config() driver.PipeConfig {
+	return driver.PipeConfig{Queue: "q", Address: "/queues/q", MaxDeliveryCount: e.max}
+}
 
 // queue is a test source that plays a RabbitMQ 4 queue of type typ.
 type queue struct {

@@ -77,6 +77,7 @@ func (Driver) NewPipe(env driver.PipeEnv) driver.Pipe { return &pipe{env: env} }
 
 // pipe keeps what the last attach read of the queue.
 type pipe struct {
+	driver.Base
 	env   driver.PipeEnv
 	queue atomic.Pointer[queueInfo] // what the last attach read; nil before
 	warn  atomic.Bool               // the management node's failure was logged
@@ -94,11 +95,13 @@ type queueInfo struct {
 	reused bool
 }
 
-func (k *pipe) Attached(ctx context.Context, conn *amqp.Conn) (string, error) {
-	q, err := readQueue(ctx, conn, address(k.env.Queue()))
+// Attached reads the queue's type and delivery limit from the management
+// node on l's connection.
+func (k *pipe) Attached(ctx context.Context, l driver.Link) (driver.Source, string, error) {
+	q, err := readQueue(ctx, l.Conn(), address(k.env.Config().Queue))
 	if err != nil {
 		if ctx.Err() != nil {
-			return "read the queue's type", err
+			return nil, "read the queue's type", err
 		}
 		if !k.warn.Swap(true) {
 			k.env.Log().Warn("could not read the queue's type from RabbitMQ's management node; going on with the type an earlier attach read, or else as on a quorum queue, rejecting without the reason",
@@ -113,20 +116,20 @@ func (k *pipe) Attached(ctx context.Context, conn *amqp.Conn) (string, error) {
 		}
 	}
 	if err := k.use(q); err != nil {
-		return "check the queue", err
+		return nil, "check the queue", err
 	}
-	return "", nil
+	return nil, "", nil
 }
 
 // use keeps q, what an attach read of the queue, for the settlements and
 // the stop, and refuses MaxDeliveryCount on a classic queue.
 func (k *pipe) use(q queueInfo) error {
 	k.queue.Store(&q)
-	if n := k.env.MaxDeliveryCount(); q.typ == "classic" && n > 0 {
+	if n := k.env.Config().MaxDeliveryCount; q.typ == "classic" && n > 0 {
 		return &driver.MismatchError{Detail: fmt.Sprintf("MaxDeliveryCount(%d) on classic queue %q: RabbitMQ counts no "+
 			"delivery attempts on a classic queue, so no delivery would ever reach the limit; use a quorum queue "+
 			"(its x-delivery-limit dead-letters too), or leave MaxDeliveryCount off and count attempts in the handler (by message-id) to Reject",
-			n, k.env.Queue())}
+			n, k.env.Config().Queue)}
 	}
 	if q.typ != "" && !q.reused {
 		// Once per attach, beside "attached": what a return costs here.
@@ -142,9 +145,9 @@ type QueueSource interface {
 	RabbitMQQueue() (typ string, deliveryLimit int64)
 }
 
-// AttachedSource: the queue is what the source says, or, from a source
+// CheckSource: the queue is what the source says, or, from a source
 // that plays no RabbitMQ 4 queue, one whose type could not be read.
-func (k *pipe) AttachedSource(src driver.Source) (string, error) {
+func (k *pipe) CheckSource(src driver.Source) (string, error) {
 	var q queueInfo
 	if rs, ok := src.(QueueSource); ok {
 		q.typ, q.limit = rs.RabbitMQQueue()
@@ -158,11 +161,11 @@ func (k *pipe) ReturnsCounted() bool {
 	return q == nil || q.typ != "classic"
 }
 
-// Settle sends a Reject on a quorum queue as modified{delivery-failed,
+// Outcome sends a Reject on a quorum queue as modified{delivery-failed,
 // undeliverable-here} with the reason in annotations, which the queue
 // dead-letters keeping them; a rejected outcome's error reaches nothing on
 // RabbitMQ.
-func (k *pipe) Settle(o driver.Outcome) driver.Outcome {
+func (k *pipe) Outcome(o driver.Outcome) driver.Outcome {
 	if o.Kind == driver.Reject {
 		if q := k.queue.Load(); q != nil && q.typ == "quorum" {
 			return QuorumReject(o.Error)

@@ -13,8 +13,8 @@ import (
 
 // Management is an entity's $management node on a link's session. Its rpc
 // attaches a new link pair when one dies; when that fails, the receive
-// link is given up too: by AbandonLink, which amqpsub's lock renewer calls
-// (amqpsub's sbkind.go), or, for a session, by Session.renew.
+// link is given up too: by AbandonLink, which the pipe's lock renewer
+// calls (pipe.go, renewer), or, for a session, by Session.renew.
 type Management struct {
 	*rpc
 	linkName string // the receive link, named in each request
@@ -71,7 +71,7 @@ func (m *Management) Request(ctx context.Context, operation string, body map[str
 	props := map[string]any{"operation": operation}
 	if m.linkName != "" {
 		// None for a node that serves no receive link of its connection
-		// (amqpsub's stop node, sbkind.go).
+		// (the stop node, pipe.stopNode).
 		props["associated-link-name"] = m.linkName
 	}
 	if dl, ok := ctx.Deadline(); ok {

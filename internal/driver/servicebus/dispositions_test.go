@@ -13,7 +13,7 @@ import (
 
 	"github.com/amqpsub/amqpsub/internal/driver"
 
-	"github.com/amqpsub/amqpsub/internal/servicebus"
+	"github.com/amqpsub/amqpsub/internal/driver/servicebus"
 )
 
 // goAMQPLink plays a receive link's settlement as go-amqp 1.7 does it: the

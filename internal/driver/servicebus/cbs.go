@@ -229,8 +229,8 @@ var errRefresherStopped = errors.New("amqpsub: the connection's token refresher 
 // returns once $cbs has answered them all, or ctx ends (the tokens are then
 // in doubt). The service detaches a link with amqp:unauthorized-access
 // when the token it was attached under expired or was revoked: the link is
-// attached again on the same connection after this (see amqpsub's
-// sbKind.reattachOn).
+// attached again on the same connection after this (see
+// pipe.ReattachOn).
 func (r *Refresher) PutNow(ctx context.Context) error {
 	req := putNow{ctx: ctx, done: make(chan error, 1)}
 	select {

@@ -13,9 +13,9 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/amqpsub/amqpsub/internal/driver"
+	"github.com/amqpsub/amqpsub/internal/driver/servicebus"
 	"github.com/amqpsub/amqpsub/internal/fake"
 	"github.com/amqpsub/amqpsub/internal/pump"
-	"github.com/amqpsub/amqpsub/internal/servicebus"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }

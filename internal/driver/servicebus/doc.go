@@ -1,11 +1,14 @@
-// Package servicebus is what amqpsub adds to an AMQP 1.0 link for Azure
-// Service Bus: claims-based security on $cbs with its token refresher, the
+// Package servicebus is Azure Service Bus's driver (Driver, and its
+// driver.Pipe in pipe.go), with what it adds to an AMQP 1.0 link:
+// claims-based security on $cbs with its token refresher, the
 // request/response link pair to a node, the entity's $management
 // operations (renew-lock, update-disposition, session lock and state),
 // session receivers, the connection string and SAS signing, and the lease
-// book that keeps the locks of held deliveries. Package amqpsub keeps the
-// exported names and calls this package through one seam (amqpsub's
-// brokerKind); nothing here is public API.
+// book that keeps the locks of held deliveries. It imports, of amqpsub's
+// packages, only the leaf package internal/driver (and small helpers:
+// backoff, loglimit, wait); the core calls it through the driver seam
+// only, and amqpsub's servicebus.go holds the public API; nothing here is
+// public API.
 //
 // # Lock renewal
 //

@@ -34,6 +34,7 @@
 //	go run ./integration/bench -brokers artemis -scenarios loop,w1,key8
 //	go run ./integration/bench -brokers artemis -scenarios loop,jms,protonc,pyproton
 //	go run ./integration/bench -brokers rabbitmq4-classic,rabbitmq4-quorum -payloads p100 -scenarios loop,w1,w8,key8,batch
+//	go run ./integration/bench -brokers artemis -payloads p100 -out docs/runs   # keep the result (runfile.go)
 //	make bench                                             # the full set on every broker
 package main
 
@@ -44,7 +45,6 @@ import (
 	"math/rand"
 	"net/url"
 	"os"
-	"os/exec"
 	"os/signal"
 	"path/filepath"
 	"runtime"
@@ -125,7 +125,7 @@ func parseFlags() (*options, error) {
 	flag.DurationVar(&o.stall, "stall", 20*time.Second, "a drain with no progress for this long fails")
 	flag.DurationVar(&o.timeout, "timeout", 10*time.Minute, "a drain taking longer fails")
 	flag.DurationVar(&o.probe, "probe", time.Second, "the queue counts as empty after a drain when a receiver gets nothing for this long")
-	flag.StringVar(&o.out, "out", "", "also write the report to this file")
+	flag.StringVar(&o.out, "out", "", "also write the report, with the command, commit and machine, as a result file YYYY-MM-DD-<commit>-<what>.md in this directory (docs/runs)")
 	flag.StringVar(&o.profileDir, "profile-dir", "", "write a CPU profile of each drain into this directory")
 	flag.IntVar(&o.artemisPID, "artemis-pid", 0, "Artemis PID for its CPU (default: from $AMQPSUB_ARTEMIS_CTL pid)")
 	flag.IntVar(&o.rabbitPID, "rabbitmq-pid", 0, "RabbitMQ beam PID for its CPU (default: from the PID file rabbitmq.sh has it write)")
@@ -211,14 +211,6 @@ func goAMQPVersion() string {
 	return "unknown"
 }
 
-func gitRevision() string {
-	out, err := exec.Command("git", "describe", "--always", "--dirty").Output()
-	if err != nil {
-		return "unknown"
-	}
-	return strings.TrimSpace(string(out))
-}
-
 // groupSequence returns the group-ids of the messages, message i taking
 // element i%len: the groups in turn, or, with s > 1, 20,000 draws from a
 // Zipf distribution (P(rank k) ∝ k^-s) with a fixed seed.
@@ -275,31 +267,33 @@ func run() error {
 		}
 	}
 
+	rec := runRecord{args: os.Args[1:], rev: currentRevision(), machine: currentMachine(),
+		date: time.Now(), what: runSlug(o)}
 	rep := &report{}
-	err = bench(ctx, o, log, rep)
+	err = bench(ctx, o, log, rep, rec.rev)
 	if o.out != "" {
-		f, ferr := createFile(o.out)
-		if ferr == nil {
-			_, ferr = f.WriteString(rep.String())
-			if cerr := f.Close(); ferr == nil {
-				ferr = cerr
-			}
-		}
+		// The tables measured so far go out even when a drain failed; the
+		// report says so.
+		rec.body = rep.String()
+		path, ferr := writeRunFile(o.out, rec)
 		if ferr != nil && err == nil {
-			err = fmt.Errorf("write -out: %w", ferr)
+			err = fmt.Errorf("-out: %w", ferr)
+		}
+		if ferr == nil {
+			logf("wrote %s", path)
 		}
 	}
 	return err
 }
 
-func bench(ctx context.Context, o *options, log *zap.Logger, rep *report) error {
+func bench(ctx context.Context, o *options, log *zap.Logger, rep *report, rev revision) error {
 	sleep := sleepCost()
 	load := loadAvg()
 	rep.add(fmt.Sprintf("## Broker benchmark, %s\n\n", time.Now().UTC().Format("2006-01-02 15:04 MST")))
 	rep.add(fmt.Sprintf("- machine: %d CPUs (%s), %s %s/%s; load average at start %s\n",
 		runtime.NumCPU(), cpuModel(), runtime.Version(), runtime.GOOS, runtime.GOARCH, load))
 	rep.add(fmt.Sprintf("- amqpsub %s, go-amqp %s; `-n %d -runs %d -credit %d -groups %d -zipf %g -slow-per-lane %d`\n",
-		gitRevision(), goAMQPVersion(), o.n, o.runs, o.credit, o.groups, o.zipf, o.perLane))
+		rev, goAMQPVersion(), o.n, o.runs, o.credit, o.groups, o.zipf, o.perLane))
 	rep.add(fmt.Sprintf("- time.Sleep(time.Millisecond) takes %v here (mean of 200)\n", sleep.Round(time.Microsecond)))
 
 	all := scenarios(o.groups)

@@ -517,3 +517,39 @@ func (e *failoverError) Unwrap() []error {
 	}
 	return errs
 }
+
+// connect opens a connection for an attach, from the address at index from
+// on for a DialFailover connector, each address within DialTimeout (see
+// failover.pass), or else within DialTimeout; by is when the DialTimeout of
+// the address that answered ends.
+func (s *Subscriber) connect(ctx context.Context, from int, first bool) (c *connection, by time.Time, err error) {
+	req := connectRequest{idle: s.cfg.idleTimeout, entity: s.cfg.profile.drv.Address(s.queue), log: s.log,
+		from: from, noWrap: first, timeout: s.cfg.dialTimeout, fatal: s.cfg.isFatal}
+	if f, ok := s.connector.(*failover); ok {
+		return f.pass(ctx, req)
+	}
+	by = time.Now().Add(s.cfg.dialTimeout)
+	cctx, cancel := context.WithDeadline(ctx, by)
+	defer cancel()
+	if c, err = s.connector.connect(cctx, req); err != nil {
+		return nil, by, timeoutError(cctx, err)
+	}
+	if c.addr == "" {
+		c.addr = s.connector.String()
+	}
+	return c, by, nil
+}
+
+// timeoutError returns err, the error of a connect within ctx, marked as
+// ctx's when ctx ended. go-amqp sets the socket's deadline from ctx's, so a
+// dial timeout shows as the socket's i/o timeout or as ctx's, whichever
+// fires first: it is reported as ctx's either way.
+func timeoutError(ctx context.Context, err error) error {
+	var nerr net.Error
+	if cerr := ctx.Err(); cerr != nil && !errors.Is(err, cerr) {
+		return fmt.Errorf("%w: %w", cerr, err)
+	} else if _, ok := ctx.Deadline(); ok && cerr == nil && errors.As(err, &nerr) && nerr.Timeout() {
+		return fmt.Errorf("%w: %w", context.DeadlineExceeded, err)
+	}
+	return err
+}

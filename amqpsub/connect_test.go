@@ -13,10 +13,11 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
-	"github.com/amqpsub/amqpsub/amqpsub"
-	"github.com/amqpsub/amqpsub/internal/wire"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
+	"github.com/amqpsub/amqpsub/internal/wire"
 )
 
 var nop = amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil })

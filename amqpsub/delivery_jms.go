@@ -8,6 +8,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/Azure/go-amqp"
+
 	"github.com/amqpsub/amqpsub/internal/amqpint"
 )
 

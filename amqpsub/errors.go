@@ -4,6 +4,7 @@ import (
 	"errors"
 
 	"github.com/Azure/go-amqp"
+
 	"github.com/amqpsub/amqpsub/internal/driver"
 	"github.com/amqpsub/amqpsub/internal/driver/servicebus"
 	"github.com/amqpsub/amqpsub/internal/wire"

@@ -12,9 +12,10 @@ import (
 	"testing/synctest"
 	"time"
 
+	"go.uber.org/zap"
+
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/internal/fake"
-	"go.uber.org/zap"
 )
 
 // Batch(1, …) is valid: a BatchHandler gets batches of one. (It used to

@@ -5,6 +5,8 @@ import (
 	"fmt"
 
 	"github.com/Azure/go-amqp"
+
+	"github.com/amqpsub/amqpsub/internal/driver"
 )
 
 // OutcomeError is the error a handler returns to choose how a delivery is
@@ -151,3 +153,48 @@ const (
 // RejectCondition is the AMQP error condition sent with a [Reject] outcome;
 // its description is the reason given to Reject.
 const RejectCondition amqp.ErrCond = "amqpsub:rejected"
+
+// Outcome is the settlement a delivery was given on the wire.
+type Outcome uint8
+
+const (
+	// OutcomeAccepted settles as accepted: handled (or, with
+	// [DeadLetterCopy], rejected and copied).
+	OutcomeAccepted Outcome = iota
+	// OutcomeReleased settles as released: Release, a stop, or [Retry] under
+	// [RabbitMQ3] (on Service Bus, on the delivery's link only: see
+	// OutcomeModified).
+	OutcomeReleased
+	// OutcomeModified settles as modified: Retry on Artemis, [Generic],
+	// [RabbitMQ4] and Service Bus (an abandon); a release on Service Bus
+	// sent by lock token once its link is gone, which goes as an abandon
+	// (counted towards MaxDeliveryCount); and on a RabbitMQ 4 quorum
+	// queue also Reject, [MaxDeliveryCount] and [MaxMessageSize], which
+	// dead-letter there as modified{undeliverable-here} (count dead letters
+	// by the handler's Result, or Stats().Results, on that broker).
+	OutcomeModified
+	// OutcomeRejected settles as rejected: Reject, [MaxDeliveryCount],
+	// [MaxMessageSize] (a dead-lettering on Service Bus; on a RabbitMQ 4
+	// quorum queue, modified: see OutcomeModified).
+	OutcomeRejected
+)
+
+var wireOutcomeNames = [...]string{"accepted", "released", "modified", "rejected"}
+
+// String returns "accepted", "released", "modified" or "rejected".
+func (o Outcome) String() string {
+	if int(o) < len(wireOutcomeNames) {
+		return wireOutcomeNames[o]
+	}
+	return "Outcome(?)"
+}
+
+var outcomeOfKind = [...]Outcome{driver.Accept: OutcomeAccepted, driver.Release: OutcomeReleased,
+	driver.Modify: OutcomeModified, driver.Reject: OutcomeRejected}
+
+func outcomeOf(k driver.Kind) (Outcome, bool) {
+	if int(k) < len(outcomeOfKind) {
+		return outcomeOfKind[k], true
+	}
+	return 0, false
+}

@@ -243,3 +243,64 @@ func (s *Subscriber) handlersOf(group string) int {
 	}
 	return n
 }
+
+// laneConfig wires the lanes to the pump and the handler. ctx is the
+// handlers' context, cancelled when Run gives up on them.
+func (s *Subscriber) laneConfig(ctx context.Context, p *pipe) lanes.Config[driver.Ticket] {
+	cfg := lanes.Config[driver.Ticket]{
+		Lanes:    s.cfg.workers,
+		Balanced: s.cfg.balanced,
+		Gauge:    p.gauge,
+		Stop:     p.pump.Stopping(),
+		Flush:    p.pump.Holding(),
+		Take:     driver.Ticket.Begin,
+		Drop: func(t driver.Ticket) {
+			kind := driver.Release
+			if t.Stale() {
+				kind = driver.Drop
+			}
+			p.settle(t, driver.Outcome{Kind: kind}, -1)
+		},
+	}
+	if s.cfg.byKey {
+		cfg.Key = func(t driver.Ticket) string { return groupID(t.Message()) }
+	}
+	if s.batch == nil {
+		cfg.Handle = func(lane int, t driver.Ticket) {
+			d := newDelivery(t, lane, p)
+			hctx, done := p.kind.HandlerContext(ctx, t)
+			err := s.handle(hctx, d)
+			done()
+			s.settle(d, err)
+		}
+		return cfg
+	}
+	// A batch never holds more than the credit.
+	cfg.BatchSize, cfg.BatchWait = min(s.cfg.batchSize, s.cfg.credit), s.cfg.batchWait
+	scratch := make([][]*Delivery, s.cfg.workers) // one per lane, reused
+	tickets := make([][]driver.Ticket, s.cfg.workers)
+	cfg.HandleBatch = func(lane int, ts []driver.Ticket) {
+		batch := scratch[lane][:0]
+		for _, t := range ts {
+			d := newDelivery(t, lane, p)
+			if err := s.poison(d); err != nil {
+				s.settle(d, err)
+				continue
+			}
+			batch = append(batch, d)
+		}
+		scratch[lane] = batch
+		if len(batch) > 0 {
+			held := tickets[lane][:0] // those handed to the handler, not the poisoned ones
+			for _, d := range batch {
+				held = append(held, d.t)
+			}
+			tickets[lane] = held
+			bctx, done := p.kind.HandlerContext(ctx, held...)
+			s.handleBatch(bctx, lane, batch)
+			done()
+		}
+		clear(batch)
+	}
+	return cfg
+}

@@ -70,3 +70,6 @@ func (p Profile) unhandledReject(reason, detail string, cond amqp.ErrCond) *Outc
 	}
 	return &OutcomeError{kind: ResultReject, poisoned: true, reason: detail, cond: cond}
 }
+
+// system returns the messaging.system value of a profile.
+func (p Profile) system() string { return p.f.System }

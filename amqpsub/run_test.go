@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
+
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/amqpsubtest"
 	"github.com/amqpsub/amqpsub/internal/fake"

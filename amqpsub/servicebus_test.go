@@ -30,12 +30,13 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
-	"github.com/amqpsub/amqpsub/internal/driver/servicebus"
-	"github.com/amqpsub/amqpsub/internal/wait"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest"
 	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/amqpsub/amqpsub/internal/driver/servicebus"
+	"github.com/amqpsub/amqpsub/internal/wait"
 )
 
 // counter returns one of the peer's global counters (GET /counters).

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
+
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/internal/driver/servicebus"
 	"github.com/amqpsub/amqpsub/internal/fake"

@@ -20,7 +20,7 @@ INTEGRATION_ENV := AMQPSUB_ARTEMIS_URL=$(AMQPSUB_ARTEMIS_URL) \
 	AMQPSUB_RABBITMQ4_CTL=$(RABBITMQ4_CTL) \
 	AMQPSUB_CLUSTER_CTL=$(CLUSTER_CTL)
 
-.PHONY: checkout scaling credit golangci all prereqs prereqs-demo brokers brokers-stop artemis rabbitmq rabbitmq4 unit integration test artemistest demo bench fuzz fmt vet lint check
+.PHONY: checkout scaling credit trace golangci all prereqs prereqs-demo brokers brokers-stop artemis rabbitmq rabbitmq4 unit integration test artemistest demo bench fuzz fmt vet lint check
 
 # Modules of their own (own go.mod) that `make lint` checks like the root
 # one, with the root's .golangci.yml: the Artemis test helper and the
@@ -102,6 +102,15 @@ credit: brokers
 	AMQPSUB_CREDIT=1 AMQPSUB_SBPEER_CONN=$$(bash integration/sbpeer/sbpeer.sh url) \
 	AMQPSUB_SBPEER_CONTROL=$$(bash integration/sbpeer/sbpeer.sh ctl-url) $(INTEGRATION_ENV) \
 	$(GO) test -count=1 -run 'TestArtemisCredit|TestRabbitMQ4Credit|TestServiceBusCredit|TestRabbitMQ4StopCost' -v -timeout 40m ./integration
+
+## trace: the files one Artemis delivery, and one Service Bus delivery with
+## a renewal and a settlement after a lost link, cross (docs/design.md,
+## "One delivery's path"); starts Artemis and the peer (left running)
+trace: artemis
+	bash integration/sbpeer/sbpeer.sh start
+	AMQPSUB_SBPEER_CONN=$$(bash integration/sbpeer/sbpeer.sh url) \
+	AMQPSUB_SBPEER_CONTROL=$$(bash integration/sbpeer/sbpeer.sh ctl-url) $(INTEGRATION_ENV) \
+	GO=$(GO) bash integration/trace.sh
 
 ## fuzz: every fuzz target for FUZZTIME each (default 1m); CI runs them for 5s
 fuzz:

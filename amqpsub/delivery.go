@@ -47,10 +47,6 @@ type Delivery struct {
 	dl   atomic.Pointer[deadLetterNote] // what DeadLetterCopy did, once it did
 }
 
-func newDelivery(t driver.Ticket, lane int, p *pipe) *Delivery {
-	return &Delivery{msg: t.Message(), lane: lane, t: t, p: p, l: p.current.Load()}
-}
-
 // event returns an Event of kind about d.
 func (d *Delivery) event(kind EventKind, err error) Event {
 	return Event{Kind: kind, Err: err, MessageID: d.MessageID(), GroupID: d.GroupID(),

@@ -9,15 +9,73 @@ import (
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+
+	"github.com/amqpsub/amqpsub/internal/driver"
+	"github.com/amqpsub/amqpsub/internal/lanes"
 )
 
-// handle runs the handler on d, after the poison check, and retries it in
-// the lane as LocalRetry says.
+// Handler handles one delivery at a time. Its return value settles the
+// delivery:
+//   - nil accepts it;
+//   - Release() puts it back untouched;
+//   - Reject(reason) dead-letters it;
+//   - Retry(err), or any other error, puts it back as a failed attempt.
+//
+// A handler that panics is recovered: the panic is logged with its stack and
+// the delivery is retried.
+//
+// ctx is cancelled when the subscriber gives up on the handler (Close, or
+// the grace period of a graceful stop running out: cause [ErrStopping]),
+// and on Service Bus when the delivery's lock is lost (cause
+// [ErrLockLost]); the delivery's settlement is then in doubt, or not sent,
+// and the broker may deliver it again.
+// The [Delivery] stays valid after Handle returns.
+type Handler interface {
+	Handle(ctx context.Context, d *Delivery) error
+}
+
+// HandlerFunc adapts a function to a [Handler].
+type HandlerFunc func(ctx context.Context, d *Delivery) error
+
+// Handle calls f(ctx, d).
+func (f HandlerFunc) Handle(ctx context.Context, d *Delivery) error { return f(ctx, d) }
+
+// BatchHandler handles a batch of deliveries and returns one outcome for
+// each, as [Handler] does for one: results[i] settles batch[i]. A nil slice
+// accepts the whole batch. A slice of the wrong length, or a panic, retries
+// the whole batch.
+//
+// With [WorkersByKey] a batch holds several groups, each in order; to keep a
+// group's order, a handler that fails one of its deliveries returns a
+// failure for the group's later ones as well.
+//
+// The slice is valid only until HandleBatch returns; the Deliveries stay
+// valid.
+type BatchHandler interface {
+	HandleBatch(ctx context.Context, batch []*Delivery) (results []error)
+}
+
+// BatchHandlerFunc adapts a function to a [BatchHandler].
+type BatchHandlerFunc func(ctx context.Context, batch []*Delivery) []error
+
+// HandleBatch calls f(ctx, batch).
+func (f BatchHandlerFunc) HandleBatch(ctx context.Context, batch []*Delivery) []error {
+	return f(ctx, batch)
+}
+
+// handle runs the handler on d, after the poison checks (when
+// MaxMessageSize or MaxDeliveryCount is given), and retries it in the lane
+// as LocalRetry says.
 func (s *Subscriber) handle(ctx context.Context, d *Delivery) error {
-	if err := s.poison(d); err != nil {
-		return err
+	if s.cfg.maxMessageSize > 0 || s.cfg.maxDelivery > 0 {
+		if err := s.poison(d); err != nil {
+			return err
+		}
 	}
 	err := s.call(ctx, d)
+	if err == nil {
+		return nil // no retry to decide
+	}
 	r := s.retrier()
 	for attempt := 1; isRetry(err) && r.allows(attempt) && !d.t.Stale(); attempt++ {
 		s.failed(d, err, attempt)
@@ -228,4 +286,69 @@ func (s *Subscriber) event(d *Delivery, kind EventKind, err error) Event {
 	ev := d.event(kind, err)
 	ev.Queue = s.queue
 	return ev
+}
+
+// laneConfig wires the lanes to the pump and the handler. ctx is the
+// handlers' context, cancelled when Run gives up on them.
+func (s *Subscriber) laneConfig(ctx context.Context, p *pipe) lanes.Config[driver.Ticket] {
+	cfg := lanes.Config[driver.Ticket]{
+		Lanes:    s.cfg.workers,
+		Balanced: s.cfg.balanced,
+		Gauge:    p.gauge,
+		Stop:     p.pump.Stopping(),
+		Flush:    p.pump.Holding(),
+		Take:     driver.Ticket.Begin,
+		Drop: func(t driver.Ticket) {
+			kind := driver.Release
+			if t.Stale() {
+				kind = driver.Drop
+			}
+			p.settle(t, driver.Outcome{Kind: kind}, -1)
+		},
+	}
+	if s.cfg.byKey {
+		cfg.Key = func(t driver.Ticket) string { return groupID(t.Message()) }
+	}
+	if s.batch == nil {
+		cfg.Handle = func(lane int, t driver.Ticket) {
+			d := newDelivery(t, lane, p)
+			hctx, done := p.kind.HandlerContext(ctx, t)
+			err := s.handle(hctx, d)
+			done()
+			s.settle(d, err)
+		}
+		return cfg
+	}
+	// A batch never holds more than the credit.
+	cfg.BatchSize, cfg.BatchWait = min(s.cfg.batchSize, s.cfg.credit), s.cfg.batchWait
+	scratch := make([][]*Delivery, s.cfg.workers) // one per lane, reused
+	tickets := make([][]driver.Ticket, s.cfg.workers)
+	cfg.HandleBatch = func(lane int, ts []driver.Ticket) {
+		batch := scratch[lane][:0]
+		for _, t := range ts {
+			d := newDelivery(t, lane, p)
+			if err := s.poison(d); err != nil {
+				s.settle(d, err)
+				continue
+			}
+			batch = append(batch, d)
+		}
+		scratch[lane] = batch
+		if len(batch) > 0 {
+			held := tickets[lane][:0] // those handed to the handler, not the poisoned ones
+			for _, d := range batch {
+				held = append(held, d.t)
+			}
+			tickets[lane] = held
+			bctx, done := p.kind.HandlerContext(ctx, held...)
+			s.handleBatch(bctx, lane, batch)
+			done()
+		}
+		clear(batch)
+	}
+	return cfg
+}
+
+func newDelivery(t driver.Ticket, lane int, p *pipe) *Delivery {
+	return &Delivery{msg: t.Message(), lane: lane, t: t, p: p, l: p.current.Load()}
 }

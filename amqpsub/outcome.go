@@ -1,7 +1,6 @@
 package amqpsub
 
 import (
-	"errors"
 	"fmt"
 
 	"github.com/Azure/go-amqp"
@@ -93,21 +92,6 @@ func (e *OutcomeError) rejectError(cond amqp.ErrCond) *amqp.Error {
 		info["DeadLetterErrorDescription"] = e.description
 	}
 	return &amqp.Error{Condition: cond, Description: e.reason, Info: info}
-}
-
-// decide maps a handler's error to an outcome.
-func decide(err error) (Result, *OutcomeError) {
-	if err == nil {
-		return ResultAccept, nil
-	}
-	// A nil *OutcomeError returned as an error, or one not made by
-	// Release, Retry or Reject (its zero kind), is a non-nil error like
-	// any other: Retry.
-	var oe *OutcomeError
-	if errors.As(err, &oe) && oe != nil && oe.kind != ResultAccept {
-		return oe.kind, oe
-	}
-	return ResultRetry, nil
 }
 
 // Result is what a handler decided for a delivery.

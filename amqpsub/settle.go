@@ -93,3 +93,18 @@ func (p *pipe) settle(t driver.Ticket, o driver.Outcome, lane int) {
 	}
 	p.pump.Settle(t, o)
 }
+
+// decide maps a handler's error to an outcome.
+func decide(err error) (Result, *OutcomeError) {
+	if err == nil {
+		return ResultAccept, nil
+	}
+	// A nil *OutcomeError returned as an error, or one not made by
+	// Release, Retry or Reject (its zero kind), is a non-nil error like
+	// any other: Retry.
+	var oe *OutcomeError
+	if errors.As(err, &oe) && oe != nil && oe.kind != ResultAccept {
+		return oe.kind, oe
+	}
+	return ResultRetry, nil
+}

@@ -421,8 +421,11 @@ func (e *sentAs) Unwrap() error { return e.err }
 // outcome that went out (k, unless the answer is one of [SentAs]) and the
 // broker's answer. For the engine.
 func SentOutcome(k Kind, err error) (Kind, error) {
+	if err == nil {
+		return k, nil // before sa, which escapes: no allocation per settlement
+	}
 	var sa *sentAs
-	if err != nil && errors.As(err, &sa) {
+	if errors.As(err, &sa) {
 		if sa.kind <= Reject {
 			k = sa.kind
 		}

@@ -20,9 +20,9 @@ type link struct {
 	sess *amqp.Session
 	rcv  *amqp.Receiver
 	dlq  deadLetterSender // DeadLetterCopy's sender on sess
-	src  driver.Source    // what the pump receives from: rcv, or what the kind made of it
-	kind driver.Pipe      // the pipe's, which releases what it added
-	ext  any              // what the pipe's kind keeps of the link; nil for most
+	src  driver.Source    // what the pump receives from: rcv, or what the driver made of it
+	dp   driver.Pipe      // the pipe's driver part, which releases what it added
+	ext  any              // what the pipe's driver keeps of the link; nil for most
 }
 
 // attach connects (or takes the given connection), opens a session and
@@ -50,7 +50,7 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 		if err != nil {
 			return nil, fmt.Errorf("amqpsub: connect to %s: %w", s.connector, err)
 		}
-		l, by = &link{connection: c, kind: p.kind}, cby
+		l, by = &link{connection: c, dp: p.dp}, cby
 	}
 	ctx, cancel := context.WithDeadline(ctx, by)
 	defer cancel()
@@ -58,8 +58,8 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 	conn := c.conn
 	var err error
 	fail := func(what string, err error) (*link, error) {
-		if relink && live(conn) && (ctx.Err() != nil || p.kind.ReattachOn(ctx, c.reclaim, err, true)) {
-			// Cut short (a stop, or DialTimeout), or refused as the kind
+		if relink && live(conn) && (ctx.Err() != nil || p.dp.ReattachOn(ctx, c.reclaim, err, true)) {
+			// Cut short (a stop, or DialTimeout), or refused as the driver
 			// says is worth asking again on the same connection: it
 			// stays, for the next attempt and for what the lost link
 			// left on it (what it held settles through that meanwhile);
@@ -67,7 +67,7 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.closeTimeout)
 			s.closeSession(cctx, l, nil)
 			cancel()
-			p.att.spare = &link{connection: c, kind: p.kind}
+			p.att.spare = &link{connection: c, dp: p.dp}
 			return nil, fmt.Errorf("amqpsub: %s on %s queue %q: %w", what, c.addr, s.queue, err)
 		}
 		s.closeLink(ctx, l, nil)
@@ -92,10 +92,10 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 		SourceCapabilities: s.cfg.profile.f.SourceCaps,
 		Name:               s.cfg.linkName,
 	}
-	p.kind.ReceiverOptions(ro)
+	p.dp.ReceiverOptions(ro)
 	l.rcv, err = l.sess.NewReceiver(ctx, addr, ro)
 	if err != nil {
-		if r, _ := p.kind.Refused(err, 0); r != driver.RefusedNot && live(conn) {
+		if r, _ := p.dp.Refused(err, 0); r != driver.RefusedNot && live(conn) {
 			// The broker refused the link for want of something to give
 			// it (a Service Bus session) and nothing else: the
 			// connection and session stay for the next attach.
@@ -119,7 +119,7 @@ func (s *Subscriber) attach(ctx context.Context, p *pipe) (*link, error) {
 			s.log.Warn("dead-letter address refused at a reconnect; going on, copies will try it again", zap.Error(err))
 		}
 	}
-	src, step, err := p.kind.Attached(ctx, l)
+	src, step, err := p.dp.Attached(ctx, l)
 	if err != nil {
 		return fail(step, mismatch(err))
 	}
@@ -231,11 +231,11 @@ func (s *Subscriber) closeLink(ctx context.Context, l *link, why error) {
 }
 
 // closeSession closes what l opened on its connection, before ctx ends:
-// what its kind added (a Service Bus session's lock renewal, the
+// what its driver added (a Service Bus session's lock renewal, the
 // $management link pair), the receiver, and the AMQP session. The
 // connection, and what runs beside it, stay.
 func (s *Subscriber) closeSession(ctx context.Context, l *link, why error) {
-	l.kind.Release(ctx, l, why, func() {
+	l.dp.Release(ctx, l, why, func() {
 		if l.rcv != nil && s.cfg.profile.f.Detach {
 			if err := l.rcv.Close(ctx); err != nil {
 				s.log.Debug("close receiver", zap.Error(err))
@@ -324,7 +324,7 @@ func (a *attacher) reconnectWait(err error, k int) time.Duration {
 func (a *attacher) attach(ctx context.Context, lost error) (driver.Source, error) {
 	s := a.s
 	a.p.lostLink()
-	a.p.kind.SourceAttached(nil)
+	a.p.dp.SourceAttached(nil)
 	first := 0
 	moveOn := errors.Is(lost, driver.ErrSourceDone) // a session consumer's next session
 	defer a.closeSpare(ctx)
@@ -338,12 +338,12 @@ func (a *attacher) attach(ctx context.Context, lost error) (driver.Source, error
 			cctx, cancel := context.WithTimeout(ctx, s.cfg.closeTimeout)
 			s.closeSession(cctx, a.current, lost)
 			cancel()
-			a.spare = &link{connection: a.current.connection, kind: a.p.kind}
-		case !moveOn && lost != nil && live(a.current.conn) && a.p.kind.ReattachOn(ctx, a.current.reclaim, lost, false):
+			a.spare = &link{connection: a.current.connection, dp: a.p.dp}
+		case !moveOn && lost != nil && live(a.current.conn) && a.p.dp.ReattachOn(ctx, a.current.reclaim, lost, false):
 			// The link is attached again on its connection. Where a lost
 			// link's deliveries stay settleable (LeasesOutliveLinks), the
 			// lost one stays the pipe's current link until the next is
-			// up: what its kind added beside it (Service Bus's
+			// up: what its driver added beside it (Service Bus's
 			// $management node, on its AMQP session) serves them
 			// meanwhile. Otherwise (a Service Bus session, whose locks
 			// went with its link) its AMQP session goes now.
@@ -355,7 +355,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (driver.Source, error
 				s.closeSession(cctx, a.current, lost)
 				cancel()
 			}
-			a.spare = &link{connection: a.current.connection, kind: a.p.kind}
+			a.spare = &link{connection: a.current.connection, dp: a.p.dp}
 		default:
 			if !moveOn {
 				a.from++ // a lost link: its address is tried last
@@ -399,7 +399,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (driver.Source, error
 			a.endRetired(ctx, lost)
 			s.attached(a.p, l)
 			if l == nil {
-				a.p.kind.SourceAttached(src)
+				a.p.dp.SourceAttached(src)
 			}
 			if a.before && !moveOn {
 				n := attempt - first + 1
@@ -421,7 +421,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (driver.Source, error
 				// Stopped while OnReconnect ran: nobody will use the new
 				// link, and Run no longer closes it.
 				a.p.current.Store(nil)
-				a.p.kind.SourceAttached(nil)
+				a.p.dp.SourceAttached(nil)
 				a.current = nil
 				if l != nil { // nil under a test source
 					s.closeLink(context.WithoutCancel(ctx), l, nil)
@@ -430,7 +430,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (driver.Source, error
 			}
 			return src, nil
 		}
-		refused, heldWait := a.p.kind.Refused(err, attempt-first)
+		refused, heldWait := a.p.dp.Refused(err, attempt-first)
 		noSession := refused != driver.RefusedNot
 		waiting := s.cfg.waitForQueue && isNotFound(err) || noSession
 		switch {
@@ -478,7 +478,7 @@ func (a *attacher) attach(ctx context.Context, lost error) (driver.Source, error
 		if refused == driver.RefusedHeld {
 			// Another receiver holds what was asked for (a named
 			// session): ask again, on the same connection, after the
-			// kind's wait.
+			// driver's wait.
 			pause = heldWait
 		}
 		if !waiting {
@@ -513,7 +513,7 @@ func (s *Subscriber) attachOnce(ctx context.Context, p *pipe) (driver.Source, *l
 	if err != nil {
 		return nil, nil, err
 	}
-	if err := p.kind.Ready(ctx, l); err != nil {
+	if err := p.dp.Ready(ctx, l); err != nil {
 		s.closeLink(ctx, l, nil)
 		return nil, nil, err
 	}
@@ -522,10 +522,10 @@ func (s *Subscriber) attachOnce(ctx context.Context, p *pipe) (driver.Source, *l
 
 // endRetired closes what the lost link kept open while the next was
 // attached (see attach): once the next link is up (a.current), its AMQP
-// session and what the kind added there, or the whole connection if the
+// session and what the driver added there, or the whole connection if the
 // next link is on another one. When attach returns without a link
 // (stopping), the lost link is kept as the current one while its
-// connection is open, so that what its kind added beside it serves the
+// connection is open, so that what its driver added beside it serves the
 // stop (Service Bus: the deliveries decided during the grace settle by
 // lock token on its $management node); Run closes it with the rest.
 func (a *attacher) endRetired(ctx context.Context, lost error) {

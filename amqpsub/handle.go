@@ -312,7 +312,7 @@ func (s *Subscriber) laneConfig(ctx context.Context, p *pipe) lanes.Config[drive
 	if s.batch == nil {
 		cfg.Handle = func(lane int, t driver.Ticket) {
 			d := newDelivery(t, lane, p)
-			hctx, done := p.kind.HandlerContext(ctx, t)
+			hctx, done := p.dp.HandlerContext(ctx, t)
 			err := s.handle(hctx, d)
 			done()
 			s.settle(d, err)
@@ -340,7 +340,7 @@ func (s *Subscriber) laneConfig(ctx context.Context, p *pipe) lanes.Config[drive
 				held = append(held, d.t)
 			}
 			tickets[lane] = held
-			bctx, done := p.kind.HandlerContext(ctx, held...)
+			bctx, done := p.dp.HandlerContext(ctx, held...)
 			s.handleBatch(bctx, lane, batch)
 			done()
 		}

@@ -20,7 +20,7 @@ import (
 
 // pipe is one receive path: a pump, the lanes behind it, the links its
 // attacher opens one after another, and what the profile's driver adds to
-// them (kind, its driver.Pipe).
+// them (dp, its driver.Pipe).
 //
 // A subscriber has one, or one per slot (config.slots: a Service Bus
 // session held at once), each with its share of the credit.
@@ -29,7 +29,7 @@ type pipe struct {
 	index   int
 	pump    *pump.Pump
 	gauge   *lanes.Gauge
-	kind    driver.Pipe
+	dp      driver.Pipe
 	att     *attacher
 	current atomic.Pointer[link] // the link attached now; nil between links
 	// linkUp is closed, and replaced, each time a link attaches (see
@@ -61,7 +61,7 @@ func (c *config) creditFloor(batch bool) int {
 
 func (s *Subscriber) newPipe(index, credit int, key string) *pipe {
 	p := &pipe{s: s, index: index, gauge: lanes.NewGauge(s.cfg.workers)}
-	p.kind = s.cfg.profile.drv.NewPipe(pipeEnv{p: p, key: key, credit: credit})
+	p.dp = s.cfg.profile.drv.NewPipe(pipeEnv{p: p, key: key, credit: credit})
 	up, down := make(chan struct{}), make(chan struct{})
 	p.linkUp.Store(&up)
 	p.linkDown.Store(&down)
@@ -103,7 +103,7 @@ func (s *Subscriber) newPipe(index, credit int, key string) *pipe {
 		// A session's share of the budget, as of the credit.
 		pc.MaxHeldBytes = shareOf(b, credit, s.cfg.credit)
 	}
-	e := p.kind.Engine()
+	e := p.dp.Engine()
 	pc.Leases, pc.Settlers, pc.SettleTimeout = e.Leases, e.Settlers, e.SettleTimeout
 	pc.LeasesOutliveLinks, pc.DropBufferedOn = e.LeasesOutliveLinks, e.DropBufferedOn
 	p.keeps = pc.LeasesOutliveLinks
@@ -213,7 +213,7 @@ func (e pipeEnv) OpenSession(ctx context.Context) (driver.Link, time.Time, error
 	if err != nil {
 		return nil, by, err
 	}
-	l := &link{connection: c, kind: e.p.kind}
+	l := &link{connection: c, dp: e.p.dp}
 	cctx, cancel := context.WithDeadline(ctx, by)
 	defer cancel()
 	if l.sess, err = c.conn.NewSession(cctx, nil); err != nil {

@@ -9,8 +9,8 @@ import (
 // poison rejects, before a handler sees it, a delivery larger than
 // MaxMessageSize or delivered more often than MaxDeliveryCount allows, and
 // returns the Reject (nil for a delivery to handle). How it counts and what
-// the Reject carries are the profile's (see [Profile]'s countBase and
-// namedReasons): Service Bus counts from 1 and names its reasons.
+// the Reject carries are the profile's (its driver's Facts, CountBase and
+// NamedReasons): Service Bus counts from 1 and names its reasons.
 func (s *Subscriber) poison(d *Delivery) error {
 	if s.cfg.maxMessageSize > 0 {
 		if size := pump.Size(d.msg); size > s.cfg.maxMessageSize {

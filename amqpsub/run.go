@@ -65,7 +65,7 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	pctx, cancelPump := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelPump()
 
-	// Each pipe's pump and lanes, and what its kind runs beside them. A pump that ends by itself
+	// Each pipe's pump and lanes, and what its driver runs beside them. A pump that ends by itself
 	// (attach failed for good) reports on ended; the lanes end when every
 	// handler has returned: a handler that never returns keeps its lane,
 	// which Run then leaves behind (abandoned).
@@ -74,9 +74,9 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	for i, p := range s.pipes {
 		r := &running{p: p, done: make(chan struct{}), lanesDone: make(chan struct{})}
 		runs[i] = r
-		// What the kind runs beside the pipe (a lease book) ends after the
+		// What the driver runs beside the pipe (a lease book) ends after the
 		// pumps: their settlers may use it until they have returned.
-		defer p.kind.Start(context.WithoutCancel(ctx))()
+		defer p.dp.Start(context.WithoutCancel(ctx))()
 		go func() {
 			r.err = p.pump.Run(pctx, p.att.attach)
 			close(r.done)
@@ -186,7 +186,7 @@ func (s *Subscriber) Run(ctx context.Context) error {
 			continue
 		}
 		r.p.current.Store(nil)
-		r.p.kind.SourceAttached(nil)
+		r.p.dp.SourceAttached(nil)
 		if l := r.p.att.current; l != nil {
 			closings.Go(func() { s.closeWithin(l, closeBy) })
 		}
@@ -297,7 +297,7 @@ func (s *Subscriber) finishBuffered(runs []*running, stopAt time.Time) {
 	}
 	var counted []*running
 	for _, r := range runs {
-		if r.p.kind.ReturnsCounted() {
+		if r.p.dp.ReturnsCounted() {
 			r.p.pump.Hold()
 			counted = append(counted, r)
 		}

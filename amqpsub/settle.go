@@ -86,8 +86,8 @@ func (s *Subscriber) rejection(d *Delivery, oe *OutcomeError, lost bool) driver.
 // concurrently keeps a group's in order). lane is the delivery's lane, -1
 // when it is not known (a release at a stop).
 func (p *pipe) settle(t driver.Ticket, o driver.Outcome, lane int) {
-	o = p.kind.Outcome(o)
-	if key, ok := p.kind.SettleOrder(t, lane); ok {
+	o = p.dp.Outcome(o)
+	if key, ok := p.dp.SettleOrder(t, lane); ok {
 		p.pump.SettleInOrder(t, o, key)
 		return
 	}

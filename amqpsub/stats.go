@@ -196,7 +196,7 @@ func (s *Subscriber) Stats() Stats {
 		st.Parked += min(group+stalled, q.Held)
 		st.CreditLimit += pp.pump.Credit()
 		addPump(&st, q)
-		st.Locks.add(pp.kind.Locks())
+		st.Locks.add(pp.dp.Locks())
 	}
 	st.Results = Results{
 		Accept:       s.results.accept.Load(),

@@ -33,8 +33,8 @@ func (sourceConnector) connect(context.Context, connectRequest) (*connection, er
 
 func (c sourceConnector) String() string { return c.name }
 
-// attach takes the next test source for p, and has p's kind check it. A
-// source the kind refuses is closed, if it can be (as a refused link is),
+// attach takes the next test source for p, and has p's driver check it. A
+// source the driver refuses is closed, if it can be (as a refused link is),
 // and the attach fails as a link's does: Run ends at the first attach, and
 // at a reconnect if FatalErrors says so (ErrInvalidOption is fatal).
 func (c sourceConnector) attach(ctx context.Context, s *Subscriber, p *pipe) (driver.Source, error) {
@@ -42,7 +42,7 @@ func (c sourceConnector) attach(ctx context.Context, s *Subscriber, p *pipe) (dr
 	if err != nil {
 		return nil, err
 	}
-	if step, err := p.kind.CheckSource(src); err != nil {
+	if step, err := p.dp.CheckSource(src); err != nil {
 		err = mismatch(err)
 		if cl, ok := src.(interface{ Close(context.Context) error }); ok {
 			_ = cl.Close(ctx)

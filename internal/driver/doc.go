@@ -1,5 +1,8 @@
-// Package driver holds what the core, the engine and each broker's driver
-// share; it imports nothing of the module.
+// Package driver is the one seam between the core (package amqpsub) and a
+// broker: the [Driver] and [Pipe] interfaces each broker's driver
+// implements, the interfaces through which a driver reaches the core
+// ([PipeEnv], [EngineEnv], [Link]), and what the core, the engine and every
+// driver share. Of the module it imports only internal/loglimit.
 //
 // The engine (the pump, the lanes, the credit) books every delivery it
 // holds in a [Delivery] and hands consumers a [Ticket] for it; a consumer

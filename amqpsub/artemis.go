@@ -22,82 +22,21 @@ var Artemis = newProfile(artemis.New(RejectCondition))
 
 func init() { known = append(known, Artemis) }
 
-// DeadLetterCopy makes a [Reject] (and a [MaxDeliveryCount] or [MaxMessageSize]
-// rejection: the copy then carries the whole oversized body back) keep its
-// reason on brokers that drop it, such as Artemis: instead of settling the
-// delivery as rejected, the subscriber sends a copy of the message to
-// address, with application properties DeadLetterReason and
-// DeadLetterErrorDescription, waits until the broker has taken the copy,
-// and then accepts the original. If the copy cannot be sent, the delivery
-// is rejected as without this option, and the broker dead-letters it
-// without the reason; that is logged, reported as
-// [EventDeadLetterCopyFailed] and counted in
-// [Stats.DeadLetterCopyFailures]. "{queue}" in address stands for the
-// queue's name.
+// DeadLetterCopy keeps the reason of a [Reject] (and of a [MaxDeliveryCount]
+// or [MaxMessageSize] rejection) on brokers that drop it, such as Artemis:
+// the subscriber sends a copy of the message to address ("{queue}" stands
+// for the queue's name) with application properties DeadLetterReason and
+// DeadLetterErrorDescription, waits until the broker has taken it, and then
+// accepts the original ([OutcomeAccepted]; see [Delivery.DeadLetterCopied]).
+// If the copy cannot be sent, the delivery is rejected as without this
+// option ([EventDeadLetterCopyFailed]). An address refused at the first
+// attach fails Run (or is waited for, with [WaitForQueue]).
 //
-// The subscriber attaches its sender to address as it first attaches to
-// the queue, before any delivery: an address the broker refuses (a
-// dead-letter queue that does not exist) fails that first attach as a
-// missing queue does, so Run returns the broker's amqp:not-found at once
-// (or, with [WaitForQueue], waits until the address exists) instead of
-// losing the reasons of the first rejections. At a reconnect a refusal is
-// logged and the subscriber goes on; each copy then tries the address
-// again. A copy can still fail later: the queue deleted under a running
-// subscriber (the broker refuses each copy), or the connection lost during
-// the copy (the delivery is then not settled at all, and comes back).
-//
-// On Artemis, attaching to the address creates the queue if the broker
-// auto-creates queues there (auto-create-queues, on for every address in
-// the stock broker.xml): with auto-create-dead-letter-resources and no
-// address setting that turns auto-creation off for DLQ.#, the attach
-// makes DLQ.{queue} without the filter the broker itself would give it,
-// and it then takes a share of other queues' dead letters. Turn
-// auto-creation off for the dead-letter addresses (as
-// integration/artemis/broker.xml does), or create the queue ahead with its
-// filter.
-//
-// A copied rejection settles as accepted on the wire, and a [Recorder] and
-// [Delivery.OnSettled] hear [OutcomeAccepted]: each copy is reported as
-// [EventDeadLetterCopied] and counted in [Stats.DeadLetterCopies], and
-// [Delivery.DeadLetterCopied] tells it apart once settled. The contrib
-// adapters count copies and failures, and name the settle span of a copy
-// "dead_letter_copy".
-//
-// On Artemis, address is the fully qualified name (address::queue) of the
-// queue's dead-letter queue: "DLQ::DLQ.{queue}" with
-// auto-create-dead-letter-resources (as in integration/artemis/broker.xml),
-// "DLQ::DLQ" with the stock broker.xml. The stock broker has that queue
-// from the start. With auto-creation the broker makes DLQ.{queue} only at
-// its own first dead letter, so the subscriber's attach would fail until
-// then: create the queue ahead (docs/brokers.md has the recipe; in tests,
-// artemistest.WithDeadLetterQueues declares it).
-//
-// The copy carries what Artemis itself adds to a dead letter
-// (_AMQ_ORIG_ADDRESS, _AMQ_ORIG_QUEUE, and the annotations
-// x-opt-ORIG-ADDRESS and x-opt-ORIG-QUEUE), which the auto-created queue's
-// filter and the broker's retry-from-DLQ operations need, and loses its
-// time-to-live.
-//
-// It carries a duplicate-detection id (_AMQ_DUPL_ID) made of the
-// message-id and a hash of the body (and of an earlier copy's id, for a
-// message retried from the dead-letter queue), so a copy sent twice (the
-// original redelivered after a crash between the two steps) is stored
-// once, while messages that merely share a message-id each keep theirs.
-// But two messages with the same message-id and the same body (a producer
-// that sent one message twice) make the same id: Artemis stores the second
-// copy as a duplicate, that is not at all, and the original is accepted,
-// so the second is in neither queue ([Stats.DeadLetterCopies] counts it
-// all the same). Producers that may send a message twice should give each
-// send a message-id of its own. A message without a message-id gets no
-// such id: after such a crash its copy may be stored twice.
-//
-// The two steps are not one transaction: go-amqp has no AMQP
-// transactions. New refuses it, with an error wrapping
-// [ErrInvalidOption], for the [RabbitMQ4] and [RabbitMQ3] profiles
-// (RabbitMQ dead-letters through the queue's dead-letter exchange, and has
-// no duplicate detection to make the copy safe; a RabbitMQ 4 quorum queue
-// keeps the reason: see RabbitMQ4) and for Service Bus, which keeps the
-// reason itself. Default: off.
+// On Artemis, address is "DLQ::DLQ.{queue}" with
+// auto-create-dead-letter-resources, "DLQ::DLQ" with the stock broker.xml.
+// address must not be empty; New refuses the option for [RabbitMQ4],
+// [RabbitMQ3] and Service Bus ([ErrInvalidOption]). Default: off. Why, and
+// what a crash between copy and accept risks: docs/options.md#deadlettercopy.
 func DeadLetterCopy(address string) Option {
 	return optionFunc(func(c *config) {
 		if address == "" {

@@ -113,7 +113,7 @@ func (c *config) invalid(format string, args ...any) {
 // also the most the process holds at once (waiting, in lanes and in
 // handlers). The credit the link holds follows demand below it (see
 // [FixedCredit] for how, and for holding all of it). Must be between 1 and
-// 1048576. Default: 256.
+// 1048576; New rejects other values ([ErrInvalidOption]). Default: 256.
 func Credit(n int) Option {
 	return checked("Credit", n, n >= 1 && n <= 1<<20, "must be between 1 and 1048576", func(c *config) {
 		c.credit = n
@@ -123,30 +123,23 @@ func Credit(n int) Option {
 // FixedCredit holds the whole [Credit] at all times, whatever the
 // handlers' pace.
 //
-// Without it (the default) the credit is adaptive: the link holds what the
-// lanes will start soon, their measured drain rate times four round trips
-// a granted credit takes to come back as a delivery (each counted as at
-// least 2 ms), on top of one delivery per lane (for a [BatchHandler], a
-// batch per lane) and of what waits behind a busy lane (a slow group's
-// backlog), and never more than Credit. A replica with slow handlers then takes
-// from the queue only what it will start soon and leaves the rest to the
-// replicas that are free, and on Service Bus fewer locks are held and
-// renewed ahead of their handlers; fast handlers grow the credit up to
-// Credit within a fraction of a second. A lowered credit is not taken back
-// from the broker: the next grants wait until what was granted has been
-// spent. docs/design.md says how it is computed, docs/performance.md what
-// it measured.
+// Without it the credit is adaptive: the link holds what the lanes will
+// start soon, their measured drain rate times four round trips (each
+// counted as at least 2 ms), on top of one delivery per lane (for a
+// [BatchHandler], a batch per lane) and of what waits behind a busy lane,
+// and never more than Credit. A lowered credit is not taken back from the
+// broker: the next grants wait until what was granted has been spent.
 //
-// Hold the whole credit when the broker's round trip varies widely, or
-// when a replica should prefetch a full Credit regardless (a lone
-// consumer draining a backlog gains nothing by it).
+// Default: off (the credit adapts). Why, and when to hold the whole
+// credit: docs/options.md#fixedcredit.
 func FixedCredit() Option {
 	return optionFunc(func(c *config) { c.fixedCredit = true })
 }
 
 // Workers runs up to n handlers at once, with no order between deliveries.
-// Must be between 1 and 4096, and not given with [WorkersByKey]. Default:
-// Workers(1), which handles deliveries one at a time in queue order.
+// Must be between 1 and 4096, and not given with [WorkersByKey]; New
+// rejects anything else ([ErrInvalidOption]). Default: Workers(1), which
+// handles deliveries one at a time in queue order.
 func Workers(n int) Option {
 	return optionFunc(func(c *config) { c.setWorkers(fmt.Sprintf("Workers(%d)", n), n, false) })
 }
@@ -155,7 +148,8 @@ func Workers(n int) Option {
 // to, and a lane handles its deliveries one at a time in arrival order, so
 // each group keeps its order while groups run side by side. Deliveries
 // without a group-id (or with an empty one) rotate over the lanes. Must be
-// between 1 and 4096, and not given with [Workers]. Default: off (Workers(1)).
+// between 1 and 4096, and not given with [Workers]; New rejects anything
+// else ([ErrInvalidOption]). Default: off (Workers(1)).
 func WorkersByKey(n int) Option {
 	return optionFunc(func(c *config) { c.setWorkers(fmt.Sprintf("WorkersByKey(%d)", n), n, true) })
 }
@@ -164,17 +158,13 @@ func WorkersByKey(n int) Option {
 // is bound to a lane only while that lane has one of its deliveries (in its
 // handler or open batch); the group's other deliveries wait in a shared
 // pool, in order, and any lane that is free takes the next group that is
-// ready.
+// ready. Each group still runs in order, one delivery at a time (and its
+// batches keep their order), but a slow or busy group holds back no other
+// group. [LocalRetry] of a delivery holds only its own group.
 //
-// Each group still runs in order, one delivery at a time (and its batches
-// keep their order), but a slow or busy group holds back no other group,
-// and groups spread over the lanes by load, where the hash placement can
-// leave some lanes idle while others queue (docs/performance.md measures
-// both). [LocalRetry] of a delivery holds only its own group. The cost is a
-// lock shared by the lanes, taken a few times per delivery.
-//
-// Only with WorkersByKey. Default: off (a group's lane is the hash of its
-// group-id, mod n).
+// Only with WorkersByKey; New rejects it otherwise ([ErrInvalidOption]).
+// Default: off (a group's lane is the hash of its group-id, mod n).
+// Why: docs/options.md#balancekeys.
 func BalanceKeys() Option {
 	return optionFunc(func(c *config) { c.balanced = true })
 }
@@ -197,19 +187,16 @@ func (c *config) setWorkers(name string, n int, byKey bool) {
 
 // Batch sets the size and wait of the batches a [BatchHandler] gets: a batch
 // closes at size deliveries or wait after its first delivery, whichever
-// comes first. Only for [NewBatch].
+// comes first. A wait of 0 means no wait: a batch closes as soon as no more
+// deliveries are waiting, and a lone delivery is handed over at once.
 //
-// A wait of 0 means no wait: a batch closes as soon as no more deliveries
-// are waiting, so batches are as large as the backlog allows and a lone
-// delivery is handed over at once.
+// A lane's batch holds only what the broker has sent and not seen settled:
+// batches reach size only with [Credit] ≥ lanes × size, and a size above
+// the credit acts as the credit.
 //
-// A lane's batch holds only what the broker has sent and not seen settled,
-// which the credit bounds and the lanes share: batches reach size only with
-// [Credit] ≥ lanes × size (the default Credit(256) with Workers(8) gives
-// batches of about 32, closed by wait); a size above the credit acts as
-// the credit.
-//
-// Size must be ≥ 1, wait ≥ 0. Default: Batch(100, 10*time.Millisecond).
+// Only for [NewBatch]; size must be ≥ 1, wait ≥ 0. New rejects anything
+// else ([ErrInvalidOption]). Default: Batch(100, 10*time.Millisecond).
+// Why: docs/options.md#batch.
 func Batch(size int, wait time.Duration) Option {
 	return optionFunc(func(c *config) {
 		c.batchSet = true
@@ -232,13 +219,11 @@ func Batch(size int, wait time.Duration) Option {
 //
 // GracePeriod(0) releases the buffered deliveries and cancels the handlers
 // at once: once the releases are applied, or after a quarter of
-// [CloseTimeout], whichever comes first. On Azure Service Bus, where each
-// settlement waits for the service's answer, the settlements decided
-// before the handlers were cancelled (results, releases) are still sent
-// afterwards, up to a quarter of CloseTimeout before the stop's bound;
-// those not sent by then are counted in [Stats.Unsent].
-//
-// Must be ≥ 0. Default: 30 s.
+// [CloseTimeout], whichever comes first. On Azure Service Bus the
+// settlements decided before the handlers were cancelled (results,
+// releases) are still sent afterwards, up to a quarter of CloseTimeout
+// before the stop's bound; those not sent by then are counted in
+// [Stats.Unsent]. Must be ≥ 0 ([ErrInvalidOption] otherwise). Default: 30 s.
 func GracePeriod(d time.Duration) Option {
 	return checked("GracePeriod", d, d >= 0, "must be ≥ 0", func(c *config) {
 		c.grace = d
@@ -247,7 +232,8 @@ func GracePeriod(d time.Duration) Option {
 
 // DialTimeout bounds connecting, opening the session and attaching the link.
 // With [DialFailover] it bounds each address tried on its own: a pass through
-// n addresses takes up to n × DialTimeout. Must be > 0. Default: 10 s.
+// n addresses takes up to n × DialTimeout. Must be > 0 ([ErrInvalidOption]
+// otherwise). Default: 10 s.
 func DialTimeout(d time.Duration) Option {
 	return checked("DialTimeout", d, d > 0, "must be > 0", func(c *config) {
 		c.dialTimeout = d
@@ -256,7 +242,8 @@ func DialTimeout(d time.Duration) Option {
 
 // CloseTimeout bounds closing the link, session and connection at the end
 // of Run, all steps together, and how long Run then still waits for
-// handlers whose context it cancelled. Must be > 0. Default: 5 s.
+// handlers whose context it cancelled. Must be > 0 ([ErrInvalidOption]
+// otherwise). Default: 5 s.
 func CloseTimeout(d time.Duration) Option {
 	return checked("CloseTimeout", d, d > 0, "must be > 0", func(c *config) {
 		c.closeTimeout = d
@@ -264,7 +251,8 @@ func CloseTimeout(d time.Duration) Option {
 }
 
 // WithProfile sets the broker profile: how the link is attached, how [Retry]
-// is settled and how the link is closed. Default: Artemis.
+// is settled and how the link is closed. The zero Profile is rejected
+// ([ErrInvalidOption]). Default: Artemis.
 func WithProfile(p Profile) Option {
 	return optionFunc(func(c *config) {
 		if p.drv == nil {
@@ -280,7 +268,8 @@ func WithProfile(p Profile) Option {
 // stopping, …), one line each; what can happen once per delivery is logged
 // at debug, or, for what needs a person (a panic, a poison message, a lost
 // lock), at warn or error at most once a minute per line. docs/logging.md
-// lists every line and its fields. nil is rejected. Default: zap.NewNop().
+// lists every line and its fields. nil is rejected ([ErrInvalidOption]).
+// Default: zap.NewNop().
 func Logger(l *zap.Logger) Option {
 	return optionFunc(func(c *config) {
 		if l == nil {
@@ -305,15 +294,13 @@ func LinkName(name string) Option {
 // opens ([Dial], [DialFailover], [ServiceBus], [ServiceBusWithToken]): the
 // broker is asked to send a frame at least every half of it, and a
 // connection that stays silent for longer is taken as lost (a half-open TCP
-// connection is found that way) and reconnected.
+// connection is found that way) and reconnected. With Dial and DialFailover
+// it applies when their amqp.ConnOptions leave IdleTimeout at 0; a
+// connection given with [Conn] keeps its own.
 //
-// With Dial and DialFailover it applies when their amqp.ConnOptions leave
-// IdleTimeout at 0; a connection given with [Conn] keeps its own.
-//
-// Must be between 100 ms and about 99 days (2386h5m34.59s): below that a
-// broker's heartbeats cannot keep a healthy connection alive; above it,
-// half of it, which is what the broker is told, no longer fits AMQP's
-// 32-bit count of milliseconds. Default: 30 s.
+// Must be between 100 ms and about 99 days (2386h5m34.59s); New rejects
+// other values ([ErrInvalidOption]). Default: 30 s.
+// Why these bounds: docs/options.md#idletimeout.
 func IdleTimeout(d time.Duration) Option {
 	return checked("IdleTimeout", d, d >= 100*time.Millisecond && d <= maxIdleTimeout,
 		"must be between 100ms and "+maxIdleTimeout.String(), func(c *config) {
@@ -326,7 +313,8 @@ func IdleTimeout(d time.Duration) Option {
 // min(max, initial·2^k) ("full jitter"), so replicas that lost the same
 // broker do not all come back at once. A connection that cannot be made at
 // the start of Run is not retried: Run returns its error. Must be
-// 0 < initial ≤ max. Default: Backoff(100*time.Millisecond, 2*time.Second).
+// 0 < initial ≤ max; New rejects anything else ([ErrInvalidOption]).
+// Default: Backoff(100*time.Millisecond, 2*time.Second).
 func Backoff(initial, max time.Duration) Option {
 	return optionFunc(func(c *config) {
 		if initial <= 0 || max < initial {
@@ -374,7 +362,6 @@ func OnReconnect(f func(attempts int, cause error)) Option {
 // slows the pump or a lane; if f falls more than 1024 events behind, later
 // ones are dropped and counted ([Stats.EventsDropped]). Run waits for f to
 // finish the events queued before it returns, within [CloseTimeout].
-//
 // Default: none (events are only logged).
 func OnEvent(f func(Event)) Option {
 	return optionFunc(func(c *config) { c.onEvent = f })
@@ -396,51 +383,19 @@ type RetryPolicy struct {
 
 // LocalRetry retries a delivery (or, for a [BatchHandler], the deliveries of
 // a batch that failed, as a batch of their own) in its lane before a [Retry]
-// outcome goes to the broker. Only Retry outcomes are retried, never
-// [Release] or [Reject].
+// outcome goes to the broker; only Retry outcomes are retried, never
+// [Release] or [Reject]. The lane does nothing else meanwhile, so the group
+// keeps its order; once the retries run out, the Retry goes to the broker as
+// a failed attempt and the lane goes on at once with the group's next
+// deliveries, so that group's order is lost. A graceful stop ends the
+// retries and releases the delivery ([Results.Release]; on a RabbitMQ 4
+// quorum queue only if they have not ended within half the [GracePeriod]);
+// a Close, a lost link or a lost Service Bus lock end them and send
+// nothing: the broker delivers the message again.
 //
-// The lane does nothing else meanwhile, so the delivery's group keeps its
-// order, which a broker redelivery would break: give a Budget that outlasts
-// the outages you expect (a store restarting, say), and let the broker's
-// own redelivery count (Artemis max-delivery-attempts, with
-// redelivery-delay) handle what outlasts it.
-//
-// When the retries run out, the Retry goes to the broker as a failed
-// attempt, and the lane goes on at once with the group's next deliveries,
-// those already held: for that group, order is then lost. A handler whose
-// work depends on order must tell that case from an outage: when it finds
-// a delivery out of order (a gap in a sequence it keeps), it should return
-// [Release], which LocalRetry does not retry and the broker does not count
-// as a failed attempt (a RabbitMQ 4 quorum queue counts it toward its
-// delivery-limit all the same), so that the broker hands the group over
-// again; a Retry there would be retried in the lane, where the missing
-// delivery can never arrive, until the budget runs out.
-//
-// Retrying ends early:
-//
-//   - A graceful stop ends the waiting and releases the delivery, since
-//     the stop, not the message, cut its retries short ([Results.Release]
-//     counts it). Artemis, RabbitMQ 3.10, a RabbitMQ 4 classic queue and
-//     Service Bus do not count a release as a delivery attempt; a
-//     RabbitMQ 4 quorum queue counts it toward its delivery-limit, so
-//     there the stop first hands what is buffered to the handlers, for up
-//     to half the [GracePeriod], and the retries go on meanwhile: the
-//     delivery is released only if they have not ended by then (see
-//     [RabbitMQ4]). A Close ends the waiting too, but sends nothing: the
-//     broker delivers the message again.
-//   - The loss of its Service Bus lock ends it too, and cancels the
-//     handler's context; nothing is sent then: the service delivers the
-//     message again.
-//   - A delivery whose link is lost (Artemis, RabbitMQ, a Service Bus
-//     session) stops being retried at once: no result of it could be
-//     settled, and the broker delivers it again.
-//
-// A BatchHandler that fails a delivery of a group must fail the group's
-// later deliveries in the same batch too: the ones it accepted are settled
-// at once, and their effects would then come before the failed one's.
-//
-// p needs Attempts or Budget > 0, both ≥ 0, and 0 ≤ Initial ≤ Max.
-// Default: off.
+// p needs Attempts or Budget > 0, both ≥ 0, and 0 ≤ Initial ≤ Max; New
+// rejects anything else ([ErrInvalidOption]). Default: off. Why, and what
+// a handler must do to keep order: docs/options.md#localretry.
 func LocalRetry(p RetryPolicy) Option {
 	return optionFunc(func(c *config) {
 		if p.Initial == 0 {
@@ -469,30 +424,19 @@ func WaitForQueue() Option {
 
 // MaxHeldBytes bounds the bytes of the deliveries the process holds, as
 // [Credit] bounds their number: credit is granted only while the bodies held
-// (see [MaxMessageSize] for what is counted) stay under n.
+// (see [MaxMessageSize] for what is counted) stay under n. The broker does
+// not say a message's size before sending it, so grants go by the largest
+// size seen lately, one at a time until one is seen; one delivery always
+// flows when nothing is held. What is held passes n only by messages larger
+// than any seen lately: about n + Credit × the largest message at most, so
+// with mixed sizes lower Credit too. [Stats.BytesHeld] and MaxBytesHeld
+// show it. It counts bodies, not the process's memory, which is a multiple
+// of it: set GOMEMLIMIT. With [Sessions], each session held gets its share
+// of n.
 //
-// The broker does not say how large a message is before sending it, so the
-// subscriber grants by the sizes it has seen: as many as n holds of the
-// largest lately (a larger size counts at once; the estimate then decays
-// by 1/16 a delivery), one at a time until it has seen one. One delivery
-// always flows when nothing is held, however large, so nothing stalls.
-//
-// What is held passes n only by deliveries larger than any lately: those
-// granted while smaller ones came, up to the credit. With traffic of mixed
-// sizes (mostly small, now and then very large), lower Credit too: the
-// bound on bodies held is about n + Credit × the largest message.
-// [Stats.BytesHeld] and MaxBytesHeld show it.
-//
-// It counts bodies held, not the process's memory: go-amqp assembles each
-// message in a growing buffer before decoding it, and Go's collector lets
-// the heap grow to twice what is live unless GOMEMLIMIT says otherwise, so
-// expect the RSS to reach two to four times the bytes held, and set
-// GOMEMLIMIT in a container.
-//
-// With [Sessions], each session held gets its share of n.
-//
-// Must be ≥ 0; 0 means no bound. Default: off (the credit alone bounds what
-// is held: 256 deliveries of 1 MiB hold 256 MiB).
+// Must be ≥ 0, 0 meaning no bound ([ErrInvalidOption] otherwise). Default:
+// off (the credit alone bounds what is held).
+// Why: docs/options.md#maxheldbytes.
 func MaxHeldBytes(n int64) Option {
 	return checked("MaxHeldBytes", n, n >= 0, "must be ≥ 0", func(c *config) {
 		c.maxHeldBytes = n
@@ -503,26 +447,14 @@ func MaxHeldBytes(n int64) Option {
 // whose body is larger than n bytes (its data sections, or a binary or
 // string value; the rest of a message is not counted).
 // Stats.Results.Oversize counts them and [OnEvent] hears of each
-// ([EventOversize]). How it is rejected follows the broker:
+// ([EventOversize]). On Service Bus ([AzureServiceBus]) it is rejected as
+// [Reject] does there, with DeadLetterReason "MaxMessageSizeExceeded" and a
+// DeadLetterErrorDescription naming the size and n; elsewhere with
+// condition amqp:link:message-size-exceeded and a reason, and the broker
+// dead-letters it. The message is read whole before it is refused.
 //
-//   - On Service Bus ([AzureServiceBus]) it is rejected as [Reject] does there:
-//     condition com.microsoft:dead-letter, DeadLetterReason
-//     "MaxMessageSizeExceeded" and a DeadLetterErrorDescription naming the
-//     size and n, so the service moves it to the entity's dead-letter queue
-//     with that reason.
-//   - Elsewhere it is rejected with condition
-//     amqp:link:message-size-exceeded and a reason, and the broker
-//     dead-letters it.
-//
-// The limit is checked once the message has arrived, not on the wire:
-// go-amqp v1.7 drops its own limit when the broker's attach declares none,
-// as Artemis's does. So an oversized message is read whole before it is
-// refused, and costs the process two to four times its size in memory for
-// a moment (see [MaxHeldBytes]), though not in BytesHeld. To keep such
-// messages away from consumers altogether, limit them where they are
-// produced (Artemis: an address setting or a broker plugin).
-//
-// Must be ≥ 0; 0 means no limit. Default: off.
+// Must be ≥ 0, 0 meaning no limit ([ErrInvalidOption] otherwise).
+// Default: off. Why, and its memory cost: docs/options.md#maxmessagesize.
 func MaxMessageSize(n int64) Option {
 	return checked("MaxMessageSize", n, n >= 0, "must be ≥ 0", func(c *config) {
 		c.maxMessageSize = n
@@ -531,34 +463,18 @@ func MaxMessageSize(n int64) Option {
 
 // MaxDeliveryCount dead-letters, before a handler sees it, every delivery
 // past the n-th of its message: a poison-message limit for brokers without
-// one of their own, or lower than theirs. How deliveries are counted
-// follows the broker (see [Delivery.DeliveryCount]):
+// one of their own, or lower than theirs. Counting follows the broker (see
+// [Delivery.DeliveryCount]): on Service Bus ([AzureServiceBus]) n
+// deliveries are handled, as with an entity's MaxDeliveryCount of n;
+// elsewhere a delivery whose header delivery-count is above n is rejected,
+// so n+1 are handled. It has no effect on RabbitMQ 3.10, which always sends
+// a count of 0. Under [RabbitMQ4] a quorum queue counts Retry; on a classic
+// queue, which counts nothing, Run fails with an error wrapping
+// [ErrInvalidOption]. On Service Bus and RabbitMQ 4 the rejection carries
+// the reason "MaxDeliveryCountExceeded". With [LocalRetry], each delivery
+// is retried in its lane first.
 //
-//   - On Service Bus ([AzureServiceBus]) it means what an entity's
-//     MaxDeliveryCount means: the n-th delivery is the last one handled
-//     (the service's count, the AMQP header's delivery-count + 1, is then
-//     n). The next is rejected as [Reject] does there, with
-//     DeadLetterReason "MaxDeliveryCountExceeded" (the service's own
-//     reason at the entity's limit) and a DeadLetterErrorDescription that
-//     says amqpsub rejected it. An entity's own limit at or below n acts
-//     first.
-//   - Elsewhere a delivery whose header delivery-count (the earlier failed
-//     attempts) is above n is rejected with a reason: n+1 deliveries are
-//     handled. RabbitMQ 3.10 always sends a delivery count of 0, so it has
-//     no effect there. On RabbitMQ 4 ([RabbitMQ4]) a quorum queue counts
-//     Retry (and its own delivery-limit counts every return); a classic
-//     queue counts nothing, so Run refuses the option there with an error
-//     wrapping [ErrInvalidOption].
-//
-// So for at most N handled deliveries of a message, give MaxDeliveryCount(N)
-// on Service Bus and MaxDeliveryCount(N-1) elsewhere. Under [RabbitMQ4] the
-// rejection carries the reason MaxDeliveryCountExceeded and the delivery's
-// number as its description, as on Service Bus. With [LocalRetry], each
-// delivery is retried in its lane first: a message that always fails runs
-// its handler (n+1) × (1 + the local retries) times, and holds its lane
-// (and its group) for n+1 budgets.
-//
-// 0 turns it off. Default: off.
+// 0 turns it off. Default: off. Why: docs/options.md#maxdeliverycount.
 func MaxDeliveryCount(n uint32) Option {
 	return optionFunc(func(c *config) { c.maxDelivery = n })
 }
@@ -566,7 +482,7 @@ func MaxDeliveryCount(n uint32) Option {
 // WithMetrics gives the subscriber's measurements to m: New calls
 // m.Recorder once. Its cost on the delivery path is an interface call per
 // event and two clock reads per handler call (see docs/performance.md).
-// nil is rejected. Default: none.
+// nil is rejected ([ErrInvalidOption]). Default: none.
 func WithMetrics(m Metrics) Option {
 	return optionFunc(func(c *config) {
 		if m == nil {

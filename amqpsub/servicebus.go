@@ -170,22 +170,16 @@ func (c *sbConnector) connect(ctx context.Context, req connectRequest) (*connect
 
 // MaxLockRenewal bounds, on Azure Service Bus, how long after its handler
 // began a delivery's message lock is still renewed ([LocalRetry]'s waits
-// included). Set it above the longest handler.
+// included). Set it above the longest handler. After that the lock expires
+// (up to one lock duration later), the handler's context is cancelled
+// (cause [ErrLockLost]), its result is not sent, and the service delivers
+// the message again, counted: its work may be done twice, and under
+// [WorkersByKey] its group's order is broken. A delivery waiting for a
+// handler has its lock renewed for as long as it waits.
 //
-// After that the lock expires (up to one lock duration later: the last
-// renewal's), the handler's context is cancelled (cause [ErrLockLost]), its
-// result is not sent, and the service delivers the message again, counted,
-// to whichever receiver asks next. So a handler that outlives its lock can
-// see its work done twice (once more if it ignores its context), and under
-// [WorkersByKey] the redelivery comes after the group's later messages: its
-// order is broken.
-//
-// While a delivery waits for a handler (behind a busy group, say) its lock
-// is renewed for as long as it waits: the credit bounds how many wait.
-//
-// Must be ≥ 0; 0 renews no lock of a delivery in a handler. Default: 5 min,
-// as the .NET processor's MaxAutoLockRenewalDuration, which also counts
-// from the handler's start.
+// Must be ≥ 0, 0 renewing no lock of a delivery in a handler
+// ([ErrInvalidOption] otherwise). Default: 5 min.
+// Why: docs/options.md#maxlockrenewal.
 func MaxLockRenewal(d time.Duration) Option {
 	return checked("MaxLockRenewal", d, d >= 0, "must be ≥ 0", func(c *config) {
 		o := sbOptionsOf(c)
@@ -201,26 +195,19 @@ const maxSessions = 256
 
 // Sessions makes the subscriber a session consumer of a session-enabled
 // Service Bus entity: it holds up to max sessions at once, each on a link
-// of its own with its share of the credit (at least 1), accepting the next
-// available session whenever it has room. Only with the [AzureServiceBus]
-// profile; not with [SessionIDs].
+// and a connection of its own with its share of the credit (at least 1),
+// accepting the next available session whenever it has room. Each
+// session's handlers run as [Workers] or [WorkersByKey] say: with the
+// default Workers(1), Sessions(4) runs up to 4 handlers at once, each
+// session's messages one at a time, in order. A session's lock is renewed
+// while it is held; one with no message for [SessionIdleTimeout] is closed
+// and the next accepted. [Delivery.SessionState] and
+// [Delivery.SetSessionState] read and write the session's state.
 //
-// The handlers of each session run as [Workers] or [WorkersByKey] say, per
-// session: the default Workers(1) runs each session's messages one at a
-// time, in order, so Sessions(4) runs up to 4 handlers at once. A handler's
-// [Retry] sends its message back to the service, which delivers it again
-// after the session's messages already sent: to keep a session's order
-// through a passing failure, use [LocalRetry], which retries in the lane.
-//
-// A session's lock is renewed while the consumer holds it; a session with
-// no message for [SessionIdleTimeout] is closed and the next one accepted;
-// when no session is available the service says so after a while and the
-// consumer asks again. [Delivery.SessionState] and [Delivery.SetSessionState]
-// read and write the session's state.
-//
-// Each session held is a connection of its own (8 for Sessions(8); the
-// emulator allows 10 in all). Must be between 1 and 256. Default: off (the
-// entity must not require sessions).
+// Only with the [AzureServiceBus] profile, not with [SessionIDs], and max
+// between 1 and 256; New rejects anything else ([ErrInvalidOption]).
+// Default: off (the entity must not require sessions).
+// Why: docs/options.md#sessions.
 func Sessions(max int) Option {
 	return optionFunc(func(c *config) {
 		if max < 1 || max > maxSessions {
@@ -237,7 +224,7 @@ func Sessions(max int) Option {
 // only, each on a link of its own, held for as long as the subscriber runs
 // (a session left idle for [SessionIdleTimeout] is accepted again). See
 // [Sessions]. Not with Sessions; at least one id and at most 256, none empty,
-// none twice.
+// none twice; New rejects anything else ([ErrInvalidOption]). Default: off.
 func SessionIDs(ids ...string) Option {
 	return optionFunc(func(c *config) {
 		if len(ids) == 0 || len(ids) > maxSessions || slices.Contains(ids, "") {
@@ -262,7 +249,8 @@ func SessionIDs(ids ...string) Option {
 // sends no message (and of which it holds none) before it closes it and
 // accepts the next. A finished session holds its slot that long, and the
 // sessions beyond [Sessions]' max wait for a slot: with many short sessions,
-// a few seconds keeps the consumer moving. Must be > 0. Default: 1 min.
+// a few seconds keeps the consumer moving. Must be > 0 ([ErrInvalidOption]
+// otherwise). Default: 1 min.
 func SessionIdleTimeout(d time.Duration) Option {
 	return checked("SessionIdleTimeout", d, d > 0, "must be > 0", func(c *config) {
 		sbOptionsOf(c).o.SessionIdle = d
@@ -275,7 +263,7 @@ func SessionIdleTimeout(d time.Duration) Option {
 // is also the write deadline of the settlement's frame, and go-amqp ends
 // the whole connection on a write that misses its deadline: below a second
 // a busy connection would be torn down and handled messages delivered
-// again. Must be ≥ 1 s. Default: 30 s.
+// again. Must be ≥ 1 s ([ErrInvalidOption] otherwise). Default: 30 s.
 func SettleTimeout(d time.Duration) Option {
 	return checked("SettleTimeout", d, d >= time.Second, "must be ≥ 1s (it is also the frame's write deadline)", func(c *config) {
 		sbOptionsOf(c).o.SettleTimeout = d

@@ -159,9 +159,10 @@ rabbitmq4_url=${AMQPSUB_RABBITMQ4_URL:-$(bash "$RABBITMQ4_CTL" url)}
 [ -z "${no_rabbitmq4:-}" ] || rabbitmq4_url=
 
 section "integration tests"
-# ./amqpsub again, with the brokers and the second peer up, beside
-# ./integration/...: its Service Bus tests against the peer
-# (servicebus_test.go) skip without them.
+# ./amqpsub again, with the peer tag, the brokers and the second peer up,
+# beside ./integration/...: its tests against the Service Bus peer
+# (servicebus_peer_test.go, built only with the peer tag, which the unit
+# stage above leaves out).
 integ_rc=0
 amqpsub_rc=0
 export AMQPSUB_ARTEMIS_URL=$artemis_url \
@@ -173,7 +174,7 @@ export AMQPSUB_ARTEMIS_URL=$artemis_url \
   AMQPSUB_CLUSTER_CTL=${AMQPSUB_CLUSTER_CTL-$CLUSTER_CTL}
 amqpsub_out=$(mktemp)
 AMQPSUB_SBPEER_CONN=${SBPEER2_CONN:-${AMQPSUB_SBPEER_CONN:-}} AMQPSUB_SBPEER_CONTROL=${SBPEER2_CONTROL:-${AMQPSUB_SBPEER_CONTROL:-}} \
-  "$GO" test -race -count=1 -timeout "${INTEGRATION_TIMEOUT:-40m}" "${EXTRA[@]}" ./amqpsub >"$amqpsub_out" 2>&1 &
+  "$GO" test -race -count=1 -tags peer -timeout "${INTEGRATION_TIMEOUT:-40m}" "${EXTRA[@]}" ./amqpsub >"$amqpsub_out" 2>&1 &
 amqpsub_pid=$!
 "$GO" test -race -count=1 -timeout "${INTEGRATION_TIMEOUT:-40m}" "${EXTRA[@]}" ./integration/... || integ_rc=$?
 wait "$amqpsub_pid" || amqpsub_rc=$?

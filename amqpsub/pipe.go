@@ -91,8 +91,8 @@ func (s *Subscriber) newPipe(index, credit int, key string) *pipe {
 		if !s.cfg.profile.f.PinsGroups && len(s.cfg.slots) == 0 {
 			most = s.cfg.floor
 		}
-		pc.Parked = func() int {
-			group, stalled := g.Parked(time.Now())
+		pc.Parked = func(now time.Time) int {
+			group, stalled := g.Parked(now)
 			return stalled + min(group, most)
 		}
 	}

@@ -189,6 +189,8 @@ type Account struct {
 type adaptive struct {
 	floor int64
 	now   func() time.Time
+	// at, when not zero, is the time the calls take as now (At).
+	at time.Time
 
 	// The drain rate: a count decaying with DrainWindow, as of drainAt.
 	drained float64
@@ -242,6 +244,34 @@ func (a *Account) Adapt(floor int, now func() time.Time) {
 	a.adapt = &adaptive{floor: f, now: now, target: f, owedWait: FlowOwedAfter}
 }
 
+// At sets the time an adaptive Account's calls take as now, until the next
+// At; the zero time makes them read the clock again, as they do before any
+// At. Its caller reads the clock once and has every call of one moment
+// (the pump: a turn of its loop) share it, since a clock read costs about
+// as much as the rest of a delivery's accounting.
+func (a *Account) At(now time.Time) {
+	if a.adapt != nil {
+		a.adapt.at = now
+	}
+}
+
+// Now is the time an adaptive Account's calls take as now: At's, or else
+// the clock's (time.Now for an Account that does not adapt).
+func (a *Account) Now() time.Time {
+	if a.adapt == nil {
+		return time.Now()
+	}
+	return a.adapt.clock()
+}
+
+// clock is At's time, or else the clock's.
+func (ad *adaptive) clock() time.Time {
+	if !ad.at.IsZero() {
+		return ad.at
+	}
+	return ad.now()
+}
+
 // Park tells an adaptive Account how many of the deliveries held wait
 // behind an earlier delivery of their group or a stalled call (a hot or
 // stuck group's, say), as much of them as the caller wants held: they are
@@ -274,7 +304,7 @@ func (a *Account) Received() (firstOvershoot bool) {
 	a.received++
 	a.held++
 	if ad := a.adapt; ad != nil {
-		ad.lastRecv = ad.now()
+		ad.lastRecv = ad.clock()
 		if ad.owedPaid {
 			// The flow paid past the limit was followed by a delivery: a
 			// trickle (or a queue it resumed). The next waits longer, so that
@@ -308,7 +338,7 @@ func (a *Account) Settled(n int) {
 		a.flowOwed = true
 	}
 	if ad := a.adapt; ad != nil && n > 0 {
-		now := ad.now()
+		now := ad.clock()
 		ad.drained = ad.decayed(now) + float64(n)
 		ad.drainAt = now
 	}
@@ -335,7 +365,7 @@ func (ad *adaptive) covered(k int64) {
 		return // past the credit, or not the grant's first
 	}
 	g := &ad.grants[0]
-	now := ad.now()
+	now := ad.clock()
 	rtt := max(now.Sub(g.at), time.Microsecond)
 	g.at = time.Time{} // sampled
 	ad.rttAt, ad.probing = now, false
@@ -423,14 +453,14 @@ func (a *Account) limitNow() int64 {
 func (a *Account) Grant() uint32 {
 	outstanding := a.granted - a.received
 	if ad := a.adapt; ad != nil {
-		ad.target = ad.targetAt(ad.now(), a.limit)
+		ad.target = ad.targetAt(ad.clock(), a.limit)
 	}
 	if a.mode == Windowed && outstanding > 0 {
 		return 0
 	}
 	owed := a.owedPayable(outstanding)
 	if ad := a.adapt; ad != nil && owed {
-		owed = ad.now().Sub(ad.lastRecv) >= ad.owedWait
+		owed = ad.clock().Sub(ad.lastRecv) >= ad.owedWait
 	}
 	if ad := a.adapt; ad != nil && ad.probing && outstanding > 0 {
 		// Until the credit runs out, for a timed grant; but the flow owed.
@@ -495,7 +525,7 @@ func (a *Account) issue(want, outstanding int64) uint32 {
 		// grant (see the package comment).
 		g := grant{end: a.granted}
 		if outstanding <= 0 && a.granted > want {
-			g.at = ad.now()
+			g.at = ad.clock()
 		}
 		ad.grants = append(ad.grants, g)
 	}

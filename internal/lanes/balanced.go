@@ -355,12 +355,6 @@ func (f *poolFeed[T]) leaveIdle() {
 	f.p.mu.Unlock()
 }
 
-// next takes the next item, waiting for one; false once nothing is left.
-func (f *poolFeed[T]) next() (T, bool) {
-	v, st := f.wait(nil, nil, nil)
-	return v, st == got
-}
-
 // ring is a FIFO ring buffer that grows as needed.
 type ring[T any] struct {
 	buf     []T // len is 0 or a power of two

@@ -195,14 +195,7 @@ func (r *runner[T]) runPool(in <-chan T) {
 				r.batchLoop(i, f)
 				return
 			}
-			for {
-				item, ok := f.next()
-				if !ok {
-					return
-				}
-				r.gauge.lanes[i].load.Add(1)
-				r.give(i, item)
-			}
+			r.loop(i, f, func() { r.gauge.lanes[i].load.Add(1) })
 		})
 	}
 	inDone := make(chan struct{})
@@ -304,20 +297,53 @@ func (r *runner[T]) drop(lane int, item T) {
 
 // give hands item to the handler unless the lanes are stopping or Take
 // refuses it.
-func (r *runner[T]) give(lane int, item T) {
+//
+// Under a key its call is timed on the gauge: it begins at began, or now
+// when began is zero, and give returns when it ended (zero for an item
+// not handled, or not timed).
+func (r *runner[T]) give(lane int, item T, began time.Time) (ended time.Time) {
 	if r.stopped() || (r.cfg.Take != nil && !r.cfg.Take(item)) {
 		r.drop(lane, item)
-		return
+		return time.Time{}
 	}
 	k := r.keyOf(item)
 	if r.keyed() {
-		r.gauge.begin(lane, 1, time.Now())
+		if began.IsZero() {
+			began = time.Now()
+		}
+		r.gauge.begin(lane, 1, began)
 		r.cfg.Handle(lane, item)
-		r.gauge.end(lane, time.Now())
+		ended = time.Now()
+		r.gauge.end(lane, ended)
 	} else {
 		r.cfg.Handle(lane, item)
 	}
 	r.finish(lane, k)
+	return ended
+}
+
+// loop gives lane i the items of f, one at a time, until f is closed;
+// took, when set, is told of each item as it is taken. A call whose item
+// was already waiting as the one before ended takes that end as its start
+// (one clock read a call, not two: a clock read is tens of nanoseconds, a
+// no-op handler's whole call not many more); one that waited reads the
+// clock anew.
+func (r *runner[T]) loop(i int, f feed[T], took func()) {
+	var ended time.Time
+	for {
+		item, st := f.poll()
+		if st == empty {
+			item, st = f.wait(nil, nil, nil)
+			ended = time.Time{} // it waited: the clock moved on
+		}
+		if st != got {
+			return
+		}
+		if took != nil {
+			took()
+		}
+		ended = r.give(i, item, ended)
+	}
 }
 
 // lane runs the items of one keyed lane in order.
@@ -326,13 +352,7 @@ func (r *runner[T]) lane(i int, q *queue[T]) {
 		r.batchLoop(i, q)
 		return
 	}
-	for {
-		item, ok := q.next()
-		if !ok {
-			return
-		}
-		r.give(i, item)
-	}
+	r.loop(i, q, nil)
 }
 
 // worker runs items of the shared stream as they come.
@@ -343,6 +363,6 @@ func (r *runner[T]) worker(i int, in <-chan T) {
 	}
 	for item := range in {
 		r.gauge.lanes[i].load.Add(1)
-		r.give(i, item)
+		r.give(i, item, time.Time{}) // not timed: unordered workers park nothing
 	}
 }

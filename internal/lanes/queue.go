@@ -113,13 +113,6 @@ func (q *queue[T]) wait(fire <-chan time.Time, flush, stop <-chan struct{}) (T, 
 	}
 }
 
-// next takes the next item, waiting for one; false once the queue is
-// closed and empty.
-func (q *queue[T]) next() (T, bool) {
-	v, st := q.wait(nil, nil, nil)
-	return v, st == got
-}
-
 // close marks the end of the items: the lane ends once it has taken the
 // rest.
 func (q *queue[T]) close() {

@@ -92,9 +92,10 @@ type Config struct {
 	// Parked, with AdaptiveFloor, returns how many held deliveries the
 	// credit holds on top of the adaptive limit (credit's Park): those that
 	// wait behind an earlier delivery of their own group, as much of them
-	// as the broker needs held. Called on the pump's goroutine before each grant;
-	// it must be cheap and must not block. nil counts none.
-	Parked func() int
+	// as the broker needs held, as of now (when the pump's loop last
+	// woke). Called on the pump's goroutine before each grant; it must be
+	// cheap and must not block. nil counts none.
+	Parked func(now time.Time) int
 }
 
 // Meter hears of what the pump does, for metrics. Its methods run on the
@@ -422,6 +423,9 @@ func waitReturned(returned <-chan struct{}, n int, by time.Time) {
 // serve runs one link until it fails (its error), Stop took effect
 // (ErrStopped) or ctx ended.
 func (p *Pump) serve(ctx context.Context, src driver.Source) (err error) {
+	// The account takes the time of the loop's last wake as now (At):
+	// after the loop, what settles reads the clock again.
+	defer p.acct.At(time.Time{})
 	gen := p.links.Current()
 	rctx, cancelReceive := context.WithCancel(ctx)
 	in := newBurst[*amqp.Message](min(p.cfg.Credit, 1024))
@@ -504,7 +508,7 @@ func (p *Pump) serve(ctx context.Context, src driver.Source) (err error) {
 		}
 		if !stopping && !holding {
 			if p.cfg.Parked != nil {
-				p.acct.Park(p.cfg.Parked())
+				p.acct.Park(p.cfg.Parked(p.acct.Now()))
 			}
 			if n := p.acct.Grant(); n > 0 {
 				if err := src.IssueCredit(n); err != nil {
@@ -527,8 +531,10 @@ func (p *Pump) serve(ctx context.Context, src driver.Source) (err error) {
 		}
 		select {
 		case <-ticks:
+			p.acct.At(time.Now()) // the one clock read of this turn
 			// Only for the grant at the top of the loop.
 		case <-in.wake:
+			p.acct.At(time.Now()) // the one clock read of this turn
 			msgs, err := in.take()
 			for _, m := range msgs {
 				if m == nil { // the drain's answer: nothing more comes
@@ -542,17 +548,20 @@ func (p *Pump) serve(ctx context.Context, src driver.Source) (err error) {
 				return err
 			}
 		case out <- head:
+			p.acct.At(time.Now()) // the one clock read of this turn
 			p.backlog[0] = driver.Ticket{}
 			p.backlog = p.backlog[1:]
 			if len(p.backlog) == 0 {
 				p.backlog = p.backlog[:0:0]
 			}
 		case <-p.settle.wake:
+			p.acct.At(time.Now()) // the one clock read of this turn
 			// Everything queued goes at once, before the next grant, so
 			// credit goes back in chunks rather than a flow frame per
 			// settlement.
 			p.applyQueued(ctx)
 		case <-hold:
+			p.acct.At(time.Now()) // the one clock read of this turn
 			hold, holding = nil, true
 			if _, ok := src.(drainer); ok {
 				drainTimer = time.After(holdDrainWait)
@@ -564,11 +573,14 @@ func (p *Pump) serve(ctx context.Context, src driver.Source) (err error) {
 				holdSettled = true
 			}
 		case <-drainTimer:
+			p.acct.At(time.Now()) // the one clock read of this turn
 			drainTimer, holdSettled = nil, true
 		case <-stop:
+			p.acct.At(time.Now()) // the one clock read of this turn
 			stop, stopping = nil, true
 			p.drainThenRelease(ctx, rctx, src, &wg)
 		case <-ctx.Done():
+			p.acct.At(time.Now()) // the one clock read of this turn
 			return ctx.Err()
 		}
 	}

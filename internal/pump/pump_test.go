@@ -637,7 +637,7 @@ func TestAnIdleLinkDoesNotTick(t *testing.T) {
 				var loops atomic.Int64
 				src := fake.New(true, fake.Messages(1)...)
 				p := pump.New(pump.Config{Credit: 256, Mode: mode, AdaptiveFloor: 4,
-					Parked: func() int { loops.Add(1); return 0 }}) // once a loop
+					Parked: func(time.Time) int { loops.Add(1); return 0 }}) // once a loop
 				cancel, errc := start(t, p, attachTo(src))
 				d := <-p.Out()
 				d.Begin()

@@ -122,6 +122,7 @@ fmt:
 
 vet:
 	$(GO) vet ./...
+	$(GO) vet -tags peer ./amqpsub
 	@for m in $(LINT_MODULES); do (cd $$m && echo "go vet ($$m)" && $(GO) vet ./...) || exit 1; done
 
 ## lint: gofmt, go vet and golangci-lint (pinned, installed with go install if missing; config in .golangci.yml)

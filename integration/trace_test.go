@@ -43,7 +43,11 @@ func TestTraceArtemisDelivery(t *testing.T) {
 		if err := snd.Send(ctx, amqp.NewMessage([]byte("x")), nil); err != nil {
 			t.Fatal(err)
 		}
-		<-handled
+		select {
+		case <-handled:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the delivery was not handled within 10 s")
+		}
 		// Let the acceptance go out before the stop, whose log line counts
 		// what is held: a delivery still settling then would put that
 		// census (internal/pump/stats.go) in the trace. The test's result

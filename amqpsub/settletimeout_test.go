@@ -15,7 +15,7 @@ import (
 // SettleTimeout(d) bounds a Service Bus settlement by d, not by the
 // default 30 s: the option reaches the engine through the driver's
 // options (config.broker), which no other test checks.
-func TestReviewSettleTimeoutReachesTheEngine(t *testing.T) {
+func TestSettleTimeoutReachesTheEngine(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		src := fake.New(true, fake.Messages(1)...)
 		src.SettleErr = func(ctx context.Context, _ *amqp.Message) error { <-ctx.Done(); return ctx.Err() }

@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
-	"os/exec"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -199,18 +197,6 @@ func TestArtemisDeadLetterQueueGoneAtAReconnect(t *testing.T) {
 	}
 	if st := s.Stats(); st.Reconnects < 1 || st.Results.Reject != 3 {
 		t.Fatalf("stats %v: want a reconnect and the third rejection handled", st)
-	}
-}
-
-// ctl runs integration/artemis.sh cli with args on the test broker.
-func ctl(t *testing.T, args ...string) {
-	t.Helper()
-	script := os.Getenv("AMQPSUB_ARTEMIS_CTL")
-	if script == "" {
-		t.Fatal("AMQPSUB_ARTEMIS_CTL is empty: this test runs `integration/artemis.sh cli` (`make test` sets it)")
-	}
-	if out, err := exec.Command("bash", append([]string{script, "cli"}, args...)...).CombinedOutput(); err != nil {
-		t.Fatalf("artemis %v: %v\n%s", args, err, out)
 	}
 }
 

@@ -14,10 +14,6 @@ import (
 	"github.com/amqpsub/amqpsub/amqpsub"
 )
 
-// slack is what a real broker and a real clock add to a bound that synctest
-// checks exactly in the unit tests.
-const slack = 750 * time.Millisecond
-
 // A handler that never returns and ignores its ctx: a graceful stop and a
 // Close each end Run within their bound, name the abandoned handler, and
 // the broker gives its delivery to another consumer once the connection is
@@ -251,48 +247,4 @@ func TestArtemisSmallestValidOptions(t *testing.T) {
 			t.Fatalf("Run = %v, want a dial timeout naming the broker", err)
 		}
 	})
-}
-
-// managementOp invokes an operation of an Artemis resource ("broker",
-// "queue.NAME") through management over AMQP.
-func managementOp(t testing.TB, conn *amqp.Conn, resource, op string, args ...any) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	sess, err := conn.NewSession(ctx, nil)
-	if err != nil {
-		t.Fatalf("session: %v", err)
-	}
-	defer closeSession(sess)
-	rcv, err := sess.NewReceiver(ctx, "", &amqp.ReceiverOptions{DynamicAddress: true, Credit: 1})
-	if err != nil {
-		t.Fatalf("management reply queue: %v", err)
-	}
-	snd, err := sess.NewSender(ctx, "activemq.management", nil)
-	if err != nil {
-		t.Fatalf("management sender: %v", err)
-	}
-	var body []string
-	for _, a := range args {
-		switch a := a.(type) {
-		case string:
-			body = append(body, fmt.Sprintf("%q", a))
-		default:
-			body = append(body, fmt.Sprint(a))
-		}
-	}
-	reply := rcv.Address()
-	req := &amqp.Message{Value: "[" + strings.Join(body, ",") + "]", Properties: &amqp.MessageProperties{ReplyTo: &reply},
-		ApplicationProperties: map[string]any{"_AMQ_ResourceName": resource, "_AMQ_OperationName": op}}
-	if err := snd.Send(ctx, req, nil); err != nil {
-		t.Fatalf("management request: %v", err)
-	}
-	resp, err := rcv.Receive(ctx, nil)
-	if err != nil {
-		t.Fatalf("management reply: %v", err)
-	}
-	rcv.AcceptMessage(ctx, resp)
-	if ok, _ := resp.ApplicationProperties["_AMQ_OperationSucceeded"].(bool); !ok {
-		t.Fatalf("management: %s on %s failed: %v", op, resource, resp.Value)
-	}
 }

@@ -23,21 +23,6 @@ import (
 // a quorum queue each: the pipeline, replicas, a connection closed mid-run,
 // the outcomes, and the stops.
 
-var rabbit4Kinds = []string{"classic", "quorum"}
-
-// r4publish publishes msgs (and publishFast's barrier) to queue q.
-func r4publish(t testing.TB, conn *amqp.Conn, q string, msgs []msgSpec) {
-	t.Helper()
-	publishFast(t, conn, "/queues/"+q, false, msgs)
-}
-
-// r4deadLetters takes what queue q's dead-letter queue holds, up to n,
-// waiting until within passes for n.
-func r4deadLetters(t testing.TB, conn *amqp.Conn, q string, n int, within time.Duration) []*amqp.Message {
-	t.Helper()
-	return receiveN(t, rawReceiver(t, conn, "/queues/"+q+".dlq", int32(max(n, 1))), n, within)
-}
-
 // 10,000 messages over 50 group-ids, WorkersByKey(8): each handled once,
 // each group in publish order (one consumer: the queue's order).
 func TestRabbitMQ4Pipeline(t *testing.T) {
@@ -506,27 +491,6 @@ func stopRounds(t *testing.T, url, q, addr string, plan stopPlan) (stopRound, []
 	}
 	r.distinct = len(seen)
 	return r, each
-}
-
-// drainQueue takes (accepting) everything queue q holds, until nothing
-// comes for a second. A quorum queue's ready count (rabbitmqctl) is
-// refreshed every few seconds, so it cannot tell what a stop just left.
-func drainQueue(t *testing.T, conn *amqp.Conn, q string) []*amqp.Message {
-	t.Helper()
-	r := rawReceiver(t, conn, "/queues/"+q, 256)
-	var out []*amqp.Message
-	for {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		m, err := r.Receive(ctx, nil)
-		cancel()
-		if err != nil {
-			return out
-		}
-		if err := r.AcceptMessage(context.Background(), m); err != nil {
-			t.Fatalf("accept: %v", err)
-		}
-		out = append(out, m)
-	}
 }
 
 // Deploys stop the consumer again and again. On a quorum queue every

@@ -10,11 +10,9 @@ package integration
 import (
 	"bufio"
 	"bytes"
-	"context"
 	"fmt"
 	"maps"
 	"os/exec"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -460,67 +458,6 @@ func (f *figures) log(t *testing.T, scenario string) {
 	t.Logf("  per group: duplicates %s", f.perGroup(func(g *groupFigures) int { return g.duplicates }))
 	t.Logf("  per group: order violations %s", f.perGroup(func(g *groupFigures) int { return g.violations }))
 	t.Logf("  per group: first handlings out of order %s", f.perGroup(func(g *groupFigures) int { return g.reorders }))
-}
-
-// buildReplicas builds examples/replicas into dir.
-func buildReplicas(t *testing.T, dir string) string {
-	t.Helper()
-	gobin, err := exec.LookPath("go")
-	if err != nil {
-		t.Fatalf("the replica tests build examples/replicas and need the go command: %v", err)
-	}
-	bin := filepath.Join(dir, "replicas")
-	out, err := exec.Command(gobin, "build", "-o", bin, "github.com/amqpsub/amqpsub/examples/replicas").CombinedOutput()
-	if err != nil {
-		t.Fatalf("go build examples/replicas: %v\n%s", err, out)
-	}
-	return bin
-}
-
-// queueAttribute reads an attribute of queue (such as "groupRebalance" or
-// "messageCount") through Artemis management over AMQP.
-func queueAttribute(t testing.TB, conn *amqp.Conn, queue, attr string) string {
-	t.Helper()
-	return resourceAttribute(t, conn, "queue."+queue, attr)
-}
-
-// resourceAttribute reads an attribute of an Artemis management resource
-// ("broker", "queue.NAME") through management over AMQP: a request to
-// activemq.management, answered on a dynamic (temporary) queue with a JSON
-// array of one value.
-func resourceAttribute(t testing.TB, conn *amqp.Conn, resource, attr string) string {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	sess, err := conn.NewSession(ctx, nil)
-	if err != nil {
-		t.Fatalf("session: %v", err)
-	}
-	defer closeSession(sess)
-	rcv, err := sess.NewReceiver(ctx, "", &amqp.ReceiverOptions{DynamicAddress: true, Credit: 1})
-	if err != nil {
-		t.Fatalf("management reply queue: %v", err)
-	}
-	snd, err := sess.NewSender(ctx, "activemq.management", nil)
-	if err != nil {
-		t.Fatalf("management sender: %v", err)
-	}
-	reply := rcv.Address()
-	req := &amqp.Message{Value: "[]", Properties: &amqp.MessageProperties{ReplyTo: &reply},
-		ApplicationProperties: map[string]any{"_AMQ_ResourceName": resource, "_AMQ_Attribute": attr}}
-	if err := snd.Send(ctx, req, nil); err != nil {
-		t.Fatalf("management request: %v", err)
-	}
-	resp, err := rcv.Receive(ctx, nil)
-	if err != nil {
-		t.Fatalf("management reply: %v", err)
-	}
-	rcv.AcceptMessage(ctx, resp)
-	v, _ := resp.Value.(string)
-	if ok, _ := resp.ApplicationProperties["_AMQ_OperationSucceeded"].(bool); !ok {
-		t.Fatalf("management: %s of %s failed: %v", attr, resource, resp.Value)
-	}
-	return strings.Trim(v, "[]\"")
 }
 
 // Three replica processes on one Artemis queue, and what happens to the

@@ -3,20 +3,11 @@ package integration
 import (
 	"bytes"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/hex"
-	"encoding/pem"
 	"errors"
 	"fmt"
-	"math/big"
-	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync/atomic"
@@ -30,84 +21,6 @@ import (
 
 	"github.com/amqpsub/amqpsub/amqpsub"
 )
-
-// makeServerTLS makes a self-signed CA and a server certificate for
-// 127.0.0.1 and localhost signed by it, and writes the server's key and
-// chain as a PKCS#12 keystore Artemis reads (with openssl). It returns the
-// keystore's path and password and a pool holding only the CA.
-func makeServerTLS(dir string) (keystore, password string, roots *x509.CertPool, err error) {
-	openssl, err := exec.LookPath("openssl")
-	if err != nil {
-		return "", "", nil, fmt.Errorf("openssl is needed to write the broker's PKCS#12 keystore (apt-get install openssl): %w", err)
-	}
-	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return "", "", nil, err
-	}
-	now := time.Now()
-	caTmpl := &x509.Certificate{
-		SerialNumber:          big.NewInt(1),
-		Subject:               pkix.Name{CommonName: "amqpsub test CA"},
-		NotBefore:             now.Add(-time.Hour),
-		NotAfter:              now.Add(24 * time.Hour),
-		IsCA:                  true,
-		BasicConstraintsValid: true,
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign,
-	}
-	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
-	if err != nil {
-		return "", "", nil, err
-	}
-	ca, err := x509.ParseCertificate(caDER)
-	if err != nil {
-		return "", "", nil, err
-	}
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return "", "", nil, err
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(2),
-		Subject:      pkix.Name{CommonName: "127.0.0.1"},
-		NotBefore:    now.Add(-time.Hour),
-		NotAfter:     now.Add(24 * time.Hour),
-		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1)},
-		DNSNames:     []string{"localhost"},
-		KeyUsage:     x509.KeyUsageDigitalSignature,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
-	if err != nil {
-		return "", "", nil, err
-	}
-	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
-	if err != nil {
-		return "", "", nil, err
-	}
-	files := map[string][]byte{
-		"ca.pem":     pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER}),
-		"server.pem": pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
-		"server.key": pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: keyDER}),
-	}
-	for name, b := range files {
-		if err := os.WriteFile(filepath.Join(dir, name), b, 0o600); err != nil {
-			return "", "", nil, err
-		}
-	}
-	pw := make([]byte, 12)
-	rand.Read(pw)
-	password = hex.EncodeToString(pw)
-	keystore = filepath.Join(dir, "server.p12")
-	cmd := exec.Command(openssl, "pkcs12", "-export", "-name", "server",
-		"-in", filepath.Join(dir, "server.pem"), "-inkey", filepath.Join(dir, "server.key"),
-		"-certfile", filepath.Join(dir, "ca.pem"), "-out", keystore, "-passout", "pass:"+password)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", "", nil, fmt.Errorf("openssl pkcs12 -export: %w\n%s", err, out)
-	}
-	roots = x509.NewCertPool()
-	roots.AddCert(ca)
-	return keystore, password, roots, nil
-}
 
 // The leak tests log in as this user, whose password is distinctive enough
 // to look for in every log entry and error.
@@ -376,16 +289,4 @@ func TestSecurityNoCredentialLeak(t *testing.T) {
 		}
 	}
 	t.Logf("%d log entries checked", len(entries))
-}
-
-// closedPort returns a 127.0.0.1 address nothing listens on.
-func closedPort(t testing.TB) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().String()
-	ln.Close()
-	return addr
 }

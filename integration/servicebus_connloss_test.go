@@ -2,72 +2,16 @@ package integration
 
 import (
 	"context"
-	"io"
-	"net"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/amqpsub/amqpsub/amqpsub"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
 )
-
-// cutProxy forwards TCP to target and can cut every connection at once,
-// as a network blip or a load balancer does: go-amqp then ends the
-// connection, its receive link and its $management pair with a ConnError.
-type cutProxy struct {
-	ln    net.Listener
-	mu    sync.Mutex
-	conns []net.Conn
-}
-
-func newCutProxy(t *testing.T, target string) *cutProxy {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &cutProxy{ln: ln}
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			u, err := net.Dial("tcp", target)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			p.mu.Lock()
-			p.conns = append(p.conns, c, u)
-			p.mu.Unlock()
-			go func() { io.Copy(u, c); u.Close() }()
-			go func() { io.Copy(c, u); c.Close() }()
-		}
-	}()
-	t.Cleanup(func() { ln.Close(); p.cut() })
-	return p
-}
-
-func (p *cutProxy) cut() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, c := range p.conns {
-		c.Close()
-	}
-	p.conns = nil
-}
-
-// connectionLossLocks sets what the peer does to a lost connection's
-// message locks for the rest of the test: "survive" or "drop" (see
-// sbpeer's README, POST /settings).
-func connectionLossLocks(t *testing.T, p *sbPeer, reading string) {
-	t.Helper()
-	p.call(t, "POST", "/settings", map[string]any{"connection_loss_locks": reading}, nil)
-	t.Cleanup(func() { p.call(t, "POST", "/settings", map[string]any{"connection_loss_locks": "survive"}, nil) })
-}
 
 // A lost connection, not only a link detach, under the reading that the
 // locks survive it: accepts in flight on the receive link when the
@@ -84,8 +28,8 @@ func TestServiceBusConnectionLossLosesNoFinishedWork(t *testing.T) {
 	p.call(t, "POST", "/faults/settle-delay", map[string]any{"ms": 300}, nil)
 	defer p.call(t, "POST", "/faults/settle-delay", map[string]any{"ms": 0}, nil)
 	target := strings.TrimPrefix(strings.SplitN(strings.SplitN(p.conn, ";", 2)[0], "=", 2)[1], "sb://")
-	px := newCutProxy(t, target)
-	conn := strings.Replace(p.conn, target, px.ln.Addr().String(), 1)
+	px := newProxy(t, target)
+	conn := strings.Replace(p.conn, target, px.addr(), 1)
 	c, err := amqpsub.ServiceBus(conn)
 	if err != nil {
 		t.Fatal(err)
@@ -122,7 +66,7 @@ func TestServiceBusConnectionLossLosesNoFinishedWork(t *testing.T) {
 	waitFor(t, 10*time.Second, "settlements outstanding at the peer", func() bool {
 		return p.counters(t)["settlements_outstanding"] > 0
 	})
-	px.cut()
+	px.drop()
 	waitFor(t, 2*time.Minute, "all completed", func() bool { return p.info(t, q).Stats["completed"] == n })
 	stop()
 	if err := wait(); err != nil {
@@ -188,12 +132,12 @@ func TestServiceBusConnectionLostDuringTheGrace(t *testing.T) {
 	p := serviceBusPeer(t)
 	q := p.entity(t, map[string]any{"lock_duration_ms": 5000})
 	target := strings.TrimPrefix(strings.SplitN(strings.SplitN(p.conn, ";", 2)[0], "=", 2)[1], "sb://")
-	px := newCutProxy(t, target)
-	c, err := amqpsub.ServiceBus(strings.Replace(p.conn, target, px.ln.Addr().String(), 1))
+	px := newProxy(t, target)
+	c, err := amqpsub.ServiceBus(strings.Replace(p.conn, target, px.addr(), 1))
 	if err != nil {
 		t.Fatal(err)
 	}
-	st, d := stopDuringGrace(t, p, c, q, px.cut)
+	st, d := stopDuringGrace(t, p, c, q, func() { px.drop() })
 	e := p.info(t, q)
 	t.Logf("connections opened for the entity %d (on the whole peer %d); entity %+v; stats %v", e.Stats["connections"], d["connections_opened"], e, st)
 	if e.Stats["completed"] != 8 || st.Locks.SettledByToken != 8 || st.SettleErrors != 0 {
@@ -239,8 +183,8 @@ func TestServiceBusConnectionLossUnderLocksDropped(t *testing.T) {
 	const n = 40
 	p.send(t, q, n)
 	target := strings.TrimPrefix(strings.SplitN(strings.SplitN(p.conn, ";", 2)[0], "=", 2)[1], "sb://")
-	px := newCutProxy(t, target)
-	c, err := amqpsub.ServiceBus(strings.Replace(p.conn, target, px.ln.Addr().String(), 1))
+	px := newProxy(t, target)
+	c, err := amqpsub.ServiceBus(strings.Replace(p.conn, target, px.addr(), 1))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -272,7 +216,7 @@ func TestServiceBusConnectionLossUnderLocksDropped(t *testing.T) {
 	mu.Lock()
 	cutAt := time.Now()
 	mu.Unlock()
-	px.cut()
+	px.drop()
 	waitFor(t, 2*time.Minute, "all completed", func() bool { return p.info(t, q).Stats["completed"] == n })
 	stop()
 	if err := wait(); err != nil {

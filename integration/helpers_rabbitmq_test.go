@@ -88,30 +88,11 @@ func r4publish(t testing.TB, conn *amqp.Conn, q string, msgs []msgSpec) {
 	publishFast(t, conn, "/queues/"+q, false, msgs)
 }
 
-// r4deadLetters takes what queue q's dead-letter queue holds, up to n,
-// waiting until within passes for n.
-func r4deadLetters(t testing.TB, conn *amqp.Conn, q string, n int, within time.Duration) []*amqp.Message {
-	t.Helper()
-	return receiveN(t, rawReceiver(t, conn, "/queues/"+q+".dlq", int32(max(n, 1))), n, within)
-}
-
-// drainQueue takes (accepting) everything queue q holds, until nothing
-// comes for a second. A quorum queue's ready count (rabbitmqctl) is
-// refreshed every few seconds, so it cannot tell what a stop just left.
+// drainQueue takes (accepting) everything queue q of RabbitMQ 4 holds,
+// until nothing comes for a second. A quorum queue's ready count
+// (rabbitmqctl) is refreshed every few seconds, so it cannot tell what a
+// stop just left.
 func drainQueue(t *testing.T, conn *amqp.Conn, q string) []*amqp.Message {
 	t.Helper()
-	r := rawReceiver(t, conn, "/queues/"+q, 256)
-	var out []*amqp.Message
-	for {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		m, err := r.Receive(ctx, nil)
-		cancel()
-		if err != nil {
-			return out
-		}
-		if err := r.AcceptMessage(context.Background(), m); err != nil {
-			t.Fatalf("accept: %v", err)
-		}
-		out = append(out, m)
-	}
+	return drainAddress(t, conn, "/queues/"+q)
 }

@@ -438,3 +438,23 @@ func redactURL(raw string) string {
 	u.User = neturl.User(u.User.Username())
 	return u.String()
 }
+
+// drainAddress takes (accepting) everything a receiver on address gets,
+// until nothing comes for a second.
+func drainAddress(t testing.TB, conn *amqp.Conn, address string) []*amqp.Message {
+	t.Helper()
+	r := rawReceiver(t, conn, address, 256)
+	var out []*amqp.Message
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		m, err := r.Receive(ctx, nil)
+		cancel()
+		if err != nil {
+			return out
+		}
+		if err := r.AcceptMessage(context.Background(), m); err != nil {
+			t.Fatalf("accept: %v", err)
+		}
+		out = append(out, m)
+	}
+}

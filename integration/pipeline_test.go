@@ -2,9 +2,9 @@ package integration
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -80,26 +80,62 @@ func (c *orderChecker) count() int {
 	return c.handled
 }
 
-// 10,000 messages over 100 group-ids, WorkersByKey(8), random handler
-// delays: every group is handled in publish order, every message accepted
-// exactly once.
-func TestArtemisPerGroupOrder(t *testing.T) {
-	url := artemisURL(t)
-	for _, balanced := range []bool{false, true} {
-		t.Run(fmt.Sprintf("balanced=%v", balanced), func(t *testing.T) { perGroupOrder(t, url, balanced) })
+// pipelineRow is one run of the pipeline scenario: 10,000 messages over
+// groups group-ids, WorkersByKey(8), random handler delays; every group is
+// handled in publish order (one consumer: the queue's order), no group in
+// two handlers at once, every message accepted exactly once, nothing left
+// on the queue.
+type pipelineRow struct {
+	name     string // the subtest's
+	target   string
+	groups   int
+	balanced bool // BalanceKeys: groups may move between lanes
+	// check holds what this broker promises beyond the shared assertions.
+	check func(t *testing.T, st amqpsub.Stats)
+}
+
+var pipelineRows = []pipelineRow{
+	{name: "balanced=false", target: onArtemis, groups: 100},
+	{name: "balanced=true", target: onArtemis, groups: 100, balanced: true},
+	{name: "classic", target: onRabbitMQ4Classic, groups: 50, check: withinCredit},
+	{name: "quorum", target: onRabbitMQ4Quorum, groups: 50, check: withinCredit},
+	{name: "classic", target: onRabbitMQ3, groups: 50},
+}
+
+// withinCredit: the broker sent nothing past the credit, 256 at most.
+func withinCredit(t *testing.T, st amqpsub.Stats) {
+	if st.Overshoot != 0 || st.MaxHeld > 256 {
+		t.Fatalf("overshoot %d, max held %d; want 0 and at most 256: %+v", st.Overshoot, st.MaxHeld, st)
 	}
 }
 
-func perGroupOrder(t *testing.T, url string, balanced bool) {
-	q := queueName(t)
-	conn := dial(t, url)
+// pipeline runs the rows of pipelineRows whose target is among targets.
+func pipeline(t *testing.T, targets ...string) {
+	for _, r := range pipelineRows {
+		if slices.Contains(targets, r.target) {
+			t.Run(r.name, func(t *testing.T) { r.run(t, newTarget(t, r.target)) })
+		}
+	}
+}
+
+// The pipeline on Artemis, with hash lanes and with BalanceKeys.
+func TestArtemisPerGroupOrder(t *testing.T) { pipeline(t, onArtemis) }
+
+// The pipeline on a RabbitMQ 4 classic and quorum queue.
+func TestRabbitMQ4Pipeline(t *testing.T) { pipeline(t, onRabbitMQ4Classic, onRabbitMQ4Quorum) }
+
+// The pipeline on RabbitMQ 3.10, under its profile.
+func TestRabbitMQPipeline(t *testing.T) { pipeline(t, onRabbitMQ3) }
+
+func (r pipelineRow) run(t *testing.T, tg target) {
+	q := tg.queue(t)
+	conn := dial(t, tg.url)
 	const n = 10000
-	msgs := groups(n, 100)
-	publishFast(t, conn, q, true, msgs)
+	tg.publish(t, conn, q, groups(n, r.groups))
 
 	check := newOrderChecker()
-	check.moves = balanced
-	s, err := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+	check.moves = r.balanced
+	s := tg.subscriber(t, q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
 		if seqOf(d) == -1 {
 			return nil // the publisher's barrier
 		}
@@ -108,10 +144,7 @@ func perGroupOrder(t *testing.T, url string, balanced bool) {
 		time.Sleep(time.Duration(rand.IntN(300)) * time.Microsecond)
 		check.record(t, d)
 		return nil
-	}), amqpsub.WorkersByKey(8), placement(balanced), amqpsub.Logger(logger(t)))
-	if err != nil {
-		t.Fatal(err)
-	}
+	}), amqpsub.WorkersByKey(8), placement(r.balanced))
 	stop, wait := runSub(t, s)
 	waitFor(t, 2*time.Minute, "10,000 deliveries", func() bool { return check.count() >= n })
 	stop()
@@ -127,12 +160,14 @@ func perGroupOrder(t *testing.T, url string, balanced bool) {
 		t.Fatalf("settlements: %+v", st)
 	}
 	for g, seqs := range check.seen {
-		if len(seqs) != n/100 {
-			t.Fatalf("group %s: %d distinct messages, want %d", g, len(seqs), n/100)
+		if len(seqs) != n/r.groups {
+			t.Fatalf("group %s: %d distinct messages, want %d", g, len(seqs), n/r.groups)
 		}
 	}
-	// Nothing is left on the queue.
-	assertQueueEmpty(t, conn, q)
+	if r.check != nil {
+		r.check(t, st)
+	}
+	tg.assertDrained(t, conn, q)
 }
 
 // Messages without a group-id spread over all lanes: they rotate.
@@ -214,118 +249,6 @@ func TestArtemisCreditBound(t *testing.T) {
 	if st := s.Stats(); st.MaxHeld != 32 || st.Settled.Accepted != n+1 || st.Overshoot != 0 {
 		t.Fatalf("after the run: %+v", st)
 	}
-}
-
-func TestArtemisOutcomes(t *testing.T) {
-	url := artemisURL(t)
-	conn := dial(t, url)
-
-	type seen struct {
-		count         uint32
-		firstAcquirer bool
-	}
-	// consume runs handle over a queue holding one message until done says
-	// so, and returns the delivery counts the handler saw.
-	consume := func(t *testing.T, q string, handle func(call int, d *amqpsub.Delivery) error, done func(calls int) bool) ([]seen, amqpsub.Stats) {
-		publishFast(t, conn, q, true, []msgSpec{{seq: 7}})
-		var mu sync.Mutex
-		var calls []seen
-		s, _ := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
-			if seqOf(d) == -1 {
-				return nil
-			}
-			mu.Lock()
-			calls = append(calls, seen{d.DeliveryCount(), d.FirstAcquirer()})
-			n := len(calls)
-			mu.Unlock()
-			return handle(n, d)
-		}), amqpsub.Logger(logger(t)))
-		stop, wait := runSub(t, s)
-		waitFor(t, 30*time.Second, "the handler calls", func() bool {
-			mu.Lock()
-			defer mu.Unlock()
-			return done(len(calls))
-		})
-		// Nothing more arrives after the last expected call: the broker
-		// has nothing left to deliver, queued or out.
-		waitFor(t, 30*time.Second, "the queue empty", func() bool { return queueAttribute(t, conn, q, "messageCount") == "0" })
-		stop()
-		if err := wait(); err != nil {
-			t.Fatal(err)
-		}
-		mu.Lock()
-		defer mu.Unlock()
-		return append([]seen(nil), calls...), s.Stats()
-	}
-
-	t.Run("release redelivers without counting", func(t *testing.T) {
-		calls, st := consume(t, queueName(t), func(call int, d *amqpsub.Delivery) error {
-			if call == 1 {
-				return amqpsub.Release()
-			}
-			return nil
-		}, func(n int) bool { return n >= 2 })
-		if len(calls) != 2 || calls[0].count != 0 || calls[1].count != 0 {
-			t.Fatalf("delivery counts %+v, want [0 0]", calls)
-		}
-		if st.Settled.Released != 1 || st.Settled.Accepted != 2 {
-			t.Fatalf("stats %+v", st)
-		}
-	})
-
-	t.Run("retry counts and dead-letters at max attempts", func(t *testing.T) {
-		q := queueName(t)
-		calls, st := consume(t, q, func(int, *amqpsub.Delivery) error {
-			return errors.New("not today")
-		}, func(n int) bool { return n >= 5 })
-		if len(calls) != 5 {
-			t.Fatalf("%d attempts, want max-delivery-attempts = 5", len(calls))
-		}
-		for i, c := range calls {
-			if c.count != uint32(i) {
-				t.Fatalf("attempt %d had delivery count %d: %+v", i, c.count, calls)
-			}
-		}
-		if st.Settled.Modified != 5 || st.Results.Retry != 5 {
-			t.Fatalf("stats %+v", st)
-		}
-		dead := receiveN(t, rawReceiver(t, conn, dlq(q), 10), 1, 10*time.Second)
-		if len(dead) != 1 || dead[0].ApplicationProperties["seq"] != int64(7) {
-			t.Fatalf("DLQ holds %d messages, want the retried one", len(dead))
-		}
-	})
-
-	t.Run("reject dead-letters at once", func(t *testing.T) {
-		q := queueName(t)
-		calls, st := consume(t, q, func(int, *amqpsub.Delivery) error {
-			return amqpsub.Reject("malformed order")
-		}, func(n int) bool { return n >= 1 })
-		if len(calls) != 1 || st.Settled.Rejected != 1 {
-			t.Fatalf("calls %+v stats %+v", calls, st)
-		}
-		dead := receiveN(t, rawReceiver(t, conn, dlq(q), 10), 1, 10*time.Second)
-		if len(dead) != 1 {
-			t.Fatalf("DLQ holds %d messages, want 1", len(dead))
-		}
-		if dead[0].Annotations["x-opt-ORIG-QUEUE"] != q || dead[0].Annotations["x-opt-ORIG-ADDRESS"] != q {
-			t.Fatalf("dead letter annotations: %v, want x-opt-ORIG-QUEUE and -ADDRESS %s", dead[0].Annotations, q)
-		}
-	})
-
-	t.Run("panic retries", func(t *testing.T) {
-		calls, st := consume(t, queueName(t), func(call int, d *amqpsub.Delivery) error {
-			if call == 1 {
-				panic("handler bug")
-			}
-			return nil
-		}, func(n int) bool { return n >= 2 })
-		if len(calls) != 2 || calls[1].count != 1 {
-			t.Fatalf("calls %+v, want a redelivery with count 1", calls)
-		}
-		if st.Results.Panics != 1 || st.Settled.Modified != 1 {
-			t.Fatalf("stats %+v", st)
-		}
-	})
 }
 
 // Cancel while 200 deliveries are buffered and 8 in progress: the buffered

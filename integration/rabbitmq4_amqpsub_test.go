@@ -2,7 +2,6 @@ package integration
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"slices"
@@ -12,58 +11,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/Azure/go-amqp"
-	"go.uber.org/zap"
-	"go.uber.org/zap/zaptest/observer"
-
 	"github.com/amqpsub/amqpsub/amqpsub"
 )
 
 // amqpsub against RabbitMQ 4 (integration/rabbitmq4.sh), on a classic and
 // a quorum queue each: the pipeline, replicas, a connection closed mid-run,
 // the outcomes, and the stops.
-
-// 10,000 messages over 50 group-ids, WorkersByKey(8): each handled once,
-// each group in publish order (one consumer: the queue's order).
-func TestRabbitMQ4Pipeline(t *testing.T) {
-	url := rabbit4URL(t)
-	for _, kind := range rabbit4Kinds {
-		t.Run(kind, func(t *testing.T) {
-			q := declareRabbit4(t, kind)
-			conn := dial(t, url)
-			const n = 10000
-			r4publish(t, conn, q, groups(n, 50))
-			check := newOrderChecker()
-			s, err := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
-				if seqOf(d) == -1 {
-					return nil
-				}
-				check.record(t, d)
-				return nil
-			}), amqpsub.WithProfile(amqpsub.RabbitMQ4), amqpsub.WorkersByKey(8), amqpsub.Logger(logger(t)))
-			if err != nil {
-				t.Fatal(err)
-			}
-			stop, wait := runSub(t, s)
-			waitFor(t, 2*time.Minute, "10,000 deliveries", func() bool { return check.count() >= n })
-			stop()
-			if err := wait(); err != nil {
-				t.Fatalf("Run = %v", err)
-			}
-			st := s.Stats()
-			t.Logf("handled %d, violations %d, duplicates %d; max held %d, overshoot %d", check.count(), check.violations, check.dups, st.MaxHeld, st.Overshoot)
-			if check.count() != n || check.violations != 0 || check.dups != 0 {
-				t.Fatalf("handled %d, %d order violations, %d duplicates", check.count(), check.violations, check.dups)
-			}
-			if st.Settled.Accepted != n+1 || st.Settled.Released != 0 || st.Overshoot != 0 || st.MaxHeld > 256 {
-				t.Fatalf("stats %+v", st)
-			}
-			if left := drainQueue(t, conn, q); len(left) != 0 {
-				t.Fatalf("%d messages left in the queue", len(left))
-			}
-		})
-	}
-}
 
 // Three replicas compete on one queue: 6,000 messages, each handled by
 // exactly one of them, exactly once.
@@ -203,227 +156,17 @@ func TestRabbitMQ4ConnectionClosedMidRun(t *testing.T) {
 	}
 }
 
-// What each outcome does on each queue type, as docs/brokers.md says.
-func TestRabbitMQ4Outcomes(t *testing.T) {
-	url := rabbit4URL(t)
-	conn := dial(t, url)
-
-	type seen struct {
-		count         uint32
-		firstAcquirer bool
-	}
-	// consume publishes one message to q and runs handle over it until
-	// done says so; it returns what the handler saw and the stats.
-	consume := func(t *testing.T, q string, handle func(call int, d *amqpsub.Delivery) error, done func(calls int) bool, opts ...amqpsub.Option) ([]seen, amqpsub.Stats) {
-		r4publish(t, conn, q, []msgSpec{{seq: 7}})
-		var mu sync.Mutex
-		var calls []seen
-		s, err := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
-			if seqOf(d) == -1 {
-				return nil
-			}
-			mu.Lock()
-			calls = append(calls, seen{d.DeliveryCount(), d.FirstAcquirer()})
-			n := len(calls)
-			mu.Unlock()
-			return handle(n, d)
-		}), append([]amqpsub.Option{amqpsub.WithProfile(amqpsub.RabbitMQ4), amqpsub.Logger(logger(t))}, opts...)...)
-		if err != nil {
-			t.Fatal(err)
-		}
-		stop, wait := runSub(t, s)
-		waitFor(t, 30*time.Second, "the handler calls", func() bool {
-			mu.Lock()
-			defer mu.Unlock()
-			return done(len(calls))
-		})
-		waitFor(t, 30*time.Second, "the queue empty", func() bool { return rabbit4Count(t, q) == 0 })
-		stop()
-		if err := wait(); err != nil {
-			t.Fatal(err)
-		}
-		mu.Lock()
-		defer mu.Unlock()
-		return append([]seen(nil), calls...), s.Stats()
-	}
-
-	t.Run("quorum retry counts; MaxDeliveryCount dead-letters with the reason", func(t *testing.T) {
-		q := declareRabbit4(t, "quorum")
-		calls, st := consume(t, q, func(int, *amqpsub.Delivery) error {
-			return errors.New("not today")
-		}, func(n int) bool { return n >= 4 }, amqpsub.MaxDeliveryCount(3))
-		if len(calls) != 4 {
-			t.Fatalf("%d handler calls, want 4 (counts 0..3)", len(calls))
-		}
-		for i, c := range calls {
-			if c.count != uint32(i) || c.firstAcquirer != (i == 0) {
-				t.Fatalf("call %d saw %+v: %+v", i, c, calls)
-			}
-		}
-		if st.Results.Retry != 4 || st.Settled.Modified != 5 {
-			t.Fatalf("stats %+v: want 4 retries, and the poison reject sent as the 5th modified", st)
-		}
-		dead := r4deadLetters(t, conn, q, 1, 10*time.Second)
-		if len(dead) != 1 || dead[0].ApplicationProperties["seq"] != int64(7) {
-			t.Fatalf("dead letters %d, want the retried message", len(dead))
-		}
-		a := dead[0].Annotations
-		if a[amqpsub.AnnotationDeadLetterReason] != "MaxDeliveryCountExceeded" || a[amqpsub.AnnotationDeadLetterDescription] != "amqpsub: delivery 5 is past MaxDeliveryCount 3" {
-			t.Fatalf("dead letter annotations %v: want reason MaxDeliveryCountExceeded and the delivery's number", a)
-		}
-	})
-
-	t.Run("quorum reject keeps the reason", func(t *testing.T) {
-		q := declareRabbit4(t, "quorum")
-		calls, st := consume(t, q, func(int, *amqpsub.Delivery) error {
-			return amqpsub.RejectWith("malformed order", "no total on line 3")
-		}, func(n int) bool { return n >= 1 })
-		if len(calls) != 1 || st.Results.Reject != 1 || st.Settled.Modified != 1 || st.Settled.Rejected != 0 {
-			t.Fatalf("calls %+v stats %+v", calls, st)
-		}
-		dead := r4deadLetters(t, conn, q, 1, 10*time.Second)
-		if len(dead) != 1 {
-			t.Fatalf("dead letters %d, want 1", len(dead))
-		}
-		a := dead[0].Annotations
-		if a[amqpsub.AnnotationDeadLetterReason] != "malformed order" || a[amqpsub.AnnotationDeadLetterDescription] != "no total on line 3" ||
-			a[amqpsub.AnnotationDeadLetterCondition] != string(amqpsub.RejectCondition) {
-			t.Fatalf("dead letter annotations %v: the reason is not kept", a)
-		}
-	})
-
-	t.Run("quorum release counts toward the delivery-limit", func(t *testing.T) {
-		q := declareRabbit4(t, "quorum")
-		calls, st := consume(t, q, func(int, *amqpsub.Delivery) error {
-			return amqpsub.Release()
-		}, func(n int) bool { return n >= 21 })
-		// The delivery-limit (20 by default) is how many returns the queue
-		// takes: the 21st dead-letters.
-		if len(calls) != 21 || st.Settled.Released != 21 {
-			t.Fatalf("%d calls, stats %+v: want 21 (the default delivery-limit, 20, and one)", len(calls), st)
-		}
-		for i, c := range calls {
-			if c.count != 0 {
-				t.Fatalf("call %d: delivery-count %d; a release does not raise the header's count", i, c.count)
-			}
-		}
-		if dead := r4deadLetters(t, conn, q, 1, 10*time.Second); len(dead) != 1 {
-			t.Fatalf("dead letters %d: 21 releases did not dead-letter", len(dead))
-		}
-	})
-
-	t.Run("classic counts nothing", func(t *testing.T) {
-		q := declareRabbit4(t, "classic")
-		calls, st := consume(t, q, func(call int, _ *amqpsub.Delivery) error {
-			if call < 30 {
-				return errors.New("not today")
-			}
-			return nil
-		}, func(n int) bool { return n >= 30 })
-		for i, c := range calls {
-			if c.count != 0 {
-				t.Fatalf("call %d: delivery-count %d on a classic queue", i, c.count)
-			}
-		}
-		if len(calls) != 30 || st.Settled.Modified != 29 || st.Settled.Accepted != 2 {
-			t.Fatalf("%d calls, stats %+v", len(calls), st)
-		}
-	})
-
-	t.Run("classic reject dead-letters without the reason", func(t *testing.T) {
-		q := declareRabbit4(t, "classic")
-		_, st := consume(t, q, func(int, *amqpsub.Delivery) error {
-			return amqpsub.Reject("malformed order")
-		}, func(n int) bool { return n >= 1 })
-		if st.Settled.Rejected != 1 {
-			t.Fatalf("stats %+v: want the rejected outcome", st)
-		}
-		dead := r4deadLetters(t, conn, q, 1, 10*time.Second)
-		if len(dead) != 1 {
-			t.Fatalf("dead letters %d, want 1", len(dead))
-		}
-		if _, ok := dead[0].Annotations[amqpsub.AnnotationDeadLetterReason]; ok {
-			t.Fatalf("a classic queue kept a reason: %v", dead[0].Annotations)
-		}
-		t.Logf("classic dead letter annotations: %v", dead[0].Annotations)
-	})
-
-	t.Run("classic refuses MaxDeliveryCount", func(t *testing.T) {
-		q := declareRabbit4(t, "classic")
-		s, err := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
-			amqpsub.WithProfile(amqpsub.RabbitMQ4), amqpsub.MaxDeliveryCount(5), amqpsub.Logger(logger(t)))
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		err = s.Run(ctx)
-		if !errors.Is(err, amqpsub.ErrInvalidOption) || !strings.Contains(err.Error(), "classic queue") {
-			t.Fatalf("Run = %v; want ErrInvalidOption naming the classic queue", err)
-		}
-	})
-
-	t.Run("a missing queue fails Run", func(t *testing.T) {
-		q := queueName(t)
-		s, err := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
-			amqpsub.WithProfile(amqpsub.RabbitMQ4), amqpsub.Logger(logger(t)))
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		var ae *amqp.Error
-		if err := s.Run(ctx); !errors.As(err, &ae) || ae.Condition != amqp.ErrCondNotFound {
-			t.Fatalf("Run = %v; want amqp:not-found", err)
-		}
-	})
-
-	t.Run("another profile is logged", func(t *testing.T) {
-		q := declareRabbit4(t, "classic")
-		core, logs := observer.New(zap.InfoLevel)
-		s, err := amqpsub.New(amqpsub.Dial(url, nil), "/queues/"+q, amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
-			amqpsub.Logger(zap.New(core))) // the default profile, Artemis
-		if err != nil {
-			t.Fatal(err)
-		}
-		stop, wait := runSub(t, s)
-		waitFor(t, 30*time.Second, "the attach", func() bool { return s.Stats().Links == 1 })
-		stop()
-		if err := wait(); err != nil {
-			t.Fatal(err)
-		}
-		at := logs.FilterMessage("attached").All()
-		if len(at) != 1 || at[0].ContextMap()["product"] != "RabbitMQ" || !strings.HasPrefix(at[0].ContextMap()["version"].(string), "4.") {
-			t.Fatalf("attached lines %v: no product RabbitMQ 4", at)
-		}
-		w := logs.FilterMessage("the broker is not the profile's; give WithProfile the broker's profile").All()
-		if len(w) != 1 || w[0].ContextMap()["suggested"] != "rabbitmq4" || w[0].ContextMap()["profile"] != "artemis" {
-			t.Fatalf("profile warnings %v; want one suggesting rabbitmq4", w)
-		}
-	})
-
-	t.Run("a name that needs encoding", func(t *testing.T) {
-		q := declareRabbit4(t, "quorum") + ":x"
-		rabbit4(t, "declare", q, "quorum")
-		t.Cleanup(func() { rabbit4(t, "delete", q) })
-		calls, _ := consume(t, q, func(int, *amqpsub.Delivery) error { return nil }, func(n int) bool { return n >= 1 })
-		if len(calls) != 1 {
-			t.Fatalf("%d calls on %q", len(calls), q)
-		}
-	})
-}
-
 // stopRound is what repeated graceful stops of a slow consumer did.
 type stopRound struct {
 	handled, distinct, released, deadUnseen, dead, left int
 }
 
 // repeatedStops runs a slow consumer (100 ms handlers, Workers(1)) over n
-// messages of queue q (addressed as addr), stopping it gracefully after every few handled, as
-// a deploy would, stops times; then it counts what the dead-letter queue
-// holds, and which of those no handler saw.
-func repeatedStops(t *testing.T, url, q, addr string, n, stops int, opts ...amqpsub.Option) stopRound {
-	r, _ := stopRounds(t, url, q, addr, stopPlan{
+// messages of queue q (addressed as addr), stopping it gracefully after
+// every few handled, as a deploy would, stops times; then it counts what
+// the dead-letter queue holds, and which of those no handler saw.
+func repeatedStops(t *testing.T, tg target, q, addr string, n, stops int, opts ...amqpsub.Option) stopRound {
+	r, _ := stopRounds(t, tg, q, addr, stopPlan{
 		msgs: uniqueSeqs(n, 0), stops: stops, every: 3,
 		opts: append([]amqpsub.Option{amqpsub.Workers(1), amqpsub.GracePeriod(4 * time.Second)}, opts...),
 	})
@@ -431,8 +174,9 @@ func repeatedStops(t *testing.T, url, q, addr string, n, stops int, opts ...amqp
 }
 
 // stopPlan is what stopRounds does: publish msgs, then stops times run a
-// subscriber with opts and 100 ms handlers until every more are handled,
-// and stop it gracefully.
+// subscriber with opts (all of them: the target's profile is not added)
+// and 100 ms handlers until every more are handled, and stop it
+// gracefully.
 type stopPlan struct {
 	msgs         []msgSpec
 	stops, every int
@@ -448,16 +192,16 @@ type stopAt struct {
 // stopRounds carries out plan on queue q (addressed as addr), then counts
 // what the queue and its dead-letter queue hold, and which of the dead
 // letters no handler saw.
-func stopRounds(t *testing.T, url, q, addr string, plan stopPlan) (stopRound, []stopAt) {
-	conn := dial(t, url)
-	r4publish(t, conn, q, plan.msgs)
+func stopRounds(t *testing.T, tg target, q, addr string, plan stopPlan) (stopRound, []stopAt) {
+	conn := dial(t, tg.url)
+	tg.publish(t, conn, q, plan.msgs)
 	var mu sync.Mutex
 	seen := map[int]bool{}
 	var r stopRound
 	var each []stopAt
 	for i := range plan.stops {
 		var handled atomic.Int64
-		s, err := amqpsub.New(amqpsub.Dial(url, nil), addr, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		s, err := amqpsub.New(amqpsub.Dial(tg.url, nil), addr, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
 			time.Sleep(100 * time.Millisecond)
 			mu.Lock()
 			seen[seqOf(d)] = true
@@ -480,8 +224,8 @@ func stopRounds(t *testing.T, url, q, addr string, plan stopPlan) (stopRound, []
 		r.released += int(st.Settled.Released)
 		each = append(each, stopAt{held: before.Held, credit: before.Credit, parked: before.Parked, released: int(st.Settled.Released)})
 	}
-	r.left = len(drainQueue(t, conn, q))
-	dead := drainQueue(t, conn, q+".dlq")
+	r.left = len(drainAddress(t, conn, tg.address(q)))
+	dead := drainAddress(t, conn, tg.deadLetterAddress(q))
 	r.dead = len(dead)
 	for _, m := range dead {
 		v, _ := m.ApplicationProperties["seq"].(int64)
@@ -501,10 +245,10 @@ func stopRounds(t *testing.T, url, q, addr string, plan stopPlan) (stopRound, []
 // buffered first: 20 graceful stops of a slow consumer (100 ms handlers,
 // Workers(1)) release nothing and dead-letter nothing.
 func TestRabbitMQ4StopsDeadLetterNothingUnseen(t *testing.T) {
-	url := rabbit4URL(t)
+	tg := newTarget(t, onRabbitMQ4Quorum)
 	const n, stops = 400, 20
-	q := declareRabbit4(t, "quorum")
-	r := repeatedStops(t, url, q, q, n, stops, amqpsub.WithProfile(amqpsub.RabbitMQ4))
+	q := tg.queue(t)
+	r := repeatedStops(t, tg, q, q, n, stops, tg.opts...)
 	t.Logf("%d stops, RabbitMQ4, adaptive credit: %+v", stops, r)
 	if r.released != 0 || r.dead != 0 || r.deadUnseen != 0 {
 		t.Fatalf("%d stops released %d and dead-lettered %d (%d unseen); want 0", stops, r.released, r.dead, r.deadUnseen)
@@ -524,7 +268,7 @@ func TestRabbitMQ4StopCost(t *testing.T) {
 	if os.Getenv("AMQPSUB_CREDIT") == "" {
 		t.Skip("a measurement: AMQPSUB_CREDIT=1 (make credit) runs it")
 	}
-	url := rabbit4URL(t)
+	tg := newTarget(t, onRabbitMQ4Quorum)
 	const n, stops = 1000, 22
 	for _, tc := range []struct {
 		name string
@@ -536,10 +280,10 @@ func TestRabbitMQ4StopCost(t *testing.T) {
 		{"RabbitMQ4, adaptive credit", []amqpsub.Option{amqpsub.WithProfile(amqpsub.RabbitMQ4)}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			q := declareRabbit4(t, "quorum")
+			q := tg.queue(t)
 			// Generic sends the name as it is; RabbitMQ4 passes a
 			// /queues/ address through.
-			r := repeatedStops(t, url, q, "/queues/"+q, n, stops, tc.opts...)
+			r := repeatedStops(t, tg, q, tg.address(q), n, stops, tc.opts...)
 			t.Logf("%d stops, %s: %+v", stops, tc.name, r)
 			// Every message is handled, left, or dead-lettered unseen.
 			if r.distinct+r.left+r.deadUnseen != n+1 || r.dead < r.deadUnseen {
@@ -561,7 +305,7 @@ func TestRabbitMQ4StopCostLanes(t *testing.T) {
 	if os.Getenv("AMQPSUB_CREDIT") == "" {
 		t.Skip("a measurement: AMQPSUB_CREDIT=1 (make credit) runs it")
 	}
-	url := rabbit4URL(t)
+	tg := newTarget(t, onRabbitMQ4Quorum)
 	const n, stops = 2000, 8
 	base := []amqpsub.Option{amqpsub.WithProfile(amqpsub.RabbitMQ4), amqpsub.GracePeriod(2 * time.Second)}
 	for _, tc := range []struct {
@@ -573,8 +317,8 @@ func TestRabbitMQ4StopCostLanes(t *testing.T) {
 		{"Workers(4)", []amqpsub.Option{amqpsub.Workers(4)}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			q := declareRabbit4(t, "quorum")
-			r, each := stopRounds(t, url, q, "/queues/"+q, stopPlan{
+			q := tg.queue(t)
+			r, each := stopRounds(t, tg, q, tg.address(q), stopPlan{
 				msgs: uniqueSeqs(n, 40), stops: stops, every: 40, opts: append(slices.Clone(base), tc.opts...),
 			})
 			var rel, at []string

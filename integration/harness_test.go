@@ -91,6 +91,17 @@ func (tg target) publish(t testing.TB, conn *amqp.Conn, q string, msgs []msgSpec
 	publishFast(t, conn, tg.address(q), tg.name == onArtemis, msgs)
 }
 
+// filled makes a fresh queue and publishes msgs to it (and the barrier);
+// it returns the queue and the connection that published, open until the
+// test ends.
+func (tg target) filled(t testing.TB, msgs []msgSpec) (string, *amqp.Conn) {
+	t.Helper()
+	q := tg.queue(t)
+	conn := dial(t, tg.url)
+	tg.publish(t, conn, q, msgs)
+	return q, conn
+}
+
 // subscriber is amqpsub.New on q with the target's options, then opts, and
 // the test's logger.
 func (tg target) subscriber(t testing.TB, q string, h amqpsub.Handler, opts ...amqpsub.Option) *amqpsub.Subscriber {

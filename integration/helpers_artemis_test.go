@@ -28,6 +28,9 @@ import (
 	"github.com/Azure/go-amqp"
 )
 
+// Helpers for Artemis: the fault tests' own broker, management requests,
+// the cluster and HA topologies.
+
 // The fault tests' own Artemis, which they may kill: never the shared one
 // on 5672. Fixed ports, all on 127.0.0.1.
 const (
@@ -160,7 +163,7 @@ func writeFaultBrokerXML(src, dst, keystore, password string) error {
 	if err := xml.EscapeText(&path, []byte(keystore)); err != nil {
 		return err
 	}
-	acceptor := fmt.Sprintf(`   <!-- Added by integration/faults_test.go: TLS for the security tests. -->
+	acceptor := fmt.Sprintf(`   <!-- Added by the integration tests: TLS for the security tests. -->
          <acceptor name="amqps">tcp://127.0.0.1:%d?protocols=AMQP;sslEnabled=true;keyStoreType=PKCS12;keyStorePath=%s;keyStorePassword=%s;amqpCredits=1000;amqpLowCredits=300</acceptor>
       </acceptors>`, faultTLSPort, path.String(), password)
 	if !bytes.Contains(in, []byte("</acceptors>")) {
@@ -171,6 +174,9 @@ func writeFaultBrokerXML(src, dst, keystore, password string) error {
 }
 
 // run runs integration/artemis.sh cmd for the dedicated broker.
+// target is the dedicated broker as a scenario target.
+func (b *faultBroker) target() target { return target{name: onArtemis, url: b.url} }
+
 func (b *faultBroker) run(cmd string) (string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()

@@ -26,6 +26,9 @@ import (
 	"github.com/amqpsub/amqpsub/amqpsub"
 )
 
+// Helpers for consumers in processes of their own: the test binary run as
+// a consumer, and the replica program.
+
 const (
 	childEnv       = "AMQPSUB_CHILD"
 	childConfigEnv = "AMQPSUB_CHILD_CONFIG"

@@ -8,6 +8,8 @@ import (
 	"time"
 )
 
+// A TCP proxy that fails connections on purpose.
+
 // proxy forwards TCP connections to a broker and can drop them (as a
 // network blip or a load balancer does), cut them and refuse new ones, or
 // freeze them (keep the sockets open, forward nothing).

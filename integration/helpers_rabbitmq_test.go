@@ -13,6 +13,8 @@ import (
 	"github.com/Azure/go-amqp"
 )
 
+// Helpers for RabbitMQ 4: the broker script, its queues.
+
 // rabbit4URL returns the URL of the RabbitMQ 4 broker of
 // integration/rabbitmq4.sh or skips the test.
 func rabbit4URL(t testing.TB) string {

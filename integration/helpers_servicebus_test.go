@@ -19,6 +19,9 @@ import (
 	"github.com/amqpsub/amqpsub/amqpsub"
 )
 
+// Helpers for the Service Bus peer: its control API, the official
+// client's sender, connectors and token providers.
+
 // sbPeer is the scripted Service Bus peer (integration/sbpeer), reached
 // through the connection string and control API make test exports.
 type sbPeer struct {
@@ -214,4 +217,13 @@ func connectionLossLocks(t *testing.T, p *sbPeer, reading string) {
 	t.Helper()
 	p.call(t, "POST", "/settings", map[string]any{"connection_loss_locks": reading}, nil)
 	t.Cleanup(func() { p.call(t, "POST", "/settings", map[string]any{"connection_loss_locks": "survive"}, nil) })
+}
+
+func connValue(cs, key string) string {
+	for _, seg := range strings.Split(cs, ";") {
+		if k, v, ok := strings.Cut(seg, "="); ok && strings.EqualFold(k, key) {
+			return v
+		}
+	}
+	return ""
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -246,5 +247,77 @@ func TestArtemisSmallestValidOptions(t *testing.T) {
 		if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "127.0.0.1") {
 			t.Fatalf("Run = %v, want a dial timeout naming the broker", err)
 		}
+	})
+}
+
+// Run returns within CloseTimeout of Close, whatever the peer or the
+// TokenProvider does: a peer that stops answering (its sockets open,
+// nothing forwarded), or a TokenProvider stuck in a refresh that ignores
+// its ctx.
+func TestServiceBusCloseBound(t *testing.T) {
+	p := serviceBusPeer(t)
+	const closeTimeout = 200 * time.Millisecond
+	const slack = 300 * time.Millisecond // scheduling, under -race on a busy machine
+	closeAndTime := func(t *testing.T, s *amqpsub.Subscriber, wait func() error) {
+		t.Helper()
+		began := time.Now()
+		s.Close()
+		err := wait()
+		took := time.Since(began)
+		t.Logf("Run returned %v after Close (CloseTimeout %v): %v", took.Round(time.Millisecond), closeTimeout, err)
+		if took > closeTimeout+slack {
+			t.Fatalf("Run returned %v after Close, CloseTimeout is %v", took.Round(time.Millisecond), closeTimeout)
+		}
+	}
+	for _, sessions := range []bool{false, true} {
+		t.Run(fmt.Sprintf("peer hangs, sessions %v", sessions), func(t *testing.T) {
+			spec := map[string]any{"lock_duration_ms": 30000}
+			send := map[string]any{"count": 4}
+			opts := []amqpsub.Option{amqpsub.CloseTimeout(closeTimeout), amqpsub.Logger(logger(t))}
+			if sessions {
+				spec["requires_session"] = true
+				send["sessions"] = []string{"a", "b"}
+				opts = append(opts, amqpsub.Sessions(2))
+			}
+			q := p.fxEntity(t, spec)
+			send["entity"], send["message_id_prefix"] = q, q
+			p.call(t, "POST", "/messages", send, nil)
+			host := strings.TrimRight(strings.TrimPrefix(connValue(p.conn, "Endpoint"), "sb://"), "/")
+			px := newProxy(t, host)
+			c, err := amqpsub.ServiceBus(strings.Replace(p.conn, host, px.ln.Addr().String(), 1))
+			if err != nil {
+				t.Fatal(err)
+			}
+			s, _ := amqpsub.New(c, q, amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }), opts...)
+			_, wait := runSub(t, s)
+			waitFor(t, 20*time.Second, "4 accepted", func() bool { return s.Stats().Settled.Accepted == 4 })
+			px.freeze()
+			closeAndTime(t, s, wait)
+		})
+	}
+	t.Run("TokenProvider blocks", func(t *testing.T) {
+		q := p.fxEntity(t, map[string]any{"lock_duration_ms": 30000})
+		endpoint, sas := p.tokenEndpoint(4 * time.Second)
+		tp := &tokenScript{TokenProvider: sas, blockFrom: 3, blocked: make(chan struct{}), release: make(chan struct{})}
+		var once sync.Once
+		release := func() { once.Do(func() { close(tp.release) }) }
+		defer release()
+		c, err := amqpsub.ServiceBusWithToken(endpoint, tp)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, _ := amqpsub.New(c, q, amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.CloseTimeout(closeTimeout), amqpsub.Logger(logger(t)))
+		_, wait := runSub(t, s)
+		select {
+		case <-tp.blocked: // the refresh, due 2 s after connecting, is stuck in Token
+		case <-time.After(20 * time.Second):
+			t.Fatal("no token refresh within 20 s")
+		}
+		// Let the provider go if Run is not back in time, so that the test
+		// reports the time rather than hanging.
+		watchdog := time.AfterFunc(closeTimeout+5*time.Second, release)
+		defer watchdog.Stop()
+		closeAndTime(t, s, wait)
 	})
 }

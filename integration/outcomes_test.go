@@ -5,6 +5,7 @@ import (
 	"errors"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -274,4 +275,60 @@ func TestRabbitMQ4Outcomes(t *testing.T) {
 			t.Fatalf("%d calls on %q", len(calls), q)
 		}
 	})
+}
+
+// Deliveries with a delivery tag that is not 16 bytes, or without
+// x-opt-locked-until: a logged skip of their renewal, never a crash.
+func TestServiceBusBadDeliveries(t *testing.T) {
+	p := serviceBusPeer(t)
+	q := p.entity(t, map[string]any{"lock_duration_ms": 5000})
+	p.send(t, q, 4)
+	p.call(t, "POST", "/faults/delivery", map[string]any{"entity": q, "tag_length": 8, "times": 1}, nil)
+	p.call(t, "POST", "/faults/delivery", map[string]any{"entity": q, "omit_annotations": []string{"x-opt-locked-until"}, "times": 1}, nil)
+	t.Cleanup(func() { p.call(t, "POST", "/faults/delivery/clear", nil, nil) })
+	var handled atomic.Int32
+	s, _ := amqpsub.New(sbConnector(t, p), q, amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+		handled.Add(1)
+		return nil
+	}), amqpsub.Logger(logger(t)))
+	stop, wait := runSub(t, s)
+	waitFor(t, 30*time.Second, "4 handled", func() bool { return handled.Load() >= 4 })
+	stop()
+	if err := wait(); err != nil {
+		t.Fatal(err)
+	}
+	if st := s.Stats(); st.Locks.Unrenewable != 2 {
+		t.Fatalf("stats %v, want 2 unrenewable", st)
+	}
+}
+
+// MaxDeliveryCount(n) on Service Bus handles the n-th delivery and
+// dead-letters the next, as an entity's MaxDeliveryCount of n does: here
+// the entity's limit is far above, so only amqpsub's acts.
+func TestServiceBusMaxDeliveryCountHandlesTheNthDelivery(t *testing.T) {
+	p := serviceBusPeer(t)
+	q := p.entity(t, map[string]any{"lock_duration_ms": 5000, "max_delivery_count": 50})
+	p.send(t, q, 1)
+	var calls atomic.Int32
+	s, err := amqpsub.New(sbConnector(t, p), q, amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+		calls.Add(1)
+		return amqpsub.Retry(errors.New("store down"))
+	}), amqpsub.MaxDeliveryCount(3), amqpsub.Logger(logger(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop, wait := runSub(t, s)
+	waitFor(t, 30*time.Second, "1 dead letter", func() bool { return p.info(t, q).DeadLetter == 1 })
+	stop()
+	if err := wait(); err != nil {
+		t.Fatal(err)
+	}
+	dead := p.messages(t, q+"/$DeadLetterQueue")
+	if len(dead) != 1 {
+		t.Fatalf("dead letters %+v", dead)
+	}
+	t.Logf("handler calls %d; dead letter: delivery count %d, reason %v", calls.Load(), dead[0].DeliveryCount, dead[0].AppProps["DeadLetterReason"])
+	if calls.Load() != 3 || dead[0].AppProps["DeadLetterReason"] != "MaxDeliveryCountExceeded" {
+		t.Fatalf("handler called %d times (want 3); dead letter %+v", calls.Load(), dead[0])
+	}
 }

@@ -10,6 +10,7 @@ package integration
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"fmt"
 	"maps"
 	"os/exec"
@@ -22,6 +23,8 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
 )
 
 // replicaEvent is one handled message, as a replica reported it.
@@ -969,4 +972,77 @@ func TestArtemisReplicas(t *testing.T) {
 			}
 		}
 	})
+}
+
+// Three replicas compete on one queue: 6,000 messages, each handled by
+// exactly one of them, exactly once.
+func TestRabbitMQ4Replicas(t *testing.T) {
+	url := rabbit4URL(t)
+	for _, kind := range rabbit4Kinds {
+		t.Run(kind, func(t *testing.T) {
+			q := declareRabbit4(t, kind)
+			conn := dial(t, url)
+			const n, replicas = 6000, 3
+			var mu sync.Mutex
+			seen := map[int]int{}
+			per := make([]int, replicas)
+			var subs []*amqpsub.Subscriber
+			var waits []func() error
+			var stops []context.CancelFunc
+			for i := range replicas {
+				s, err := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+					if seqOf(d) == -1 {
+						return nil
+					}
+					time.Sleep(100 * time.Microsecond) // work to share
+					mu.Lock()
+					seen[seqOf(d)]++
+					per[i]++
+					mu.Unlock()
+					return nil
+				}), amqpsub.WithProfile(amqpsub.RabbitMQ4), amqpsub.Workers(4), amqpsub.Logger(logger(t)))
+				if err != nil {
+					t.Fatal(err)
+				}
+				stop, wait := runSub(t, s)
+				subs, stops, waits = append(subs, s), append(stops, stop), append(waits, wait)
+			}
+			waitFor(t, 30*time.Second, "the replicas attached", func() bool {
+				for _, s := range subs {
+					if s.Stats().Links == 0 {
+						return false
+					}
+				}
+				return true
+			})
+			specs := uniqueSeqs(n, 0)
+			r4publish(t, conn, q, specs)
+			waitFor(t, 2*time.Minute, "6,000 deliveries", func() bool {
+				mu.Lock()
+				defer mu.Unlock()
+				return len(seen) >= n
+			})
+			for i := range replicas {
+				stops[i]()
+				if err := waits[i](); err != nil {
+					t.Fatalf("replica %d: Run = %v", i, err)
+				}
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			t.Logf("per replica %v", per)
+			dups := 0
+			for _, c := range seen {
+				dups += c - 1
+			}
+			if len(seen) != n || dups != 0 {
+				t.Fatalf("%d distinct, %d duplicates; want %d and 0", len(seen), dups, n)
+			}
+			for i, c := range per {
+				if c == 0 {
+					t.Fatalf("replica %d handled nothing: %v", i, per)
+				}
+			}
+		})
+	}
 }

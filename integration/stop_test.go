@@ -14,147 +14,8 @@ import (
 	"github.com/amqpsub/amqpsub/amqpsub"
 )
 
-// amqpsub against RabbitMQ 4 (integration/rabbitmq4.sh), on a classic and
-// a quorum queue each: the pipeline, replicas, a connection closed mid-run,
-// the outcomes, and the stops.
-
-// Three replicas compete on one queue: 6,000 messages, each handled by
-// exactly one of them, exactly once.
-func TestRabbitMQ4Replicas(t *testing.T) {
-	url := rabbit4URL(t)
-	for _, kind := range rabbit4Kinds {
-		t.Run(kind, func(t *testing.T) {
-			q := declareRabbit4(t, kind)
-			conn := dial(t, url)
-			const n, replicas = 6000, 3
-			var mu sync.Mutex
-			seen := map[int]int{}
-			per := make([]int, replicas)
-			var subs []*amqpsub.Subscriber
-			var waits []func() error
-			var stops []context.CancelFunc
-			for i := range replicas {
-				s, err := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
-					if seqOf(d) == -1 {
-						return nil
-					}
-					time.Sleep(100 * time.Microsecond) // work to share
-					mu.Lock()
-					seen[seqOf(d)]++
-					per[i]++
-					mu.Unlock()
-					return nil
-				}), amqpsub.WithProfile(amqpsub.RabbitMQ4), amqpsub.Workers(4), amqpsub.Logger(logger(t)))
-				if err != nil {
-					t.Fatal(err)
-				}
-				stop, wait := runSub(t, s)
-				subs, stops, waits = append(subs, s), append(stops, stop), append(waits, wait)
-			}
-			waitFor(t, 30*time.Second, "the replicas attached", func() bool {
-				for _, s := range subs {
-					if s.Stats().Links == 0 {
-						return false
-					}
-				}
-				return true
-			})
-			specs := uniqueSeqs(n, 0)
-			r4publish(t, conn, q, specs)
-			waitFor(t, 2*time.Minute, "6,000 deliveries", func() bool {
-				mu.Lock()
-				defer mu.Unlock()
-				return len(seen) >= n
-			})
-			for i := range replicas {
-				stops[i]()
-				if err := waits[i](); err != nil {
-					t.Fatalf("replica %d: Run = %v", i, err)
-				}
-			}
-			mu.Lock()
-			defer mu.Unlock()
-			t.Logf("per replica %v", per)
-			dups := 0
-			for _, c := range seen {
-				dups += c - 1
-			}
-			if len(seen) != n || dups != 0 {
-				t.Fatalf("%d distinct, %d duplicates; want %d and 0", len(seen), dups, n)
-			}
-			for i, c := range per {
-				if c == 0 {
-					t.Fatalf("replica %d handled nothing: %v", i, per)
-				}
-			}
-		})
-	}
-}
-
-// The broker closes every connection mid-run: the subscriber reconnects and
-// every message is handled; what was held at the cut comes again (at least
-// once), nothing is lost.
-func TestRabbitMQ4ConnectionClosedMidRun(t *testing.T) {
-	url := rabbit4URL(t)
-	for _, kind := range rabbit4Kinds {
-		t.Run(kind, func(t *testing.T) {
-			q := declareRabbit4(t, kind)
-			conn := dial(t, url)
-			const n = 4000
-			specs := uniqueSeqs(n, 0)
-			r4publish(t, conn, q, specs)
-			var mu sync.Mutex
-			seen := map[int]int{}
-			var handled atomic.Int64
-			s, err := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
-				if seqOf(d) == -1 {
-					return nil
-				}
-				time.Sleep(2 * time.Millisecond) // 4,000 take 2 s: the close comes mid-run
-				mu.Lock()
-				seen[seqOf(d)]++
-				mu.Unlock()
-				handled.Add(1)
-				return nil
-			}), amqpsub.WithProfile(amqpsub.RabbitMQ4), amqpsub.Workers(4),
-				amqpsub.Backoff(50*time.Millisecond, time.Second), amqpsub.Logger(logger(t)))
-			if err != nil {
-				t.Fatal(err)
-			}
-			stop, wait := runSub(t, s)
-			waitFor(t, time.Minute, "1,000 handled", func() bool { return handled.Load() >= 1000 })
-			// Closing the test's own publisher connection too is fine: it
-			// is done.
-			rabbit4(t, "ctl", "close_all_connections", "amqpsub integration test")
-			waitFor(t, 2*time.Minute, "every message handled on a new link", func() bool {
-				mu.Lock()
-				defer mu.Unlock()
-				return len(seen) >= n && s.Stats().Links >= 2
-			})
-			stop()
-			if err := wait(); err != nil {
-				t.Fatalf("Run = %v", err)
-			}
-			st := s.Stats()
-			mu.Lock()
-			defer mu.Unlock()
-			dups := 0
-			for _, c := range seen {
-				dups += c - 1
-			}
-			t.Logf("links %d, lost %d, duplicates %d", st.Links, st.LinksLost, dups)
-			if st.LinksLost < 1 || st.Links < 2 {
-				t.Fatalf("the close was not seen: stats %+v", st)
-			}
-			if len(seen) != n || dups > 256+4 {
-				t.Fatalf("%d distinct of %d, %d duplicates (at most what was held)", len(seen), n, dups)
-			}
-			if left := drainQueue(t, dial(t, url), q); len(left) != 0 { // the close took conn too
-				t.Fatalf("%d messages left in the queue", len(left))
-			}
-		})
-	}
-}
+// Graceful stops: what a stop hands back to the broker, and what repeated
+// stops (deploys) cost.
 
 // stopRound is what repeated graceful stops of a slow consumer did.
 type stopRound struct {
@@ -331,5 +192,121 @@ func TestRabbitMQ4StopCostLanes(t *testing.T) {
 				t.Fatalf("counts do not add up: %+v", r)
 			}
 		})
+	}
+}
+
+// Cancel while 200 deliveries are buffered and 8 in progress: the buffered
+// reach a second consumer within 1 s, the in-progress are settled, nothing is
+// lost.
+func TestArtemisStopHandsBufferedToAnotherConsumer(t *testing.T) {
+	url := artemisURL(t)
+	q := queueName(t)
+	conn := dial(t, url)
+	const buffered, inProgress = 200, 8
+	msgs := make([]msgSpec, buffered+inProgress)
+	for i := range msgs {
+		msgs[i] = msgSpec{seq: i}
+	}
+	publishFast(t, conn, q, true, msgs)
+	// Take the barrier off first, so the queue holds exactly the 208.
+	release := make(chan struct{})
+	var mu sync.Mutex
+	firstDone := map[int]bool{}
+	s, _ := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		<-release
+		mu.Lock()
+		firstDone[seqOf(d)] = true
+		mu.Unlock()
+		return nil
+	}), amqpsub.Credit(buffered+inProgress+1), amqpsub.FixedCredit(), amqpsub.Workers(inProgress), amqpsub.Logger(logger(t)))
+	stop, wait := runSub(t, s)
+	waitFor(t, 30*time.Second, "208 held", func() bool {
+		st := s.Stats()
+		return st.Handling == inProgress && st.Buffered >= buffered
+	})
+	second := rawReceiver(t, conn, q, 500)
+	start := time.Now()
+	stop()
+	got := receiveN(t, second, buffered+1, time.Second)
+	elapsed := time.Since(start)
+	close(release)
+	if err := wait(); err != nil {
+		t.Fatal(err)
+	}
+	// The barrier message (seq -1) was buffered too unless a worker holds it.
+	secondSeqs := map[int]bool{}
+	for _, m := range got {
+		secondSeqs[int(m.ApplicationProperties["seq"].(int64))] = true
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	t.Logf("second consumer got %d in %v; first settled %d", len(got), elapsed, len(firstDone))
+	if len(got) != buffered+1 || len(firstDone) != inProgress {
+		t.Fatalf("second got %d (want %d within 1 s), first handled %d (want %d)", len(got), buffered+1, len(firstDone), inProgress)
+	}
+	for seq := range firstDone {
+		if secondSeqs[seq] {
+			t.Fatalf("message %d handled by both", seq)
+		}
+	}
+	for i := -1; i < buffered+inProgress; i++ {
+		if !firstDone[i] && !secondSeqs[i] {
+			t.Fatalf("message %d lost", i)
+		}
+	}
+	if st := s.Stats(); st.Settled.Accepted != inProgress || st.Settled.Released != buffered+1 || st.Held != 0 {
+		t.Fatalf("first consumer: %+v", st)
+	}
+	// The in-progress deliveries did not come back after being settled:
+	// once the second consumer's acceptances land, the queue is empty.
+	waitFor(t, 10*time.Second, "the queue empty", func() bool { return queueAttribute(t, conn, q, "messageCount") == "0" })
+}
+
+// A stop with 200 deliveries buffered releases them at once, to a second
+// consumer, uncounted (delivery count 0); the one in its handler is
+// completed; the lease book is empty after.
+func TestServiceBusStopReleasesBuffered(t *testing.T) {
+	p := serviceBusPeer(t)
+	q := p.entity(t, map[string]any{"lock_duration_ms": 10000})
+	p.send(t, q, 300)
+	in, finish := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	s, _ := amqpsub.New(sbConnector(t, p), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		once.Do(func() { close(in) })
+		<-finish
+		return nil
+	}), amqpsub.Credit(201), amqpsub.FixedCredit(), amqpsub.Logger(logger(t)))
+	stop, wait := runSub(t, s)
+	<-in
+	waitFor(t, 10*time.Second, "201 held", func() bool { return s.Stats().Held == 201 })
+	began := time.Now()
+	stop()
+	waitFor(t, 5*time.Second, "200 released", func() bool { return p.info(t, q).Stats["released"] >= 200 })
+	released := time.Since(began)
+	close(finish)
+	if err := wait(); err != nil {
+		t.Fatal(err)
+	}
+	st := s.Stats()
+	t.Logf("released in %v; stats %v", released.Round(time.Millisecond), st)
+	if released > time.Second || st.Held != 0 || st.Locks.Held != 0 || st.Settled.Released != 200 || st.Settled.Accepted != 1 {
+		t.Fatalf("released after %v; stats %v", released, st)
+	}
+	var second, recounted atomic.Int32
+	r, _ := amqpsub.New(sbConnector(t, p), q, amqpsub.HandlerFunc(func(_ context.Context, d *amqpsub.Delivery) error {
+		second.Add(1)
+		if d.DeliveryCount() != 0 {
+			recounted.Add(1)
+		}
+		return nil
+	}), amqpsub.Logger(logger(t)))
+	stopR, waitR := runSub(t, r)
+	waitFor(t, 30*time.Second, "the other 299 at the second consumer", func() bool { return second.Load() == 299 })
+	stopR()
+	if err := waitR(); err != nil {
+		t.Fatal(err)
+	}
+	if recounted.Load() != 0 {
+		t.Fatalf("%d released deliveries came back with a delivery count", recounted.Load())
 	}
 }

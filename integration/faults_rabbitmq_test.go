@@ -1,3 +1,5 @@
+//go:build chaos
+
 package integration
 
 import (
@@ -10,24 +12,23 @@ import (
 	"github.com/amqpsub/amqpsub/amqpsub"
 )
 
-// Faults injected on RabbitMQ.
+// Faults injected on RabbitMQ. They run with -tags chaos (make
+// faults-all), not in make test, whose fault scenarios run on Artemis and
+// the Service Bus peer.
 
 // The broker closes every connection mid-run: the subscriber reconnects and
 // every message is handled; what was held at the cut comes again (at least
 // once), nothing is lost.
 func TestRabbitMQ4ConnectionClosedMidRun(t *testing.T) {
-	url := rabbit4URL(t)
-	for _, kind := range rabbit4Kinds {
-		t.Run(kind, func(t *testing.T) {
-			q := declareRabbit4(t, kind)
-			conn := dial(t, url)
+	for _, name := range []string{onRabbitMQ4Classic, onRabbitMQ4Quorum} {
+		t.Run(name[len("rabbitmq4/"):], func(t *testing.T) {
+			tg := newTarget(t, name)
 			const n = 4000
-			specs := uniqueSeqs(n, 0)
-			r4publish(t, conn, q, specs)
+			q, _ := tg.filled(t, uniqueSeqs(n, 0))
 			var mu sync.Mutex
 			seen := map[int]int{}
 			var handled atomic.Int64
-			s, err := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+			s := tg.subscriber(t, q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
 				if seqOf(d) == -1 {
 					return nil
 				}
@@ -37,11 +38,7 @@ func TestRabbitMQ4ConnectionClosedMidRun(t *testing.T) {
 				mu.Unlock()
 				handled.Add(1)
 				return nil
-			}), amqpsub.WithProfile(amqpsub.RabbitMQ4), amqpsub.Workers(4),
-				amqpsub.Backoff(50*time.Millisecond, time.Second), amqpsub.Logger(logger(t)))
-			if err != nil {
-				t.Fatal(err)
-			}
+			}), amqpsub.Workers(4), amqpsub.Backoff(50*time.Millisecond, time.Second))
 			stop, wait := runSub(t, s)
 			waitFor(t, time.Minute, "1,000 handled", func() bool { return handled.Load() >= 1000 })
 			// Closing the test's own publisher connection too is fine: it
@@ -70,9 +67,7 @@ func TestRabbitMQ4ConnectionClosedMidRun(t *testing.T) {
 			if len(seen) != n || dups > 256+4 {
 				t.Fatalf("%d distinct of %d, %d duplicates (at most what was held)", len(seen), n, dups)
 			}
-			if left := drainQueue(t, dial(t, url), q); len(left) != 0 { // the close took conn too
-				t.Fatalf("%d messages left in the queue", len(left))
-			}
+			tg.assertDrained(t, dial(t, tg.url), q) // the close took the publisher's connection too
 		})
 	}
 }

@@ -89,12 +89,3 @@ func r4publish(t testing.TB, conn *amqp.Conn, q string, msgs []msgSpec) {
 	t.Helper()
 	publishFast(t, conn, "/queues/"+q, false, msgs)
 }
-
-// drainQueue takes (accepting) everything queue q of RabbitMQ 4 holds,
-// until nothing comes for a second. A quorum queue's ready count
-// (rabbitmqctl) is refreshed every few seconds, so it cannot tell what a
-// stop just left.
-func drainQueue(t *testing.T, conn *amqp.Conn, q string) []*amqp.Message {
-	t.Helper()
-	return drainAddress(t, conn, "/queues/"+q)
-}

@@ -17,7 +17,7 @@ import (
 // on RabbitMQ 4, one queue type), and a scenario's table names the
 // targets it holds for. A row whose broker is not configured skips.
 
-// Target names, as the scenario tables and the subtests name them.
+// Target names, as the scenario tables name them.
 const (
 	onArtemis          = "artemis"
 	onRabbitMQ3        = "rabbitmq3"

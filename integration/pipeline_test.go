@@ -168,7 +168,6 @@ func (r pipelineRow) run(t *testing.T, tg target) {
 	tg.assertDrained(t, conn, q)
 }
 
-// Messages without a group-id spread over all lanes: they rotate.
 // placement returns BalanceKeys when balanced, and an option that changes
 // nothing otherwise.
 func placement(balanced bool) amqpsub.Option {
@@ -178,6 +177,7 @@ func placement(balanced bool) amqpsub.Option {
 	return amqpsub.Credit(256)
 }
 
+// Messages without a group-id spread over all lanes: they rotate.
 func TestArtemisKeylessRotation(t *testing.T) {
 	url := artemisURL(t)
 	q := queueName(t)

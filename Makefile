@@ -20,7 +20,7 @@ INTEGRATION_ENV := AMQPSUB_ARTEMIS_URL=$(AMQPSUB_ARTEMIS_URL) \
 	AMQPSUB_RABBITMQ4_CTL=$(RABBITMQ4_CTL) \
 	AMQPSUB_CLUSTER_CTL=$(CLUSTER_CTL)
 
-.PHONY: checkout scaling credit trace golangci all prereqs prereqs-demo brokers brokers-stop artemis rabbitmq rabbitmq4 unit integration test artemistest demo bench fuzz fmt vet lint check
+.PHONY: checkout scaling credit trace faults-all golangci all prereqs prereqs-demo brokers brokers-stop artemis rabbitmq rabbitmq4 unit integration test artemistest demo bench fuzz fmt vet lint check
 
 # Modules of their own (own go.mod) that `make lint` checks like the root
 # one, with the root's .golangci.yml: the Artemis test helper and the
@@ -112,6 +112,17 @@ trace: artemis
 	AMQPSUB_SBPEER_CONTROL=$$(bash integration/sbpeer/sbpeer.sh ctl-url) $(INTEGRATION_ENV) \
 	GO=$(GO) bash integration/trace.sh
 
+## faults-all: every fault scenario (the tests of integration/faults_*_test.go)
+## on every broker: make test's (Artemis, the Service Bus peer) and those
+## behind the chaos build tag (faults injected on RabbitMQ); starts the
+## brokers and the peer (left running)
+FAULT_TESTS = $(shell sed -n 's/^func \(Test[A-Za-z0-9_]*\).*/\1/p' integration/faults_*_test.go | paste -sd'|')
+faults-all: brokers
+	bash integration/sbpeer/sbpeer.sh start
+	AMQPSUB_SBPEER_CONN=$$(bash integration/sbpeer/sbpeer.sh url) \
+	AMQPSUB_SBPEER_CONTROL=$$(bash integration/sbpeer/sbpeer.sh ctl-url) $(INTEGRATION_ENV) \
+	$(GO) test -race -count=1 -tags chaos -run '^($(FAULT_TESTS))$$' -timeout $(INTEGRATION_TIMEOUT) ./integration
+
 ## fuzz: every fuzz target for FUZZTIME each (default 1m); CI runs them for 5s
 fuzz:
 	FUZZTIME=$${FUZZTIME:-1m} bash integration/fuzz.sh
@@ -120,9 +131,14 @@ fmt:
 	@out=$$(gofmt -l .); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
+# The tests behind build tags (integration: chaos) are vetted and linted
+# too, once with their tags.
+BUILD_TAGS := chaos
+
 vet:
 	$(GO) vet ./...
 	$(GO) vet -tags peer ./amqpsub
+	$(GO) vet -tags $(BUILD_TAGS) ./integration/...
 	@for m in $(LINT_MODULES); do (cd $$m && echo "go vet ($$m)" && $(GO) vet ./...) || exit 1; done
 
 ## lint: gofmt, go vet and golangci-lint (pinned, installed with go install if missing; config in .golangci.yml)
@@ -134,6 +150,7 @@ golangci:
 		$(GO) install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v$(GOLANGCI_VERSION); \
 	fi
 	"$(GOLANGCI)" run ./...
+	"$(GOLANGCI)" run --build-tags $(BUILD_TAGS) ./integration/...
 	@for m in $(LINT_MODULES); do (cd $$m && echo "golangci-lint ($$m)" && "$(GOLANGCI)" run --config $(CURDIR)/.golangci.yml ./...) || exit 1; done
 
 lint: fmt vet golangci

@@ -4,15 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"slices"
 	"sort"
-	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -29,101 +23,6 @@ import (
 // when it ends; if the test binary dies first, a watchdog process does.
 // They skip without AMQPSUB_CLUSTER_CTL. What they found is in
 // docs/brokers.md, "Clusters, message groups and HA".
-
-const clusterHint = "set AMQPSUB_CLUSTER_CTL=$PWD/integration/artemis-cluster.sh (`make test` does); " +
-	"the test starts and stops its brokers itself"
-
-// topology is a cluster or HA pair run by integration/artemis-cluster.sh.
-type topology struct {
-	ctl  string // absolute path of artemis-cluster.sh
-	name string // "cluster" or "ha"
-
-	watchIn  io.WriteCloser
-	watchdog *exec.Cmd
-}
-
-// startTopology resets and starts the topology, and stops it (deleting its
-// data) when the test ends. It skips the test without AMQPSUB_CLUSTER_CTL.
-func startTopology(t *testing.T, name string) *topology {
-	t.Helper()
-	ctl := os.Getenv("AMQPSUB_CLUSTER_CTL")
-	if ctl == "" {
-		t.Skip("AMQPSUB_CLUSTER_CTL is empty: " + clusterHint)
-	}
-	ctl, err := filepath.Abs(ctl)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tp := &topology{ctl: ctl, name: name}
-	// The watchdog resets the topology when its stdin closes: at the end of
-	// the test, or when this process dies however it dies. Its own process
-	// group keeps a Ctrl-C meant for `go test` from killing it first.
-	tp.watchdog = exec.Command("bash", "-c", `cat >/dev/null; exec bash "$0" "$1" reset >/dev/null 2>&1`, ctl, name)
-	tp.watchdog.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if tp.watchIn, err = tp.watchdog.StdinPipe(); err != nil {
-		t.Fatal(err)
-	}
-	if err := tp.watchdog.Start(); err != nil {
-		t.Fatalf("watchdog: %v", err)
-	}
-	t.Cleanup(tp.stop)
-	// A run that died may have left nodes running with old data.
-	tp.do(t, "reset")
-	t0 := time.Now()
-	tp.do(t, "start")
-	t.Logf("%s: started from empty journals in %v", name, time.Since(t0).Round(10*time.Millisecond))
-	return tp
-}
-
-func (tp *topology) run(args ...string) (string, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	out, err := exec.CommandContext(ctx, "bash", append([]string{tp.ctl, tp.name}, args...)...).CombinedOutput()
-	return strings.TrimSpace(string(out)), err
-}
-
-// do runs artemis-cluster.sh NAME args... and fails the test if it fails.
-func (tp *topology) do(t testing.TB, args ...string) string {
-	t.Helper()
-	out, err := tp.run(args...)
-	if err != nil {
-		t.Fatalf("artemis-cluster.sh %s %s: %v\n%s", tp.name, strings.Join(args, " "), err, out)
-	}
-	t.Logf("artemis-cluster.sh %s %s: %s", tp.name, strings.Join(args, " "), out)
-	return out
-}
-
-// timed runs do and returns how long it took.
-func (tp *topology) timed(t testing.TB, args ...string) time.Duration {
-	t.Helper()
-	t0 := time.Now()
-	tp.do(t, args...)
-	return time.Since(t0)
-}
-
-func (tp *topology) url(t testing.TB, node string) string {
-	t.Helper()
-	out, err := tp.run("url", node)
-	if err != nil {
-		t.Fatalf("artemis-cluster.sh %s url %s: %v\n%s", tp.name, node, err, out)
-	}
-	return out
-}
-
-// stop closes the watchdog's stdin and waits while it resets the topology.
-func (tp *topology) stop() {
-	tp.watchIn.Close()
-	done := make(chan error, 1)
-	go func() { done <- tp.watchdog.Wait() }()
-	select {
-	case err := <-done:
-		if err != nil {
-			fmt.Fprintf(os.Stderr, "stopping the %s topology: %v\n", tp.name, err)
-		}
-	case <-time.After(2 * time.Minute):
-		fmt.Fprintf(os.Stderr, "the %s topology's watchdog (pid %d) did not finish within 2 min\n", tp.name, tp.watchdog.Process.Pid)
-	}
-}
 
 // handling is one handler call of a clusterRecorder.
 type handling struct {
@@ -202,7 +101,7 @@ func startClusterSubs(t *testing.T, r *clusterRecorder, q string, urls [2]string
 	}
 	for from, to := range []int{1, 0} {
 		conn := dial(t, urls[from])
-		snd := sender(t, conn, q)
+		snd := rawSender(t, conn, q, "queue")
 		t0 := time.Now()
 		waitFor(t, 60*time.Second, fmt.Sprintf("node %d to route to the consumer on node %d", from+1, to+1), func() bool {
 			m := amqp.NewMessage([]byte("probe"))
@@ -237,24 +136,6 @@ func runClusterSub(t *testing.T, r *clusterRecorder, q, url string, sub int) fun
 			t.Errorf("subscriber %d: %v", sub, err)
 		}
 	}
-}
-
-// sender attaches a sender to queue q (capability "queue") on its own
-// session.
-func sender(t testing.TB, conn *amqp.Conn, q string) *amqp.Sender {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	sess, err := conn.NewSession(ctx, nil)
-	if err != nil {
-		t.Fatalf("session: %v", err)
-	}
-	t.Cleanup(func() { closeSession(sess) })
-	snd, err := sess.NewSender(ctx, q, &amqp.SenderOptions{TargetCapabilities: []string{"queue"}})
-	if err != nil {
-		t.Fatalf("sender on %s: %v", q, err)
-	}
-	return snd
 }
 
 // sendAll sends msgs to q over one link, all pre-settled but the last.
@@ -618,7 +499,7 @@ func TestArtemisCluster(t *testing.T) {
 
 		t.Cleanup(func() { tp.run("start-node", "1") })
 		tp.do(t, "kill9", "1")
-		snd := sender(t, c2, q)
+		snd := rawSender(t, c2, q, "queue")
 		send := func(g string, seq int) time.Duration {
 			t.Helper()
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)

@@ -2,8 +2,6 @@ package integration
 
 import (
 	"context"
-	"fmt"
-	neturl "net/url"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -215,24 +213,4 @@ func TestArtemisSharedStoreHA(t *testing.T) {
 		(live - lostAfter).Round(time.Millisecond), waitLive,
 		rawN+1, held, heldCounts, reconnectedTo, reconnectedAfter.Round(time.Millisecond), firstOnBackup.Round(time.Millisecond),
 		subN, handled, dups, outOfOrder)
-}
-
-func dialWithin(url string, d time.Duration) (*amqp.Conn, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), d)
-	defer cancel()
-	c, err := amqp.Dial(ctx, url, nil)
-	if err != nil {
-		return nil, fmt.Errorf("dial %s: %w", url, err)
-	}
-	return c, nil
-}
-
-// redactURL is url without its password, as amqpsub names a broker.
-func redactURL(raw string) string {
-	u, err := neturl.Parse(raw)
-	if err != nil || u.User == nil {
-		return raw
-	}
-	u.User = neturl.User(u.User.Username())
-	return u.String()
 }

@@ -4,10 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	neturl "net/url"
 	"os"
-	"os/exec"
-	"regexp"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -45,73 +44,6 @@ func rabbitURL(t testing.TB) string {
 	return u
 }
 
-// rabbit4URL returns the URL of the RabbitMQ 4 broker of
-// integration/rabbitmq4.sh or skips the test.
-func rabbit4URL(t testing.TB) string {
-	t.Helper()
-	u := os.Getenv("AMQPSUB_RABBITMQ4_URL")
-	if u == "" {
-		t.Skip("no RabbitMQ 4 configured (AMQPSUB_RABBITMQ4_URL is empty): start it with " +
-			"`bash integration/rabbitmq4.sh start`, then set AMQPSUB_RABBITMQ4_URL=amqp://guest:guest@127.0.0.1:5692 " +
-			"and AMQPSUB_RABBITMQ4_CTL=$PWD/integration/rabbitmq4.sh; `make test` does both")
-	}
-	return u
-}
-
-// rabbit4Ctl returns the path of integration/rabbitmq4.sh
-// (AMQPSUB_RABBITMQ4_CTL) or skips the test.
-func rabbit4Ctl(t testing.TB) string {
-	t.Helper()
-	ctl := os.Getenv("AMQPSUB_RABBITMQ4_CTL")
-	if ctl == "" {
-		t.Skip("AMQPSUB_RABBITMQ4_CTL is empty: set it to the path of integration/rabbitmq4.sh; `make test` does")
-	}
-	return ctl
-}
-
-// rabbit4 runs `rabbitmq4.sh ARGS...` and returns its standard output,
-// trimmed; it fails the test if the script fails.
-func rabbit4(t testing.TB, args ...string) string {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, "bash", append([]string{rabbit4Ctl(t)}, args...)...)
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	if err != nil {
-		t.Fatalf("rabbitmq4.sh %s: %v: %s", strings.Join(args, " "), err, stderr.String())
-	}
-	return strings.TrimSpace(string(out))
-}
-
-// rabbit4Unsafe is what rabbitmq4.sh refuses in a queue name.
-var rabbit4Unsafe = regexp.MustCompile(`[^A-Za-z0-9._:-]`)
-
-// declareRabbit4 declares a fresh durable queue of kind "classic" or
-// "quorum" on RabbitMQ 4 with `rabbitmq4.sh declare`: its dead letters go
-// to the classic queue NAME.dlq, declared with it (a quorum queue keeps the
-// broker's delivery-limit, 20). Both are deleted when the test ends. Attach
-// to "/queues/"+NAME.
-func declareRabbit4(t testing.TB, kind string) string {
-	t.Helper()
-	name := rabbit4Unsafe.ReplaceAllString(queueName(t), "_")
-	rabbit4(t, "declare", name, kind)
-	t.Cleanup(func() { rabbit4(t, "delete", name) })
-	return name
-}
-
-// rabbit4Count returns the number of messages ready in queue on RabbitMQ 4.
-func rabbit4Count(t testing.TB, queue string) int {
-	t.Helper()
-	out := rabbit4(t, "count", queue)
-	n, err := strconv.Atoi(out)
-	if err != nil {
-		t.Fatalf("rabbitmq4.sh count %s: not a number: %q", queue, out)
-	}
-	return n
-}
-
 var queueSeq atomic.Int64
 
 // queueName returns a queue name no other test or run uses.
@@ -126,11 +58,18 @@ func logger(t testing.TB) *zap.Logger {
 
 func dial(t testing.TB, url string) *amqp.Conn {
 	t.Helper()
+	return dialWith(t, url, nil)
+}
+
+// dialWith connects to url with opts and closes the connection when the
+// test ends.
+func dialWith(t testing.TB, url string, opts *amqp.ConnOptions) *amqp.Conn {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	c, err := amqp.Dial(ctx, url, nil)
+	c, err := amqp.Dial(ctx, url, opts)
 	if err != nil {
-		t.Fatalf("dial %s: %v", url, err)
+		t.Fatalf("dial %s: %v", redactURL(url), err)
 	}
 	t.Cleanup(func() { c.Close() })
 	return c
@@ -309,3 +248,213 @@ func receiveN(t testing.TB, r *amqp.Receiver, n int, within time.Duration) []*am
 
 // dlq is the address of queue's dead letters under our broker.xml.
 func dlq(queue string) string { return "DLQ::DLQ." + queue }
+
+// uniqueSeqs returns n messages with seq 0..n-1 spread over groups group-ids.
+func uniqueSeqs(n, groups int) []msgSpec {
+	out := make([]msgSpec, n)
+	for i := range out {
+		out[i] = msgSpec{seq: i}
+		if groups > 0 {
+			out[i].group = fmt.Sprintf("g%03d", i%groups)
+		}
+	}
+	return out
+}
+
+// tally counts, per seq, how often a handler saw it.
+type tally struct {
+	counts   []atomic.Int32
+	firstAt  []atomic.Int64 // unix ns of each seq's first handling
+	total    atomic.Int64
+	distinct atomic.Int64
+	mark     atomic.Int64 // unix ns
+	first    atomic.Int64 // unix ns of the first delivery handled at or after mark
+}
+
+func newTally(n int) *tally {
+	return &tally{counts: make([]atomic.Int32, n), firstAt: make([]atomic.Int64, n)}
+}
+
+func (c *tally) record(seq int) {
+	if seq < 0 || seq >= len(c.counts) {
+		return // the publisher's barrier
+	}
+	now := time.Now().UnixNano()
+	if c.counts[seq].Add(1) == 1 {
+		c.distinct.Add(1)
+		c.firstAt[seq].Store(now)
+	}
+	c.total.Add(1)
+	if m := c.mark.Load(); m != 0 && now >= m {
+		c.first.CompareAndSwap(0, now)
+	}
+}
+
+// setMark starts looking for the first delivery handled from now on.
+func (c *tally) setMark() {
+	c.first.Store(0)
+	c.mark.Store(time.Now().UnixNano())
+}
+
+func (c *tally) firstSinceMark() (time.Time, bool) {
+	f := c.first.Load()
+	return time.Unix(0, f), f != 0
+}
+
+func (c *tally) all() bool { return c.distinct.Load() == int64(len(c.counts)) }
+
+func (c *tally) duplicates() int64 { return c.total.Load() - c.distinct.Load() }
+
+// firstHandledIn counts the seqs first handled in [from, to).
+func (c *tally) firstHandledIn(from, to time.Time) int {
+	n := 0
+	for i := range c.firstAt {
+		if at := c.firstAt[i].Load(); at >= from.UnixNano() && at < to.UnixNano() {
+			n++
+		}
+	}
+	return n
+}
+
+func (c *tally) missing(max int) []int {
+	var out []int
+	for i := range c.counts {
+		if c.counts[i].Load() == 0 && len(out) < max {
+			out = append(out, i)
+		}
+	}
+	return out
+}
+
+// waitAll waits until every seq was handled; on timeout it names some that
+// were not.
+func (c *tally) waitAll(t testing.TB, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !c.all() {
+		if time.Now().After(deadline) {
+			t.Fatalf("after %v, %d of %d messages handled; never handled: %v…", within, c.distinct.Load(), len(c.counts), c.missing(10))
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func (c *tally) handler() amqpsub.Handler {
+	return amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		c.record(seqOf(d))
+		return nil
+	})
+}
+
+func assertQueueEmpty(t testing.TB, conn *amqp.Conn, q string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		n := queueAttribute(t, conn, q, "messageCount")
+		if n == "0" {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s messages left on %s: a message was accepted twice or not at all", n, q)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// closedPort returns a 127.0.0.1 address nothing listens on.
+func closedPort(t testing.TB) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	return addr
+}
+
+// slack is what a real broker and a real clock add to a bound that synctest
+// checks exactly in the unit tests.
+const slack = 750 * time.Millisecond
+
+// dialPlain connects with SASL PLAIN and the user and password of rawURL.
+func dialPlain(t testing.TB, rawURL string) *amqp.Conn {
+	t.Helper()
+	pu, err := neturl.Parse(rawURL)
+	if err != nil {
+		t.Fatalf("parse %s: %v", redactURL(rawURL), err)
+	}
+	pass, _ := pu.User.Password()
+	return dialWith(t, rawURL, &amqp.ConnOptions{SASLType: amqp.SASLTypePlain(pu.User.Username(), pass)})
+}
+
+// rawSender attaches a plain go-amqp sender to address on a session of its
+// own, with the target capabilities caps (Artemis: "queue").
+func rawSender(t testing.TB, conn *amqp.Conn, address string, caps ...string) *amqp.Sender {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	sess, err := conn.NewSession(ctx, nil)
+	if err != nil {
+		t.Fatalf("session: %v", err)
+	}
+	t.Cleanup(func() { closeSession(sess) })
+	s, err := sess.NewSender(ctx, address, &amqp.SenderOptions{TargetCapabilities: caps})
+	if err != nil {
+		t.Fatalf("sender to %s: %v", address, err)
+	}
+	return s
+}
+
+// sendBody sends one durable message with body and waits for the broker
+// to accept it.
+func sendBody(t testing.TB, s *amqp.Sender, body string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	m := amqp.NewMessage([]byte(body))
+	m.Header = &amqp.MessageHeader{Durable: true}
+	if err := s.Send(ctx, m, nil); err != nil {
+		t.Fatalf("send %q: %v", body, err)
+	}
+}
+
+func dialWithin(url string, d time.Duration) (*amqp.Conn, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	defer cancel()
+	c, err := amqp.Dial(ctx, url, nil)
+	if err != nil {
+		return nil, fmt.Errorf("dial %s: %w", url, err)
+	}
+	return c, nil
+}
+
+// redactURL is url without its password, as amqpsub names a broker.
+func redactURL(raw string) string {
+	u, err := neturl.Parse(raw)
+	if err != nil || u.User == nil {
+		return raw
+	}
+	u.User = neturl.User(u.User.Username())
+	return u.String()
+}
+
+// drainAddress takes (accepting) everything a receiver on address gets,
+// until nothing comes for a second.
+func drainAddress(t testing.TB, conn *amqp.Conn, address string) []*amqp.Message {
+	t.Helper()
+	r := rawReceiver(t, conn, address, 256)
+	var out []*amqp.Message
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		m, err := r.Receive(ctx, nil)
+		cancel()
+		if err != nil {
+			return out
+		}
+		if err := r.AcceptMessage(context.Background(), m); err != nil {
+			t.Fatalf("accept: %v", err)
+		}
+		out = append(out, m)
+	}
+}

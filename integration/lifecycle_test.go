@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -13,10 +14,6 @@ import (
 
 	"github.com/amqpsub/amqpsub/amqpsub"
 )
-
-// slack is what a real broker and a real clock add to a bound that synctest
-// checks exactly in the unit tests.
-const slack = 750 * time.Millisecond
 
 // A handler that never returns and ignores its ctx: a graceful stop and a
 // Close each end Run within their bound, name the abandoned handler, and
@@ -253,46 +250,74 @@ func TestArtemisSmallestValidOptions(t *testing.T) {
 	})
 }
 
-// managementOp invokes an operation of an Artemis resource ("broker",
-// "queue.NAME") through management over AMQP.
-func managementOp(t testing.TB, conn *amqp.Conn, resource, op string, args ...any) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	sess, err := conn.NewSession(ctx, nil)
-	if err != nil {
-		t.Fatalf("session: %v", err)
-	}
-	defer closeSession(sess)
-	rcv, err := sess.NewReceiver(ctx, "", &amqp.ReceiverOptions{DynamicAddress: true, Credit: 1})
-	if err != nil {
-		t.Fatalf("management reply queue: %v", err)
-	}
-	snd, err := sess.NewSender(ctx, "activemq.management", nil)
-	if err != nil {
-		t.Fatalf("management sender: %v", err)
-	}
-	var body []string
-	for _, a := range args {
-		switch a := a.(type) {
-		case string:
-			body = append(body, fmt.Sprintf("%q", a))
-		default:
-			body = append(body, fmt.Sprint(a))
+// Run returns within CloseTimeout of Close, whatever the peer or the
+// TokenProvider does: a peer that stops answering (its sockets open,
+// nothing forwarded), or a TokenProvider stuck in a refresh that ignores
+// its ctx.
+func TestServiceBusCloseBound(t *testing.T) {
+	p := serviceBusPeer(t)
+	const closeTimeout = 200 * time.Millisecond
+	const slack = 300 * time.Millisecond // scheduling, under -race on a busy machine
+	closeAndTime := func(t *testing.T, s *amqpsub.Subscriber, wait func() error) {
+		t.Helper()
+		began := time.Now()
+		s.Close()
+		err := wait()
+		took := time.Since(began)
+		t.Logf("Run returned %v after Close (CloseTimeout %v): %v", took.Round(time.Millisecond), closeTimeout, err)
+		if took > closeTimeout+slack {
+			t.Fatalf("Run returned %v after Close, CloseTimeout is %v", took.Round(time.Millisecond), closeTimeout)
 		}
 	}
-	reply := rcv.Address()
-	req := &amqp.Message{Value: "[" + strings.Join(body, ",") + "]", Properties: &amqp.MessageProperties{ReplyTo: &reply},
-		ApplicationProperties: map[string]any{"_AMQ_ResourceName": resource, "_AMQ_OperationName": op}}
-	if err := snd.Send(ctx, req, nil); err != nil {
-		t.Fatalf("management request: %v", err)
+	for _, sessions := range []bool{false, true} {
+		t.Run(fmt.Sprintf("peer hangs, sessions %v", sessions), func(t *testing.T) {
+			spec := map[string]any{"lock_duration_ms": 30000}
+			send := map[string]any{"count": 4}
+			opts := []amqpsub.Option{amqpsub.CloseTimeout(closeTimeout), amqpsub.Logger(logger(t))}
+			if sessions {
+				spec["requires_session"] = true
+				send["sessions"] = []string{"a", "b"}
+				opts = append(opts, amqpsub.Sessions(2))
+			}
+			q := p.fxEntity(t, spec)
+			send["entity"], send["message_id_prefix"] = q, q
+			p.call(t, "POST", "/messages", send, nil)
+			host := strings.TrimRight(strings.TrimPrefix(connValue(p.conn, "Endpoint"), "sb://"), "/")
+			px := newProxy(t, host)
+			c, err := amqpsub.ServiceBus(strings.Replace(p.conn, host, px.ln.Addr().String(), 1))
+			if err != nil {
+				t.Fatal(err)
+			}
+			s, _ := amqpsub.New(c, q, amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }), opts...)
+			_, wait := runSub(t, s)
+			waitFor(t, 20*time.Second, "4 accepted", func() bool { return s.Stats().Settled.Accepted == 4 })
+			px.freeze()
+			closeAndTime(t, s, wait)
+		})
 	}
-	resp, err := rcv.Receive(ctx, nil)
-	if err != nil {
-		t.Fatalf("management reply: %v", err)
-	}
-	rcv.AcceptMessage(ctx, resp)
-	if ok, _ := resp.ApplicationProperties["_AMQ_OperationSucceeded"].(bool); !ok {
-		t.Fatalf("management: %s on %s failed: %v", op, resource, resp.Value)
-	}
+	t.Run("TokenProvider blocks", func(t *testing.T) {
+		q := p.fxEntity(t, map[string]any{"lock_duration_ms": 30000})
+		endpoint, sas := p.tokenEndpoint(4 * time.Second)
+		tp := &tokenScript{TokenProvider: sas, blockFrom: 3, blocked: make(chan struct{}), release: make(chan struct{})}
+		var once sync.Once
+		release := func() { once.Do(func() { close(tp.release) }) }
+		defer release()
+		c, err := amqpsub.ServiceBusWithToken(endpoint, tp)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, _ := amqpsub.New(c, q, amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.CloseTimeout(closeTimeout), amqpsub.Logger(logger(t)))
+		_, wait := runSub(t, s)
+		select {
+		case <-tp.blocked: // the refresh, due 2 s after connecting, is stuck in Token
+		case <-time.After(20 * time.Second):
+			t.Fatal("no token refresh within 20 s")
+		}
+		// Let the provider go if Run is not back in time, so that the test
+		// reports the time rather than hanging.
+		watchdog := time.AfterFunc(closeTimeout+5*time.Second, release)
+		defer watchdog.Stop()
+		closeAndTime(t, s, wait)
+	})
 }

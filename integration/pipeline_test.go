@@ -2,9 +2,9 @@ package integration
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -80,26 +80,60 @@ func (c *orderChecker) count() int {
 	return c.handled
 }
 
-// 10,000 messages over 100 group-ids, WorkersByKey(8), random handler
-// delays: every group is handled in publish order, every message accepted
-// exactly once.
-func TestArtemisPerGroupOrder(t *testing.T) {
-	url := artemisURL(t)
-	for _, balanced := range []bool{false, true} {
-		t.Run(fmt.Sprintf("balanced=%v", balanced), func(t *testing.T) { perGroupOrder(t, url, balanced) })
+// pipelineRow is one run of the pipeline scenario: 10,000 messages over
+// groups group-ids, WorkersByKey(8), random handler delays; every group is
+// handled in publish order (one consumer: the queue's order), no group in
+// two handlers at once, every message accepted exactly once, nothing left
+// on the queue.
+type pipelineRow struct {
+	name     string // the subtest's
+	target   string
+	groups   int
+	balanced bool // BalanceKeys: groups may move between lanes
+	// check holds what this broker promises beyond the shared assertions.
+	check func(t *testing.T, st amqpsub.Stats)
+}
+
+var pipelineRows = []pipelineRow{
+	{name: "balanced=false", target: onArtemis, groups: 100},
+	{name: "balanced=true", target: onArtemis, groups: 100, balanced: true},
+	{name: "classic", target: onRabbitMQ4Classic, groups: 50, check: withinCredit},
+	{name: "quorum", target: onRabbitMQ4Quorum, groups: 50, check: withinCredit},
+	{name: "classic", target: onRabbitMQ3, groups: 50},
+}
+
+// withinCredit: the broker sent nothing past the credit, 256 at most.
+func withinCredit(t *testing.T, st amqpsub.Stats) {
+	if st.Overshoot != 0 || st.MaxHeld > 256 {
+		t.Fatalf("overshoot %d, max held %d; want 0 and at most 256: %+v", st.Overshoot, st.MaxHeld, st)
 	}
 }
 
-func perGroupOrder(t *testing.T, url string, balanced bool) {
-	q := queueName(t)
-	conn := dial(t, url)
+// pipeline runs the rows of pipelineRows whose target is among targets.
+func pipeline(t *testing.T, targets ...string) {
+	for _, r := range pipelineRows {
+		if slices.Contains(targets, r.target) {
+			t.Run(r.name, func(t *testing.T) { r.run(t, newTarget(t, r.target)) })
+		}
+	}
+}
+
+// The pipeline on Artemis, with hash lanes and with BalanceKeys.
+func TestArtemisPerGroupOrder(t *testing.T) { pipeline(t, onArtemis) }
+
+// The pipeline on a RabbitMQ 4 classic and quorum queue.
+func TestRabbitMQ4Pipeline(t *testing.T) { pipeline(t, onRabbitMQ4Classic, onRabbitMQ4Quorum) }
+
+// The pipeline on RabbitMQ 3.10, under its profile.
+func TestRabbitMQPipeline(t *testing.T) { pipeline(t, onRabbitMQ3) }
+
+func (r pipelineRow) run(t *testing.T, tg target) {
 	const n = 10000
-	msgs := groups(n, 100)
-	publishFast(t, conn, q, true, msgs)
+	q, conn := tg.filled(t, groups(n, r.groups))
 
 	check := newOrderChecker()
-	check.moves = balanced
-	s, err := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+	check.moves = r.balanced
+	s := tg.subscriber(t, q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
 		if seqOf(d) == -1 {
 			return nil // the publisher's barrier
 		}
@@ -108,10 +142,7 @@ func perGroupOrder(t *testing.T, url string, balanced bool) {
 		time.Sleep(time.Duration(rand.IntN(300)) * time.Microsecond)
 		check.record(t, d)
 		return nil
-	}), amqpsub.WorkersByKey(8), placement(balanced), amqpsub.Logger(logger(t)))
-	if err != nil {
-		t.Fatal(err)
-	}
+	}), amqpsub.WorkersByKey(8), placement(r.balanced))
 	stop, wait := runSub(t, s)
 	waitFor(t, 2*time.Minute, "10,000 deliveries", func() bool { return check.count() >= n })
 	stop()
@@ -127,15 +158,16 @@ func perGroupOrder(t *testing.T, url string, balanced bool) {
 		t.Fatalf("settlements: %+v", st)
 	}
 	for g, seqs := range check.seen {
-		if len(seqs) != n/100 {
-			t.Fatalf("group %s: %d distinct messages, want %d", g, len(seqs), n/100)
+		if len(seqs) != n/r.groups {
+			t.Fatalf("group %s: %d distinct messages, want %d", g, len(seqs), n/r.groups)
 		}
 	}
-	// Nothing is left on the queue.
-	assertQueueEmpty(t, conn, q)
+	if r.check != nil {
+		r.check(t, st)
+	}
+	tg.assertDrained(t, conn, q)
 }
 
-// Messages without a group-id spread over all lanes: they rotate.
 // placement returns BalanceKeys when balanced, and an option that changes
 // nothing otherwise.
 func placement(balanced bool) amqpsub.Option {
@@ -145,6 +177,7 @@ func placement(balanced bool) amqpsub.Option {
 	return amqpsub.Credit(256)
 }
 
+// Messages without a group-id spread over all lanes: they rotate.
 func TestArtemisKeylessRotation(t *testing.T) {
 	url := artemisURL(t)
 	q := queueName(t)
@@ -177,222 +210,6 @@ func TestArtemisKeylessRotation(t *testing.T) {
 			t.Errorf("lane %d handled %d keyless messages, want ~%d", i, c, n/8)
 		}
 	}
-}
-
-// With Credit(32) and handlers that block, the deliveries held in the
-// process never exceed 32; Stats shows it.
-func TestArtemisCreditBound(t *testing.T) {
-	url := artemisURL(t)
-	q := queueName(t)
-	conn := dial(t, url)
-	const n = 500
-	publishFast(t, conn, q, true, groups(n, 50))
-	unblock := make(chan struct{})
-	var handled atomic.Int64
-	s, _ := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
-		<-unblock
-		handled.Add(1)
-		return nil
-	}), amqpsub.Credit(32), amqpsub.FixedCredit(), amqpsub.WorkersByKey(4), amqpsub.Logger(logger(t)))
-	stop, wait := runSub(t, s)
-	waitFor(t, 30*time.Second, "32 deliveries held", func() bool { return s.Stats().Held == 32 })
-	// The broker's own count of the deliveries it has out: were a 33rd on
-	// its way, it would count it already.
-	if out := queueAttribute(t, conn, q, "deliveringCount"); out != "32" {
-		t.Fatalf("the broker has %s deliveries out, want 32", out)
-	}
-	st := s.Stats()
-	if st.Handling != 4 || st.Buffered != 28 || st.Received != 32 {
-		t.Fatalf("with blocked handlers: %+v", st)
-	}
-	close(unblock)
-	waitFor(t, time.Minute, "all deliveries", func() bool { return handled.Load() == n+1 })
-	stop()
-	if err := wait(); err != nil {
-		t.Fatal(err)
-	}
-	if st := s.Stats(); st.MaxHeld != 32 || st.Settled.Accepted != n+1 || st.Overshoot != 0 {
-		t.Fatalf("after the run: %+v", st)
-	}
-}
-
-func TestArtemisOutcomes(t *testing.T) {
-	url := artemisURL(t)
-	conn := dial(t, url)
-
-	type seen struct {
-		count         uint32
-		firstAcquirer bool
-	}
-	// consume runs handle over a queue holding one message until done says
-	// so, and returns the delivery counts the handler saw.
-	consume := func(t *testing.T, q string, handle func(call int, d *amqpsub.Delivery) error, done func(calls int) bool) ([]seen, amqpsub.Stats) {
-		publishFast(t, conn, q, true, []msgSpec{{seq: 7}})
-		var mu sync.Mutex
-		var calls []seen
-		s, _ := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
-			if seqOf(d) == -1 {
-				return nil
-			}
-			mu.Lock()
-			calls = append(calls, seen{d.DeliveryCount(), d.FirstAcquirer()})
-			n := len(calls)
-			mu.Unlock()
-			return handle(n, d)
-		}), amqpsub.Logger(logger(t)))
-		stop, wait := runSub(t, s)
-		waitFor(t, 30*time.Second, "the handler calls", func() bool {
-			mu.Lock()
-			defer mu.Unlock()
-			return done(len(calls))
-		})
-		// Nothing more arrives after the last expected call: the broker
-		// has nothing left to deliver, queued or out.
-		waitFor(t, 30*time.Second, "the queue empty", func() bool { return queueAttribute(t, conn, q, "messageCount") == "0" })
-		stop()
-		if err := wait(); err != nil {
-			t.Fatal(err)
-		}
-		mu.Lock()
-		defer mu.Unlock()
-		return append([]seen(nil), calls...), s.Stats()
-	}
-
-	t.Run("release redelivers without counting", func(t *testing.T) {
-		calls, st := consume(t, queueName(t), func(call int, d *amqpsub.Delivery) error {
-			if call == 1 {
-				return amqpsub.Release()
-			}
-			return nil
-		}, func(n int) bool { return n >= 2 })
-		if len(calls) != 2 || calls[0].count != 0 || calls[1].count != 0 {
-			t.Fatalf("delivery counts %+v, want [0 0]", calls)
-		}
-		if st.Settled.Released != 1 || st.Settled.Accepted != 2 {
-			t.Fatalf("stats %+v", st)
-		}
-	})
-
-	t.Run("retry counts and dead-letters at max attempts", func(t *testing.T) {
-		q := queueName(t)
-		calls, st := consume(t, q, func(int, *amqpsub.Delivery) error {
-			return errors.New("not today")
-		}, func(n int) bool { return n >= 5 })
-		if len(calls) != 5 {
-			t.Fatalf("%d attempts, want max-delivery-attempts = 5", len(calls))
-		}
-		for i, c := range calls {
-			if c.count != uint32(i) {
-				t.Fatalf("attempt %d had delivery count %d: %+v", i, c.count, calls)
-			}
-		}
-		if st.Settled.Modified != 5 || st.Results.Retry != 5 {
-			t.Fatalf("stats %+v", st)
-		}
-		dead := receiveN(t, rawReceiver(t, conn, dlq(q), 10), 1, 10*time.Second)
-		if len(dead) != 1 || dead[0].ApplicationProperties["seq"] != int64(7) {
-			t.Fatalf("DLQ holds %d messages, want the retried one", len(dead))
-		}
-	})
-
-	t.Run("reject dead-letters at once", func(t *testing.T) {
-		q := queueName(t)
-		calls, st := consume(t, q, func(int, *amqpsub.Delivery) error {
-			return amqpsub.Reject("malformed order")
-		}, func(n int) bool { return n >= 1 })
-		if len(calls) != 1 || st.Settled.Rejected != 1 {
-			t.Fatalf("calls %+v stats %+v", calls, st)
-		}
-		dead := receiveN(t, rawReceiver(t, conn, dlq(q), 10), 1, 10*time.Second)
-		if len(dead) != 1 {
-			t.Fatalf("DLQ holds %d messages, want 1", len(dead))
-		}
-		if dead[0].Annotations["x-opt-ORIG-QUEUE"] != q || dead[0].Annotations["x-opt-ORIG-ADDRESS"] != q {
-			t.Fatalf("dead letter annotations: %v, want x-opt-ORIG-QUEUE and -ADDRESS %s", dead[0].Annotations, q)
-		}
-	})
-
-	t.Run("panic retries", func(t *testing.T) {
-		calls, st := consume(t, queueName(t), func(call int, d *amqpsub.Delivery) error {
-			if call == 1 {
-				panic("handler bug")
-			}
-			return nil
-		}, func(n int) bool { return n >= 2 })
-		if len(calls) != 2 || calls[1].count != 1 {
-			t.Fatalf("calls %+v, want a redelivery with count 1", calls)
-		}
-		if st.Results.Panics != 1 || st.Settled.Modified != 1 {
-			t.Fatalf("stats %+v", st)
-		}
-	})
-}
-
-// Cancel while 200 deliveries are buffered and 8 in progress: the buffered
-// reach a second consumer within 1 s, the in-progress are settled, nothing is
-// lost.
-func TestArtemisStopHandsBufferedToAnotherConsumer(t *testing.T) {
-	url := artemisURL(t)
-	q := queueName(t)
-	conn := dial(t, url)
-	const buffered, inProgress = 200, 8
-	msgs := make([]msgSpec, buffered+inProgress)
-	for i := range msgs {
-		msgs[i] = msgSpec{seq: i}
-	}
-	publishFast(t, conn, q, true, msgs)
-	// Take the barrier off first, so the queue holds exactly the 208.
-	release := make(chan struct{})
-	var mu sync.Mutex
-	firstDone := map[int]bool{}
-	s, _ := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
-		<-release
-		mu.Lock()
-		firstDone[seqOf(d)] = true
-		mu.Unlock()
-		return nil
-	}), amqpsub.Credit(buffered+inProgress+1), amqpsub.FixedCredit(), amqpsub.Workers(inProgress), amqpsub.Logger(logger(t)))
-	stop, wait := runSub(t, s)
-	waitFor(t, 30*time.Second, "208 held", func() bool {
-		st := s.Stats()
-		return st.Handling == inProgress && st.Buffered >= buffered
-	})
-	second := rawReceiver(t, conn, q, 500)
-	start := time.Now()
-	stop()
-	got := receiveN(t, second, buffered+1, time.Second)
-	elapsed := time.Since(start)
-	close(release)
-	if err := wait(); err != nil {
-		t.Fatal(err)
-	}
-	// The barrier message (seq -1) was buffered too unless a worker holds it.
-	secondSeqs := map[int]bool{}
-	for _, m := range got {
-		secondSeqs[int(m.ApplicationProperties["seq"].(int64))] = true
-	}
-	mu.Lock()
-	defer mu.Unlock()
-	t.Logf("second consumer got %d in %v; first settled %d", len(got), elapsed, len(firstDone))
-	if len(got) != buffered+1 || len(firstDone) != inProgress {
-		t.Fatalf("second got %d (want %d within 1 s), first handled %d (want %d)", len(got), buffered+1, len(firstDone), inProgress)
-	}
-	for seq := range firstDone {
-		if secondSeqs[seq] {
-			t.Fatalf("message %d handled by both", seq)
-		}
-	}
-	for i := -1; i < buffered+inProgress; i++ {
-		if !firstDone[i] && !secondSeqs[i] {
-			t.Fatalf("message %d lost", i)
-		}
-	}
-	if st := s.Stats(); st.Settled.Accepted != inProgress || st.Settled.Released != buffered+1 || st.Held != 0 {
-		t.Fatalf("first consumer: %+v", st)
-	}
-	// The in-progress deliveries did not come back after being settled:
-	// once the second consumer's acceptances land, the queue is empty.
-	waitFor(t, 10*time.Second, "the queue empty", func() bool { return queueAttribute(t, conn, q, "messageCount") == "0" })
 }
 
 func TestArtemisBatchClosesAtSizeAndAtWait(t *testing.T) {
@@ -460,86 +277,4 @@ func TestArtemisBatchClosesAtSizeAndAtWait(t *testing.T) {
 			}
 		}
 	})
-}
-
-// The library must not stall on RabbitMQ 3.10, which sends past the credit
-// it was given: 40,000 messages drained with Credit(256), three runs
-// (about 160 windows of the credit each).
-func TestRabbitMQDrainsWithoutStall(t *testing.T) {
-	url := rabbitURL(t)
-	conn := dial(t, url)
-	const n = 40000
-	msgs := make([]msgSpec, n)
-	for i := range msgs {
-		msgs[i] = msgSpec{seq: i, body: make([]byte, 100)}
-	}
-	for run := 1; run <= 3; run++ {
-		t.Run(fmt.Sprint("run", run), func(t *testing.T) {
-			q := queueName(t)
-			publishFast(t, conn, "/queue/"+q, false, msgs)
-			// handled counts distinct messages (the barrier's seq is -1), so
-			// that a redelivery cannot stand in for one not yet handled;
-			// calls counts every handler call.
-			var handled, calls atomic.Int64
-			seen := make([]atomic.Bool, n+1)
-			s, _ := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
-				calls.Add(1)
-				if !seen[seqOf(d)+1].Swap(true) {
-					handled.Add(1)
-				}
-				return nil
-			}), amqpsub.Credit(256), amqpsub.Workers(4), amqpsub.WithProfile(amqpsub.RabbitMQ3), amqpsub.Logger(logger(t)))
-			start := time.Now()
-			stop, wait := runSub(t, s)
-			waitProgress(t, handled.Load, n+1, 5*time.Minute, s.Stats)
-			elapsed := time.Since(start)
-			stop()
-			if err := wait(); err != nil {
-				t.Fatal(err)
-			}
-			st := s.Stats()
-			t.Logf("run %d: %d msgs in %v (%.0f msg/s); overshoot %d; max held %d", run, n+1, elapsed.Round(time.Millisecond),
-				float64(n+1)/elapsed.Seconds(), st.Overshoot, st.MaxHeld)
-			if st.Settled.Accepted != n+1 || calls.Load() != n+1 {
-				t.Fatalf("accepted %d, %d handler calls for %d messages; %v", st.Settled.Accepted, calls.Load(), n+1, st)
-			}
-		})
-	}
-}
-
-// Continuous credit on RabbitMQ 3.10 (the Generic profile) with a small
-// credit meets its overshoot (measured: thousands of deliveries past a credit
-// of 8 over 30,000 messages): the pump counts it, switches to windows and
-// never stalls.
-func TestRabbitMQSmallCreditOvershootDoesNotStall(t *testing.T) {
-	url := rabbitURL(t)
-	conn := dial(t, url)
-	const n = 30000
-	msgs := make([]msgSpec, n)
-	for i := range msgs {
-		msgs[i] = msgSpec{seq: i, body: make([]byte, 100)}
-	}
-	q := queueName(t)
-	publishFast(t, conn, "/queue/"+q, false, msgs)
-	var handled atomic.Int64
-	s, _ := amqpsub.New(amqpsub.Dial(url, nil), "/amq/queue/"+q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
-		handled.Add(1)
-		return nil
-	}), amqpsub.Credit(8), amqpsub.Workers(8), amqpsub.WithProfile(amqpsub.Generic),
-		amqpsub.CloseTimeout(time.Second), amqpsub.Logger(logger(t)))
-	stop, wait := runSub(t, s)
-	waitProgress(t, handled.Load, n+1, 5*time.Minute, s.Stats)
-	stop()
-	if err := wait(); err != nil {
-		t.Fatal(err)
-	}
-	st := s.Stats()
-	t.Logf("overshoot %d deliveries, max held %d of credit 8", st.Overshoot, st.MaxHeld)
-	if st.Settled.Accepted != n+1 {
-		t.Fatalf("accepted %d", st.Settled.Accepted)
-	}
-	// The premise: the broker did send past the credit, and it was seen.
-	if st.Overshoot == 0 {
-		t.Fatalf("no overshoot counted with a credit of 8 (stats %v)", st)
-	}
 }

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
+
 	"github.com/amqpsub/amqpsub/amqpsub"
 	"github.com/amqpsub/amqpsub/examples/producer"
 )

@@ -14,7 +14,6 @@ import (
 	"fmt"
 	"maps"
 	"os/exec"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -24,6 +23,8 @@ import (
 	"time"
 
 	"github.com/Azure/go-amqp"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
 )
 
 // replicaEvent is one handled message, as a replica reported it.
@@ -460,67 +461,6 @@ func (f *figures) log(t *testing.T, scenario string) {
 	t.Logf("  per group: duplicates %s", f.perGroup(func(g *groupFigures) int { return g.duplicates }))
 	t.Logf("  per group: order violations %s", f.perGroup(func(g *groupFigures) int { return g.violations }))
 	t.Logf("  per group: first handlings out of order %s", f.perGroup(func(g *groupFigures) int { return g.reorders }))
-}
-
-// buildReplicas builds examples/replicas into dir.
-func buildReplicas(t *testing.T, dir string) string {
-	t.Helper()
-	gobin, err := exec.LookPath("go")
-	if err != nil {
-		t.Fatalf("the replica tests build examples/replicas and need the go command: %v", err)
-	}
-	bin := filepath.Join(dir, "replicas")
-	out, err := exec.Command(gobin, "build", "-o", bin, "github.com/amqpsub/amqpsub/examples/replicas").CombinedOutput()
-	if err != nil {
-		t.Fatalf("go build examples/replicas: %v\n%s", err, out)
-	}
-	return bin
-}
-
-// queueAttribute reads an attribute of queue (such as "groupRebalance" or
-// "messageCount") through Artemis management over AMQP.
-func queueAttribute(t testing.TB, conn *amqp.Conn, queue, attr string) string {
-	t.Helper()
-	return resourceAttribute(t, conn, "queue."+queue, attr)
-}
-
-// resourceAttribute reads an attribute of an Artemis management resource
-// ("broker", "queue.NAME") through management over AMQP: a request to
-// activemq.management, answered on a dynamic (temporary) queue with a JSON
-// array of one value.
-func resourceAttribute(t testing.TB, conn *amqp.Conn, resource, attr string) string {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	sess, err := conn.NewSession(ctx, nil)
-	if err != nil {
-		t.Fatalf("session: %v", err)
-	}
-	defer closeSession(sess)
-	rcv, err := sess.NewReceiver(ctx, "", &amqp.ReceiverOptions{DynamicAddress: true, Credit: 1})
-	if err != nil {
-		t.Fatalf("management reply queue: %v", err)
-	}
-	snd, err := sess.NewSender(ctx, "activemq.management", nil)
-	if err != nil {
-		t.Fatalf("management sender: %v", err)
-	}
-	reply := rcv.Address()
-	req := &amqp.Message{Value: "[]", Properties: &amqp.MessageProperties{ReplyTo: &reply},
-		ApplicationProperties: map[string]any{"_AMQ_ResourceName": resource, "_AMQ_Attribute": attr}}
-	if err := snd.Send(ctx, req, nil); err != nil {
-		t.Fatalf("management request: %v", err)
-	}
-	resp, err := rcv.Receive(ctx, nil)
-	if err != nil {
-		t.Fatalf("management reply: %v", err)
-	}
-	rcv.AcceptMessage(ctx, resp)
-	v, _ := resp.Value.(string)
-	if ok, _ := resp.ApplicationProperties["_AMQ_OperationSucceeded"].(bool); !ok {
-		t.Fatalf("management: %s of %s failed: %v", attr, resource, resp.Value)
-	}
-	return strings.Trim(v, "[]\"")
 }
 
 // Three replica processes on one Artemis queue, and what happens to the
@@ -1032,4 +972,77 @@ func TestArtemisReplicas(t *testing.T) {
 			}
 		}
 	})
+}
+
+// Three replicas compete on one queue: 6,000 messages, each handled by
+// exactly one of them, exactly once.
+func TestRabbitMQ4Replicas(t *testing.T) {
+	url := rabbit4URL(t)
+	for _, kind := range rabbit4Kinds {
+		t.Run(kind, func(t *testing.T) {
+			q := declareRabbit4(t, kind)
+			conn := dial(t, url)
+			const n, replicas = 6000, 3
+			var mu sync.Mutex
+			seen := map[int]int{}
+			per := make([]int, replicas)
+			var subs []*amqpsub.Subscriber
+			var waits []func() error
+			var stops []context.CancelFunc
+			for i := range replicas {
+				s, err := amqpsub.New(amqpsub.Dial(url, nil), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+					if seqOf(d) == -1 {
+						return nil
+					}
+					time.Sleep(100 * time.Microsecond) // work to share
+					mu.Lock()
+					seen[seqOf(d)]++
+					per[i]++
+					mu.Unlock()
+					return nil
+				}), amqpsub.WithProfile(amqpsub.RabbitMQ4), amqpsub.Workers(4), amqpsub.Logger(logger(t)))
+				if err != nil {
+					t.Fatal(err)
+				}
+				stop, wait := runSub(t, s)
+				subs, stops, waits = append(subs, s), append(stops, stop), append(waits, wait)
+			}
+			waitFor(t, 30*time.Second, "the replicas attached", func() bool {
+				for _, s := range subs {
+					if s.Stats().Links == 0 {
+						return false
+					}
+				}
+				return true
+			})
+			specs := uniqueSeqs(n, 0)
+			r4publish(t, conn, q, specs)
+			waitFor(t, 2*time.Minute, "6,000 deliveries", func() bool {
+				mu.Lock()
+				defer mu.Unlock()
+				return len(seen) >= n
+			})
+			for i := range replicas {
+				stops[i]()
+				if err := waits[i](); err != nil {
+					t.Fatalf("replica %d: Run = %v", i, err)
+				}
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			t.Logf("per replica %v", per)
+			dups := 0
+			for _, c := range seen {
+				dups += c - 1
+			}
+			if len(seen) != n || dups != 0 {
+				t.Fatalf("%d distinct, %d duplicates; want %d and 0", len(seen), dups, n)
+			}
+			for i, c := range per {
+				if c == 0 {
+					t.Fatalf("replica %d handled nothing: %v", i, per)
+				}
+			}
+		})
+	}
 }

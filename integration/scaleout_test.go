@@ -16,28 +16,6 @@ import (
 // mean are in docs/scaling.md and docs/brokers.md ("Clusters, message groups
 // and HA"). They skip without AMQPSUB_CLUSTER_CTL.
 
-// publishSplit publishes msgs, each group to one node: groups whose number
-// is even to urls[0], odd ones to urls[1], so half the groups enter through
-// each node (ungrouped messages: every other one). A group's messages all enter through one node, so they reach
-// the node that owns the group in order (through the cluster bridge if need
-// be); two nodes would make two routes, with no order between them.
-func publishSplit(t *testing.T, urls [2]string, q string, msgs []msgSpec) {
-	t.Helper()
-	var parts [2][]msgSpec
-	for _, m := range msgs {
-		g := m.seq // ungrouped: every other message
-		if m.group != "" {
-			fmt.Sscanf(m.group, "g%d", &g)
-		}
-		parts[g%2] = append(parts[g%2], m)
-	}
-	for i, u := range urls {
-		conn := dial(t, u)
-		publishFast(t, conn, q, true, parts[i])
-		conn.Close()
-	}
-}
-
 // queueDepth returns the messageCount of q on the node at url.
 func queueDepth(t *testing.T, url, q string) string {
 	t.Helper()

@@ -3,20 +3,11 @@ package integration
 import (
 	"bytes"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/hex"
-	"encoding/pem"
 	"errors"
 	"fmt"
-	"math/big"
-	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync/atomic"
@@ -30,84 +21,6 @@ import (
 
 	"github.com/amqpsub/amqpsub/amqpsub"
 )
-
-// makeServerTLS makes a self-signed CA and a server certificate for
-// 127.0.0.1 and localhost signed by it, and writes the server's key and
-// chain as a PKCS#12 keystore Artemis reads (with openssl). It returns the
-// keystore's path and password and a pool holding only the CA.
-func makeServerTLS(dir string) (keystore, password string, roots *x509.CertPool, err error) {
-	openssl, err := exec.LookPath("openssl")
-	if err != nil {
-		return "", "", nil, fmt.Errorf("openssl is needed to write the broker's PKCS#12 keystore (apt-get install openssl): %w", err)
-	}
-	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return "", "", nil, err
-	}
-	now := time.Now()
-	caTmpl := &x509.Certificate{
-		SerialNumber:          big.NewInt(1),
-		Subject:               pkix.Name{CommonName: "amqpsub test CA"},
-		NotBefore:             now.Add(-time.Hour),
-		NotAfter:              now.Add(24 * time.Hour),
-		IsCA:                  true,
-		BasicConstraintsValid: true,
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign,
-	}
-	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
-	if err != nil {
-		return "", "", nil, err
-	}
-	ca, err := x509.ParseCertificate(caDER)
-	if err != nil {
-		return "", "", nil, err
-	}
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return "", "", nil, err
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(2),
-		Subject:      pkix.Name{CommonName: "127.0.0.1"},
-		NotBefore:    now.Add(-time.Hour),
-		NotAfter:     now.Add(24 * time.Hour),
-		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1)},
-		DNSNames:     []string{"localhost"},
-		KeyUsage:     x509.KeyUsageDigitalSignature,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
-	if err != nil {
-		return "", "", nil, err
-	}
-	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
-	if err != nil {
-		return "", "", nil, err
-	}
-	files := map[string][]byte{
-		"ca.pem":     pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER}),
-		"server.pem": pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
-		"server.key": pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: keyDER}),
-	}
-	for name, b := range files {
-		if err := os.WriteFile(filepath.Join(dir, name), b, 0o600); err != nil {
-			return "", "", nil, err
-		}
-	}
-	pw := make([]byte, 12)
-	rand.Read(pw)
-	password = hex.EncodeToString(pw)
-	keystore = filepath.Join(dir, "server.p12")
-	cmd := exec.Command(openssl, "pkcs12", "-export", "-name", "server",
-		"-in", filepath.Join(dir, "server.pem"), "-inkey", filepath.Join(dir, "server.key"),
-		"-certfile", filepath.Join(dir, "ca.pem"), "-out", keystore, "-passout", "pass:"+password)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", "", nil, fmt.Errorf("openssl pkcs12 -export: %w\n%s", err, out)
-	}
-	roots = x509.NewCertPool()
-	roots.AddCert(ca)
-	return keystore, password, roots, nil
-}
 
 // The leak tests log in as this user, whose password is distinctive enough
 // to look for in every log entry and error.
@@ -378,14 +291,106 @@ func TestSecurityNoCredentialLeak(t *testing.T) {
 	t.Logf("%d log entries checked", len(entries))
 }
 
-// closedPort returns a 127.0.0.1 address nothing listens on.
-func closedPort(t testing.TB) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+// Tokens of 5 s: they are put again before they expire, for 30 s, and no
+// link is detached for an expired token; a wrong key fails Run at once,
+// naming the entity and not the key.
+func TestServiceBusClaims(t *testing.T) {
+	p := serviceBusPeer(t)
+	t.Run("short-lived tokens are refreshed", func(t *testing.T) {
+		q := p.entity(t, map[string]any{"lock_duration_ms": 5000})
+		key := connValue(p.conn, "SharedAccessKey")
+		host := strings.TrimPrefix(connValue(p.conn, "Endpoint"), "sb://")
+		c, err := amqpsub.ServiceBusWithToken("amqp://"+strings.TrimRight(host, "/"),
+			amqpsub.SASTokenProvider(connValue(p.conn, "SharedAccessKeyName"), key, 5*time.Second))
+		if err != nil {
+			t.Fatal(err)
+		}
+		before := p.counters(t)
+		var handled atomic.Int32
+		s, _ := amqpsub.New(c, q, amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error {
+			handled.Add(1)
+			return nil
+		}), amqpsub.Logger(logger(t)))
+		stop, wait := runSub(t, s)
+		for i := range 6 { // a message every 5 s, for 30 s
+			p.send(t, q, 1, "-start", fmt.Sprint(i))
+			time.Sleep(5 * time.Second)
+		}
+		waitFor(t, 10*time.Second, "6 handled", func() bool { return handled.Load() == 6 })
+		stop()
+		if err := wait(); err != nil {
+			t.Fatal(err)
+		}
+		after := p.counters(t)
+		puts := after["put_token_ok"] - before["put_token_ok"]
+		detached := after["links_detached_token_expired"] - before["links_detached_token_expired"]
+		t.Logf("%d tokens put, %d links detached for an expired token; stats %v", puts, detached, s.Stats())
+		if detached != 0 || s.Stats().LinksLost != 0 {
+			t.Fatalf("%d links detached for an expired token, %d lost", detached, s.Stats().LinksLost)
+		}
+		if puts < 2*10 { // two audiences, refreshed every 2.5 s for 30 s
+			t.Fatalf("%d tokens put in 30 s, want the refreshes", puts)
+		}
+	})
+	t.Run("a wrong key fails at once", func(t *testing.T) {
+		q := p.entity(t, map[string]any{})
+		const wrong = "V3JvbmdLZXlXcm9uZ0tleQ=="
+		cs := strings.Replace(p.conn, "SharedAccessKey="+connValue(p.conn, "SharedAccessKey"), "SharedAccessKey="+wrong, 1)
+		c, err := amqpsub.ServiceBus(cs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, _ := amqpsub.New(c, q, amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil }),
+			amqpsub.Logger(logger(t)))
+		start := time.Now()
+		err = s.Run(context.Background())
+		t.Logf("Run = %v (after %v)", err, time.Since(start).Round(time.Millisecond))
+		if err == nil || !amqpsub.IsFatal(err) || !strings.Contains(err.Error(), q) || strings.Contains(err.Error(), wrong) {
+			t.Fatalf("Run = %v: want a fatal error naming %s and not the key", err, q)
+		}
+		if time.Since(start) > 5*time.Second {
+			t.Fatalf("Run took %v to fail", time.Since(start))
+		}
+	})
+}
+
+// One failed token refresh, while the token in place is still valid for
+// half its life, is tried again: the connection, the link and the
+// deliveries held on it are kept.
+func TestServiceBusTokenRefreshFails(t *testing.T) {
+	p := serviceBusPeer(t)
+	q := p.fxEntity(t, map[string]any{"lock_duration_ms": 30000})
+	endpoint, sas := p.tokenEndpoint(8 * time.Second)
+	// Calls 1 and 2 claim the entity and its $management node; 3 is the
+	// first refresh, 4 s later.
+	tp := &tokenScript{TokenProvider: sas, fail: map[int]bool{3: true}}
+	c, err := amqpsub.ServiceBusWithToken(endpoint, tp)
 	if err != nil {
 		t.Fatal(err)
 	}
-	addr := ln.Addr().String()
-	ln.Close()
-	return addr
+	var calls atomic.Int32
+	s, _ := amqpsub.New(c, q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		calls.Add(1)
+		select {
+		case <-time.After(6 * time.Second): // spans the failed refresh
+			return nil
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		}
+	}), amqpsub.Workers(3), amqpsub.Logger(logger(t)))
+	stop, wait := runSub(t, s)
+	p.call(t, "POST", "/messages", map[string]any{"entity": q, "count": 3, "message_id_prefix": q}, nil)
+	waitFor(t, 40*time.Second, "3 completed", func() bool { return p.info(t, q).Stats["completed"] == 3 })
+	stop()
+	if err := wait(); err != nil {
+		t.Fatal(err)
+	}
+	st := s.Stats()
+	t.Logf("%d Token calls, %d handler calls; stats %v", tp.calls(), calls.Load(), st)
+	if st.LinksLost != 0 || calls.Load() != 3 {
+		t.Fatalf("one failed refresh: %d links lost, %d handler calls for 3 messages", st.LinksLost, calls.Load())
+	}
+	if tp.calls() < 5 {
+		t.Fatalf("%d Token calls: the failed refresh was not tried again", tp.calls())
+	}
 }

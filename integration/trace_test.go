@@ -37,7 +37,7 @@ func TestTraceArtemisDelivery(t *testing.T) {
 	stop, wait := runSub(t, s)
 	waitFor(t, 10*time.Second, "attached", func() bool { return s.Stats().Links >= 1 })
 	if !traceBaseline() {
-		snd := sender(t, dial(t, url), q)
+		snd := rawSender(t, dial(t, url), q, "queue")
 		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
 		defer cancel()
 		if err := snd.Send(ctx, amqp.NewMessage([]byte("x")), nil); err != nil {

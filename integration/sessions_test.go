@@ -15,6 +15,61 @@ import (
 	"github.com/amqpsub/amqpsub/internal/credit"
 )
 
+// Service Bus sessions.
+
+// 20 sessions of 100 messages, 4 held at once, WorkersByKey inside: every
+// session in order, every message accepted once; a session that goes idle
+// is released, and a session that gets messages later is accepted.
+func TestServiceBusSessions(t *testing.T) {
+	p := serviceBusPeer(t)
+	q := p.entity(t, map[string]any{"lock_duration_ms": 3000, "requires_session": true})
+	const sessions, per = 20, 100
+	p.send(t, q, sessions*per, "-sessions", fmt.Sprint(sessions))
+	var mu sync.Mutex
+	last := map[string]int64{}
+	violations, handled := 0, 0
+	seenSlots := map[string]bool{}
+	s, err := amqpsub.New(sbConnector(t, p), q, amqpsub.HandlerFunc(func(ctx context.Context, d *amqpsub.Delivery) error {
+		seq, _ := d.ApplicationProperties()["seq"].(int64)
+		mu.Lock()
+		defer mu.Unlock()
+		sid := d.SessionID()
+		if sid == "" || sid != d.GroupID() {
+			violations++
+		}
+		if seq != last[sid]+1 {
+			violations++
+		}
+		last[sid] = seq
+		seenSlots[sid] = true
+		handled++
+		return nil
+	}), amqpsub.Sessions(4), amqpsub.WorkersByKey(2), amqpsub.SessionIdleTimeout(time.Second),
+		amqpsub.DialTimeout(4*time.Second), amqpsub.Logger(logger(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop, wait := runSub(t, s)
+	waitFor(t, 2*time.Minute, "2,000 completed", func() bool { return p.info(t, q).Stats["completed"] == sessions*per })
+	// Every session has been drained and let go; a late one is accepted.
+	p.send(t, q, 5, "-session-ids", "late", "-start", "5000")
+	waitFor(t, time.Minute, "the late session", func() bool { return p.info(t, q).Stats["completed"] == sessions*per+5 })
+	stop()
+	if err := wait(); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	st := s.Stats()
+	t.Logf("handled %d over %d sessions, %d violations; stats %v", handled, len(last), violations, st)
+	if violations != 0 || handled != sessions*per+5 || len(last) != sessions+1 || last["late"] != 5 {
+		t.Fatalf("handled %d, %d sessions, %d order violations", handled, len(last), violations)
+	}
+	if st.MaxHeld > 256 || st.Settled.Accepted != sessions*per+5 {
+		t.Fatalf("stats %v", st)
+	}
+}
+
 // The session rows of the shape matrix: every lane mode inside a Service
 // Bus session consumer, against the peer (amqpsubtest plays no sessions).
 //

@@ -3,7 +3,6 @@ package integration
 import (
 	"context"
 	"fmt"
-	"net/url"
 	"testing"
 	"time"
 
@@ -72,54 +71,5 @@ func TestRabbitMQ4Smoke(t *testing.T) {
 				t.Fatalf("from %s.dlq: %d messages, want the rejected one", q, len(dl))
 			}
 		})
-	}
-}
-
-// dialPlain connects with SASL PLAIN and the user and password of rawURL.
-func dialPlain(t testing.TB, rawURL string) *amqp.Conn {
-	t.Helper()
-	pu, err := url.Parse(rawURL)
-	if err != nil {
-		t.Fatalf("parse %s: %v", rawURL, err)
-	}
-	pass, _ := pu.User.Password()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	c, err := amqp.Dial(ctx, rawURL, &amqp.ConnOptions{SASLType: amqp.SASLTypePlain(pu.User.Username(), pass)})
-	if err != nil {
-		t.Fatalf("dial %s: %v", pu.Redacted(), err)
-	}
-	t.Cleanup(func() { c.Close() })
-	return c
-}
-
-// rawSender attaches a plain go-amqp sender to address on a session of its
-// own.
-func rawSender(t testing.TB, conn *amqp.Conn, address string) *amqp.Sender {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	sess, err := conn.NewSession(ctx, nil)
-	if err != nil {
-		t.Fatalf("session: %v", err)
-	}
-	s, err := sess.NewSender(ctx, address, nil)
-	if err != nil {
-		t.Fatalf("sender to %s: %v", address, err)
-	}
-	t.Cleanup(func() { closeSession(sess) })
-	return s
-}
-
-// sendBody sends one durable message with body and waits for the broker
-// to accept it.
-func sendBody(t testing.TB, s *amqp.Sender, body string) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	m := amqp.NewMessage([]byte(body))
-	m.Header = &amqp.MessageHeader{Durable: true}
-	if err := s.Send(ctx, m, nil); err != nil {
-		t.Fatalf("send %q: %v", body, err)
 	}
 }

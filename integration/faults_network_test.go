@@ -2,71 +2,125 @@ package integration
 
 import (
 	"context"
-	"io"
-	"net"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/amqpsub/amqpsub/amqpsub"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest"
+
+	"github.com/amqpsub/amqpsub/amqpsub"
 )
 
-// cutProxy forwards TCP to target and can cut every connection at once,
-// as a network blip or a load balancer does: go-amqp then ends the
-// connection, its receive link and its $management pair with a ConnError.
-type cutProxy struct {
-	ln    net.Listener
-	mu    sync.Mutex
-	conns []net.Conn
-}
+// The network fails between subscriber and broker: connections cut,
+// frozen (half-open), and on the Service Bus peer a connection lost with
+// locks held, at any moment and during a stop's grace period.
 
-func newCutProxy(t *testing.T, target string) *cutProxy {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+// A proxy between subscriber and broker drops every connection mid-stream
+// three times and refuses new ones for 1 s each time: every message is
+// handled, none is left, duplicates are at most the credit per cut, and
+// consumption resumes within 2 s of the proxy accepting again.
+func TestFaultTCPCut(t *testing.T) {
+	b := dedicatedBroker(t)
+	const n, credit, cuts = 30_000, 256, 3
+	q, conn := b.target().filled(t, uniqueSeqs(n, 100))
+
+	p := newProxy(t, b.addr)
+	c := newTally(n)
+	s, err := amqpsub.New(amqpsub.Dial(p.url(), nil), q, c.handler(),
+		amqpsub.WorkersByKey(8), amqpsub.Credit(credit),
+		amqpsub.Backoff(100*time.Millisecond, time.Second), amqpsub.Logger(logger(t)))
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &cutProxy{ln: ln}
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			u, err := net.Dial("tcp", target)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			p.mu.Lock()
-			p.conns = append(p.conns, c, u)
-			p.mu.Unlock()
-			go func() { io.Copy(u, c); u.Close() }()
-			go func() { io.Copy(c, u); c.Close() }()
-		}
-	}()
-	t.Cleanup(func() { ln.Close(); p.cut() })
-	return p
-}
-
-func (p *cutProxy) cut() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, c := range p.conns {
-		c.Close()
+	stop, wait := runSub(t, s)
+	var resumes []time.Duration
+	for i := 1; i <= cuts; i++ {
+		at := int64(i * n / (cuts + 1))
+		waitFor(t, time.Minute, fmt.Sprintf("%d handled", at), func() bool { return c.distinct.Load() >= at })
+		dropped := p.cut()
+		// Down for 1 s: reconnect attempts fail meanwhile.
+		time.Sleep(time.Second)
+		c.setMark()
+		p.acceptAgain()
+		acceptedAt := time.Now()
+		waitFor(t, 30*time.Second, "a delivery after the cut", func() bool { _, ok := c.firstSinceMark(); return ok })
+		first, _ := c.firstSinceMark()
+		resumes = append(resumes, first.Sub(acceptedAt))
+		t.Logf("cut %d: dropped %d connection(s) at %d handled; resumed %v after the proxy accepted again",
+			i, dropped, at, first.Sub(acceptedAt).Round(time.Millisecond))
 	}
-	p.conns = nil
+	c.waitAll(t, 2*time.Minute)
+	waitDrained(t, conn, q, time.Minute)
+	stop()
+	if err := wait(); err != nil {
+		t.Fatalf("Run = %v", err)
+	}
+	st := s.Stats()
+	t.Logf("resumes %v; duplicates %d (bound %d); stats %+v", resumes, c.duplicates(), cuts*credit, st)
+	for i, r := range resumes {
+		if r > 2*time.Second {
+			t.Errorf("cut %d: resumed %v after the proxy accepted again, want ≤ 2s", i+1, r)
+		}
+	}
+	if d := c.duplicates(); d > cuts*credit {
+		t.Errorf("%d duplicates over %d cuts, want ≤ %d", d, cuts, cuts*credit)
+	}
+	if st.Reconnects < cuts {
+		t.Errorf("%d reconnects, want ≥ %d", st.Reconnects, cuts)
+	}
+	assertQueueEmpty(t, conn, q)
 }
 
-// connectionLossLocks sets what the peer does to a lost connection's
-// message locks for the rest of the test: "survive" or "drop" (see
-// sbpeer's README, POST /settings).
-func connectionLossLocks(t *testing.T, p *sbPeer, reading string) {
-	t.Helper()
-	p.call(t, "POST", "/settings", map[string]any{"connection_loss_locks": reading}, nil)
-	t.Cleanup(func() { p.call(t, "POST", "/settings", map[string]any{"connection_loss_locks": "survive"}, nil) })
+// The proxy stops forwarding but keeps the sockets open: with
+// IdleTimeout(2s) the subscriber finds the connection dead and reconnects.
+func TestFaultHalfOpen(t *testing.T) {
+	b := dedicatedBroker(t)
+	const n, credit = 20_000, 256
+	const idle = 2 * time.Second
+	q, conn := b.target().filled(t, uniqueSeqs(n, 100))
+
+	p := newProxy(t, b.addr)
+	c := newTally(n)
+	s, err := amqpsub.New(amqpsub.Dial(p.url(), nil), q, c.handler(),
+		amqpsub.WorkersByKey(8), amqpsub.Credit(credit), amqpsub.IdleTimeout(idle),
+		amqpsub.Backoff(100*time.Millisecond, time.Second), amqpsub.Logger(logger(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop, wait := runSub(t, s)
+	waitFor(t, time.Minute, "5,000 handled", func() bool { return c.distinct.Load() >= 5000 })
+	frozen := p.freeze()
+	frozenAt := time.Now()
+	waitFor(t, 3*idle, "the half-open connection detected", func() bool { return s.Stats().LinksLost >= 1 })
+	detection := time.Since(frozenAt)
+	c.setMark()
+	waitFor(t, 30*time.Second, "a delivery after the reconnect", func() bool { _, ok := c.firstSinceMark(); return ok })
+	first, _ := c.firstSinceMark()
+	resume := first.Sub(frozenAt)
+	c.waitAll(t, 2*time.Minute)
+	waitDrained(t, conn, q, time.Minute)
+	stop()
+	if err := wait(); err != nil {
+		t.Fatalf("Run = %v", err)
+	}
+	st := s.Stats()
+	t.Logf("froze %d connection(s); detected after %v (idle timeout %v); consuming again %v after the freeze; duplicates %d; stats %+v",
+		frozen, detection.Round(time.Millisecond), idle, resume.Round(time.Millisecond), c.duplicates(), st)
+	// go-amqp fails the read idle after the last frame; the broker sends
+	// one at least every idle/2, so detection takes idle plus scheduling.
+	if detection > idle+time.Second {
+		t.Errorf("half-open connection found after %v, want ≤ %v", detection, idle+time.Second)
+	}
+	if d := c.duplicates(); d > credit {
+		t.Errorf("%d duplicates, want ≤ the credit %d", d, credit)
+	}
+	if st.Reconnects != 1 {
+		t.Errorf("%d reconnects, want 1", st.Reconnects)
+	}
+	assertQueueEmpty(t, conn, q)
 }
 
 // A lost connection, not only a link detach, under the reading that the
@@ -84,8 +138,8 @@ func TestServiceBusConnectionLossLosesNoFinishedWork(t *testing.T) {
 	p.call(t, "POST", "/faults/settle-delay", map[string]any{"ms": 300}, nil)
 	defer p.call(t, "POST", "/faults/settle-delay", map[string]any{"ms": 0}, nil)
 	target := strings.TrimPrefix(strings.SplitN(strings.SplitN(p.conn, ";", 2)[0], "=", 2)[1], "sb://")
-	px := newCutProxy(t, target)
-	conn := strings.Replace(p.conn, target, px.ln.Addr().String(), 1)
+	px := newProxy(t, target)
+	conn := strings.Replace(p.conn, target, px.addr(), 1)
 	c, err := amqpsub.ServiceBus(conn)
 	if err != nil {
 		t.Fatal(err)
@@ -122,7 +176,7 @@ func TestServiceBusConnectionLossLosesNoFinishedWork(t *testing.T) {
 	waitFor(t, 10*time.Second, "settlements outstanding at the peer", func() bool {
 		return p.counters(t)["settlements_outstanding"] > 0
 	})
-	px.cut()
+	px.drop()
 	waitFor(t, 2*time.Minute, "all completed", func() bool { return p.info(t, q).Stats["completed"] == n })
 	stop()
 	if err := wait(); err != nil {
@@ -188,12 +242,12 @@ func TestServiceBusConnectionLostDuringTheGrace(t *testing.T) {
 	p := serviceBusPeer(t)
 	q := p.entity(t, map[string]any{"lock_duration_ms": 5000})
 	target := strings.TrimPrefix(strings.SplitN(strings.SplitN(p.conn, ";", 2)[0], "=", 2)[1], "sb://")
-	px := newCutProxy(t, target)
-	c, err := amqpsub.ServiceBus(strings.Replace(p.conn, target, px.ln.Addr().String(), 1))
+	px := newProxy(t, target)
+	c, err := amqpsub.ServiceBus(strings.Replace(p.conn, target, px.addr(), 1))
 	if err != nil {
 		t.Fatal(err)
 	}
-	st, d := stopDuringGrace(t, p, c, q, px.cut)
+	st, d := stopDuringGrace(t, p, c, q, func() { px.drop() })
 	e := p.info(t, q)
 	t.Logf("connections opened for the entity %d (on the whole peer %d); entity %+v; stats %v", e.Stats["connections"], d["connections_opened"], e, st)
 	if e.Stats["completed"] != 8 || st.Locks.SettledByToken != 8 || st.SettleErrors != 0 {
@@ -202,26 +256,6 @@ func TestServiceBusConnectionLostDuringTheGrace(t *testing.T) {
 	}
 	if e.Stats["connections"] != 2 {
 		t.Fatalf("%d connections opened: want the first and one for $management", e.Stats["connections"])
-	}
-}
-
-// The link is detached during a stop's grace, while 8 handlers run: its
-// connection is open, so its $management node settles their results by
-// lock token, and no connection is opened.
-func TestServiceBusLinkDetachedDuringTheGrace(t *testing.T) {
-	p := serviceBusPeer(t)
-	q := p.entity(t, map[string]any{"lock_duration_ms": 5000})
-	st, d := stopDuringGrace(t, p, sbConnector(t, p), q, func() {
-		p.call(t, "POST", "/faults/detach", map[string]any{"entity": q}, nil)
-	})
-	e := p.info(t, q)
-	t.Logf("connections opened for the entity %d (on the whole peer %d); entity %+v; stats %v", e.Stats["connections"], d["connections_opened"], e, st)
-	if e.Stats["completed"] != 8 || st.Locks.SettledByToken != 8 || st.SettleErrors != 0 || st.LinksLost != 1 {
-		t.Fatalf("completed %d, settled by token %d, settle errors %d, links lost %d: want 8, 8, 0, 1",
-			e.Stats["completed"], st.Locks.SettledByToken, st.SettleErrors, st.LinksLost)
-	}
-	if e.Stats["connections"] != 1 {
-		t.Fatalf("%d connections opened: want the first only", e.Stats["connections"])
 	}
 }
 
@@ -239,8 +273,8 @@ func TestServiceBusConnectionLossUnderLocksDropped(t *testing.T) {
 	const n = 40
 	p.send(t, q, n)
 	target := strings.TrimPrefix(strings.SplitN(strings.SplitN(p.conn, ";", 2)[0], "=", 2)[1], "sb://")
-	px := newCutProxy(t, target)
-	c, err := amqpsub.ServiceBus(strings.Replace(p.conn, target, px.ln.Addr().String(), 1))
+	px := newProxy(t, target)
+	c, err := amqpsub.ServiceBus(strings.Replace(p.conn, target, px.addr(), 1))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -272,7 +306,7 @@ func TestServiceBusConnectionLossUnderLocksDropped(t *testing.T) {
 	mu.Lock()
 	cutAt := time.Now()
 	mu.Unlock()
-	px.cut()
+	px.drop()
 	waitFor(t, 2*time.Minute, "all completed", func() bool { return p.info(t, q).Stats["completed"] == n })
 	stop()
 	if err := wait(); err != nil {

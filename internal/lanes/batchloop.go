@@ -120,9 +120,9 @@ func (r *runner[T]) handOver(lane int, items []T, scratch *[]string) {
 		}
 		*scratch = keys
 		if r.keyed() {
-			r.gauge.begin(lane, len(keep), time.Now())
+			r.gauge.begin(lane, len(keep))
 			r.cfg.HandleBatch(lane, keep)
-			r.gauge.end(lane, time.Now())
+			r.gauge.end(lane)
 		} else {
 			r.cfg.HandleBatch(lane, keep)
 		}

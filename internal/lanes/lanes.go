@@ -78,7 +78,12 @@ func LaneOf(key string, n int) int {
 	if key == "" {
 		return -1
 	}
-	return int(xxhash.Sum64String(key) % uint64(n)) //nolint:gosec // G115: n ≥ 1, and the result is below n
+	return laneOfHash(xxhash.Sum64String(key), n)
+}
+
+// laneOfHash is [LaneOf] of a non-empty key's xxhash h.
+func laneOfHash(h uint64, n int) int {
+	return int(h % uint64(n)) //nolint:gosec // G115: n ≥ 1, and the result is below n
 }
 
 // Run spreads the items of in over the lanes until in is closed and every
@@ -111,7 +116,7 @@ func Run[T any](in <-chan T, cfg Config[T]) {
 	r.keys = make([]*laneKeys, cfg.Lanes)
 	for i := range r.queues {
 		r.queues[i] = newQueue[T]()
-		r.keys[i] = &laneKeys{n: make(map[string]int), parked: &r.gauge.lanes[i].parked}
+		r.keys[i] = &laneKeys{n: make(map[uint64]int), parked: &r.gauge.lanes[i].parked}
 	}
 	for i, q := range r.queues {
 		wg.Go(func() { r.lane(i, q) })
@@ -149,16 +154,19 @@ type runner[T any] struct {
 // laneKeys counts the items of each key in one hash lane (queued or in
 // its handler), so that the gauge's parked count holds the items that wait
 // behind an earlier item of their own key: Σ max(0, count-1). The
-// dispatcher adds, the lane (or a stop) removes.
+// dispatcher adds, the lane (or a stop) removes. Keys are counted by their
+// xxhash, which routing computes anyway: a map of integers costs far less
+// a delivery than one of strings, and two keys of one hash in one lane (a
+// chance of about n²/2⁶⁴) would only count one as parked behind the other.
 type laneKeys struct {
 	mu     sync.Mutex
-	n      map[string]int
+	n      map[uint64]int
 	parked *atomic.Int64 // the lane's gauge, kept with n under mu
 }
 
-// add counts an item of key k; when an earlier one of k is in the lane,
-// the new one is parked behind it.
-func (l *laneKeys) add(k string) {
+// add counts an item of key hash k; when an earlier one of k is in the
+// lane, the new one is parked behind it.
+func (l *laneKeys) add(k uint64) {
 	l.mu.Lock()
 	c := l.n[k]
 	l.n[k] = c + 1
@@ -168,9 +176,9 @@ func (l *laneKeys) add(k string) {
 	l.mu.Unlock()
 }
 
-// remove uncounts an item of key k that left the lane; when another of k
-// is still there, the next of k is no longer parked.
-func (l *laneKeys) remove(k string) {
+// remove uncounts an item of key hash k that left the lane; when another
+// of k is still there, the next of k is no longer parked.
+func (l *laneKeys) remove(k uint64) {
 	l.mu.Lock()
 	c := l.n[k] - 1
 	if c <= 0 {
@@ -244,15 +252,16 @@ func (r *runner[T]) dispatch(in <-chan T) {
 	n := len(r.queues)
 	next := 0
 	for item := range in {
-		k := r.cfg.Key(item)
-		lane := LaneOf(k, n)
-		if lane < 0 {
+		var lane int
+		if k := r.cfg.Key(item); k == "" {
 			lane = next
 			if next++; next == n {
 				next = 0
 			}
 		} else {
-			r.keys[lane].add(k)
+			h := xxhash.Sum64String(k)
+			lane = laneOfHash(h, n)
+			r.keys[lane].add(h)
 		}
 		r.gauge.lanes[lane].load.Add(1)
 		if !r.queues[lane].push(item) {
@@ -284,7 +293,7 @@ func (r *runner[T]) finish(lane int, k string) {
 	case r.pool != nil:
 		r.pool.finish(k)
 	case r.keys != nil && k != "":
-		r.keys[lane].remove(k)
+		r.keys[lane].remove(xxhash.Sum64String(k))
 	}
 }
 
@@ -296,53 +305,35 @@ func (r *runner[T]) drop(lane int, item T) {
 }
 
 // give hands item to the handler unless the lanes are stopping or Take
-// refuses it.
-//
-// Under a key its call is timed on the gauge: it begins at began, or now
-// when began is zero, and give returns when it ended (zero for an item
-// not handled, or not timed).
-func (r *runner[T]) give(lane int, item T, began time.Time) (ended time.Time) {
+// refuses it. Under a key its call is recorded on the gauge.
+func (r *runner[T]) give(lane int, item T) {
 	if r.stopped() || (r.cfg.Take != nil && !r.cfg.Take(item)) {
 		r.drop(lane, item)
-		return time.Time{}
+		return
 	}
 	k := r.keyOf(item)
 	if r.keyed() {
-		if began.IsZero() {
-			began = time.Now()
-		}
-		r.gauge.begin(lane, 1, began)
+		r.gauge.begin(lane, 1)
 		r.cfg.Handle(lane, item)
-		ended = time.Now()
-		r.gauge.end(lane, ended)
+		r.gauge.end(lane)
 	} else {
 		r.cfg.Handle(lane, item)
 	}
 	r.finish(lane, k)
-	return ended
 }
 
 // loop gives lane i the items of f, one at a time, until f is closed;
-// took, when set, is told of each item as it is taken. A call whose item
-// was already waiting as the one before ended takes that end as its start
-// (one clock read a call, not two: a clock read is tens of nanoseconds, a
-// no-op handler's whole call not many more); one that waited reads the
-// clock anew.
+// took, when set, is told of each item as it is taken.
 func (r *runner[T]) loop(i int, f feed[T], took func()) {
-	var ended time.Time
 	for {
-		item, st := f.poll()
-		if st == empty {
-			item, st = f.wait(nil, nil, nil)
-			ended = time.Time{} // it waited: the clock moved on
-		}
+		item, st := f.wait(nil, nil, nil) // it polls first
 		if st != got {
 			return
 		}
 		if took != nil {
 			took()
 		}
-		ended = r.give(i, item, ended)
+		r.give(i, item)
 	}
 }
 
@@ -363,6 +354,6 @@ func (r *runner[T]) worker(i int, in <-chan T) {
 	}
 	for item := range in {
 		r.gauge.lanes[i].load.Add(1)
-		r.give(i, item, time.Time{}) // not timed: unordered workers park nothing
+		r.give(i, item) // not recorded: unordered workers park nothing
 	}
 }

@@ -90,11 +90,12 @@ func TestHashParkedCount(t *testing.T) {
 func TestHashParkedStallFollowsTheMean(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		g := NewGauge(1)
-		g.begin(0, 1, time.Now())
+		g.begin(0, 1)
 		time.Sleep(10 * time.Millisecond)
-		g.end(0, time.Now()) // the mean: 10 ms
+		g.end(0) // the mean: 10 ms
 		g.lanes[0].load.Store(3)
-		g.begin(0, 1, time.Now())
+		g.begin(0, 1)
+		parkedNow(g) // the pump reads the gauge as the call begins
 		time.Sleep(39 * time.Millisecond)
 		if n := parkedNow(g); n != 0 {
 			t.Fatalf("parked %d after 39 ms of a call, mean 10 ms: want 0", n)
@@ -163,23 +164,59 @@ func TestBalancedParkedBehindAStall(t *testing.T) {
 
 // One very long call (a handler that waited 10 minutes for its ctx)
 // counts for at most four times the mean, so the next stuck call is still
-// seen as stalled within a few times the usual call.
+// seen as stalled within a few times the usual call. (Lanes time one call
+// in timeEvery: the long calls here are timeEvery in a row, so that one of
+// them is timed.)
 func TestHashParkedALongCallDoesNotBlindTheStallRule(t *testing.T) {
-	g := NewGauge(2)
-	now := time.Unix(1e9, 0)
-	for range 1000 { // calls of 1 ms
-		g.begin(0, 1, now)
-		now = now.Add(time.Millisecond)
-		g.end(0, now)
-	}
-	g.begin(0, 1, now)
-	now = now.Add(10 * time.Minute)
-	g.end(0, now)
-	g.lanes[1].load.Store(51) // stuck on a call, 50 queued behind it
-	g.begin(1, 1, now)
-	now = now.Add(time.Second)
-	if _, stalled := g.Parked(now); stalled != 50 {
-		t.Fatalf("a call stuck for a second behind 50 queued, after one 10 min call among 1 ms ones: stalled %d (mean %v), want 50",
-			stalled, time.Duration(g.took.Load()))
-	}
+	synctest.Test(t, func(t *testing.T) {
+		g := NewGauge(2)
+		call := func(lane int, d time.Duration) {
+			g.begin(lane, 1)
+			time.Sleep(d)
+			g.end(lane)
+		}
+		for range 1000 {
+			call(0, time.Millisecond)
+		}
+		for range timeEvery {
+			call(0, 10*time.Minute)
+		}
+		g.lanes[1].load.Store(51) // stuck on a call, 50 queued behind it
+		g.begin(1, 1)
+		g.Parked(time.Now())
+		time.Sleep(time.Second)
+		if _, stalled := g.Parked(time.Now()); stalled != 50 {
+			t.Fatalf("a call stuck for a second behind 50 queued, after a 10 min call among 1 ms ones: stalled %d (mean %v), want 50",
+				stalled, time.Duration(g.took()))
+		}
+	})
+}
+
+// A call is timed from the first read of the gauge that sees it, and a
+// new call starts its time anew, even when no read saw the lane idle in
+// between.
+func TestParkedTimesACallFromItsFirstSight(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		g := NewGauge(1)
+		for range timeEvery {
+			g.begin(0, 1)
+			time.Sleep(time.Millisecond)
+			g.end(0)
+		}
+		g.lanes[0].load.Store(3)
+		g.begin(0, 1)
+		time.Sleep(time.Second) // unseen: it does not count
+		if _, stalled := g.Parked(time.Now()); stalled != 0 {
+			t.Fatalf("stalled %d at the first sight of a call, want 0", stalled)
+		}
+		time.Sleep(5 * time.Millisecond)
+		if _, stalled := g.Parked(time.Now()); stalled != 2 {
+			t.Fatalf("stalled %d 5 ms after the first sight of a call, 1 ms mean: want the 2 queued", stalled)
+		}
+		g.end(0)
+		g.begin(0, 1) // the next call, no read in between
+		if _, stalled := g.Parked(time.Now()); stalled != 0 {
+			t.Fatalf("stalled %d at the first sight of the next call, want 0", stalled)
+		}
+	})
 }

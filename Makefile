@@ -123,7 +123,7 @@ faults-all: brokers
 	AMQPSUB_SBPEER_CONTROL=$$(bash integration/sbpeer/sbpeer.sh ctl-url) $(INTEGRATION_ENV) \
 	$(GO) test -race -count=1 -tags chaos -run '^($(FAULT_TESTS))$$' -timeout $(INTEGRATION_TIMEOUT) ./integration
 
-## fuzz: every fuzz target for FUZZTIME each (default 1m); CI runs them for 5s
+## fuzz: every fuzz target for FUZZTIME each (default 1m); CI runs them for 3s
 fuzz:
 	FUZZTIME=$${FUZZTIME:-1m} bash integration/fuzz.sh
 

@@ -196,13 +196,14 @@ var outcomeRows = []outcomeRow{
 }
 
 // outcomes runs the rows of outcomeRows whose target is among targets,
-// each on a fresh queue.
+// each on a fresh queue, side by side: each waits mostly on the broker.
 func outcomes(t *testing.T, targets ...string) {
 	for _, r := range outcomeRows {
 		if !slices.Contains(targets, r.target) {
 			continue
 		}
 		t.Run(r.name, func(t *testing.T) {
+			t.Parallel()
 			tg := newTarget(t, r.target)
 			o := outcomeRun{tg: tg, conn: dial(t, tg.url), q: tg.queue(t)}
 			o.calls, o.st = tg.consumeOne(t, o.conn, o.q, r.handle, func(n int) bool { return n >= r.calls }, r.opts...)
@@ -222,6 +223,7 @@ func TestRabbitMQ4Outcomes(t *testing.T) {
 	nop := amqpsub.HandlerFunc(func(context.Context, *amqpsub.Delivery) error { return nil })
 
 	t.Run("classic refuses MaxDeliveryCount", func(t *testing.T) {
+		t.Parallel()
 		s := tg.subscriber(t, tg.queue(t), nop, amqpsub.MaxDeliveryCount(5))
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
@@ -232,6 +234,7 @@ func TestRabbitMQ4Outcomes(t *testing.T) {
 	})
 
 	t.Run("a missing queue fails Run", func(t *testing.T) {
+		t.Parallel()
 		s := tg.subscriber(t, queueName(t), nop)
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
@@ -242,6 +245,7 @@ func TestRabbitMQ4Outcomes(t *testing.T) {
 	})
 
 	t.Run("another profile is logged", func(t *testing.T) {
+		t.Parallel()
 		q := tg.queue(t)
 		core, logs := observer.New(zap.InfoLevel)
 		s, err := amqpsub.New(amqpsub.Dial(tg.url, nil), tg.address(q), nop,
@@ -266,6 +270,7 @@ func TestRabbitMQ4Outcomes(t *testing.T) {
 	})
 
 	t.Run("a name that needs encoding", func(t *testing.T) {
+		t.Parallel()
 		quorum := newTarget(t, onRabbitMQ4Quorum)
 		q := quorum.queue(t) + ":x"
 		rabbit4(t, "declare", q, "quorum")

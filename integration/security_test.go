@@ -291,17 +291,20 @@ func TestSecurityNoCredentialLeak(t *testing.T) {
 	t.Logf("%d log entries checked", len(entries))
 }
 
-// Tokens of 5 s: they are put again before they expire, for 30 s, and no
+// Tokens of 3 s: they are put again before they expire, for 18 s, and no
 // link is detached for an expired token; a wrong key fails Run at once,
 // naming the entity and not the key.
 func TestServiceBusClaims(t *testing.T) {
 	p := serviceBusPeer(t)
 	t.Run("short-lived tokens are refreshed", func(t *testing.T) {
+		// Tokens of 3 s (2 to 3 s once the expiry is truncated to the
+		// second) are refreshed about every 1.25 s.
+		const ttl = 3 * time.Second
 		q := p.entity(t, map[string]any{"lock_duration_ms": 5000})
 		key := connValue(p.conn, "SharedAccessKey")
 		host := strings.TrimPrefix(connValue(p.conn, "Endpoint"), "sb://")
 		c, err := amqpsub.ServiceBusWithToken("amqp://"+strings.TrimRight(host, "/"),
-			amqpsub.SASTokenProvider(connValue(p.conn, "SharedAccessKeyName"), key, 5*time.Second))
+			amqpsub.SASTokenProvider(connValue(p.conn, "SharedAccessKeyName"), key, ttl))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -312,9 +315,9 @@ func TestServiceBusClaims(t *testing.T) {
 			return nil
 		}), amqpsub.Logger(logger(t)))
 		stop, wait := runSub(t, s)
-		for i := range 6 { // a message every 5 s, for 30 s
+		for i := range 6 { // a message every 3 s, for 18 s: 6 token lifetimes
 			p.send(t, q, 1, "-start", fmt.Sprint(i))
-			time.Sleep(5 * time.Second)
+			time.Sleep(ttl)
 		}
 		waitFor(t, 10*time.Second, "6 handled", func() bool { return handled.Load() == 6 })
 		stop()
@@ -328,8 +331,8 @@ func TestServiceBusClaims(t *testing.T) {
 		if detached != 0 || s.Stats().LinksLost != 0 {
 			t.Fatalf("%d links detached for an expired token, %d lost", detached, s.Stats().LinksLost)
 		}
-		if puts < 2*10 { // two audiences, refreshed every 2.5 s for 30 s
-			t.Fatalf("%d tokens put in 30 s, want the refreshes", puts)
+		if puts < 2*10 { // two audiences, refreshed about every 1.25 s for 18 s
+			t.Fatalf("%d tokens put in 18 s, want the refreshes", puts)
 		}
 	})
 	t.Run("a wrong key fails at once", func(t *testing.T) {

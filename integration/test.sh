@@ -76,19 +76,24 @@ GO=$GO bash "$ROOT/integration/checkout.sh" || checkout_rc=$?
 
 section "fuzz (short runs; FUZZTIME=5m make fuzz for long ones)"
 fuzz_rc=0
-FUZZTIME=${FUZZTIME:-5s} bash integration/fuzz.sh || fuzz_rc=$?
+FUZZTIME=${FUZZTIME:-3s} bash integration/fuzz.sh || fuzz_rc=$?
 
 # ==== artemistest (a module of its own: artemistest/go.mod) ====
 # The helper that starts Artemis for Go tests. Its tests start and stop
 # their own brokers, as local processes on free ports of 127.0.0.1 (the
 # distribution from the cache, downloaded with Maven if missing): the
 # local-process path. This machine has no Docker engine: the container
-# path is compiled and vetted here, never run.
-section "artemistest (Artemis for Go tests: local-process path)"
+# path is compiled and vetted here, never run. They run in the background
+# beside the brokers' start and the Service Bus peer's conformance test
+# (each waits mostly on a JVM or the peer), and their output is printed
+# after those.
+section "artemistest (Artemis for Go tests: local-process path), in the background"
 artemistest_rc=0
+artemistest_out=$(mktemp)
 (cd "$ROOT/artemistest" &&
   "$GO" vet ./... &&
-  "$GO" test -race -count=1 -timeout 10m "${EXTRA[@]}" ./...) || artemistest_rc=$?
+  "$GO" test -race -count=1 -timeout 10m "${EXTRA[@]}" ./...) >"$artemistest_out" 2>&1 &
+artemistest_pid=$!
 # ==== end of the artemistest block ====
 
 section "brokers"
@@ -151,6 +156,11 @@ if [ "$sbconf_rc" = 0 ]; then
   fi
 fi
 # ==== end of the Service Bus peer block ====
+
+section "artemistest: its output"
+wait "$artemistest_pid" || artemistest_rc=$?
+cat "$artemistest_out"
+rm -f "$artemistest_out"
 
 # The brokers' addresses, for the integration stage and the contrib stage.
 artemis_url=${AMQPSUB_ARTEMIS_URL:-$(bash "$ARTEMIS_CTL" url)}

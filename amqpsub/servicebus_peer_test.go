@@ -736,6 +736,11 @@ func TestServiceBusReleaseByTokenCountsAsModified(t *testing.T) {
 	if abandoned == 0 {
 		t.Fatal("nothing abandoned at the peer: no release went by lock token")
 	}
+	// Only those releases went by token: the redeliveries are completed
+	// on the new link.
+	if st.Locks.SettledByToken != uint64(abandoned) {
+		t.Errorf("Stats().Locks.SettledByToken = %d; the peer took %d abandons by token", st.Locks.SettledByToken, abandoned)
+	}
 	if int(st.Settled.Released) != released || int(st.Settled.Modified) != abandoned {
 		t.Errorf("Stats: %d released, %d modified; the peer took %d released, %d abandoned",
 			st.Settled.Released, st.Settled.Modified, released, abandoned)

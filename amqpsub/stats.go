@@ -58,7 +58,8 @@ type Stats struct {
 	// queued, in the handler or in the same batch; for the lane that holds
 	// their group under [BalanceKeys]), or behind a handler call that has
 	// run for over four times the mean and at least 1 ms (under
-	// WorkersByKey, all that is queued in its lane); 0 under [Workers]. A
+	// WorkersByKey, all that is queued in its lane; a call counts from
+	// the first reading that sees it: see docs/design.md); 0 under [Workers]. A
 	// hot, slow or stuck group shows here. The adaptive credit holds them
 	// on top of what the lanes need: see docs/design.md for how much on
 	// each broker.

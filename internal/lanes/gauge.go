@@ -22,7 +22,7 @@ type laneGauge struct {
 	inCall atomic.Int64  // items in the handler call now
 	calls  atomic.Uint64 // handler calls begun
 	// took is the lane's mean call duration in nanoseconds, a moving
-	// average over about 16 timed calls; 0 before any. Each lane keeps its
+	// average over about 16 calls (2 timed ones); 0 before any. Each lane keeps its
 	// own, on its own cache line: one mean written by every lane moved a
 	// cache line between cores on every call.
 	took atomic.Int64
@@ -76,17 +76,23 @@ func (g *Gauge) end(lane int) {
 	}
 	d := max(0, g.now()-l.timed)
 	l.timed = 0
-	m := l.took.Load()
-	if m == 0 {
-		l.took.Store(max(1, d))
-		return
-	}
 	// A call counts for at most four times the mean, the stall threshold:
 	// one very long call (a handler that waited out its ctx) would
 	// otherwise raise the mean so far that no stall is seen for minutes,
-	// and the mean moves only as calls end, which a stall stops.
+	// and the mean moves only as calls end, which a stall stops. A lane's
+	// first timed call is held to the other lanes' mean in the same way.
+	m := l.took.Load()
+	if m == 0 {
+		if t := g.took(); t > 0 {
+			d = min(d, 4*t)
+		}
+		l.took.Store(max(1, d))
+		return
+	}
 	d = min(d, 4*m)
-	l.took.Store(max(1, m+(d-m)/16))
+	// Each timed call stands for timeEvery calls: the mean moves as far
+	// as a mean over about 16 calls would.
+	l.took.Store(max(1, m+(d-m)*timeEvery/16))
 }
 
 // took returns the calls' mean duration in nanoseconds: the mean of the
@@ -167,8 +173,12 @@ func (g *Gauge) Parked(now time.Time) (group, stalled int) {
 		if l.inCall.Load() > 0 {
 			c, s := l.calls.Load(), &g.seen[i]
 			if s.call.Load() != c {
+				// The time first, then the call: a reader in between
+				// sees the old call, not the new one with the old
+				// call's time. The gauge's own clock, not the
+				// reader's now, which may be older than the call.
+				s.at.Store(max(at, g.now()))
 				s.call.Store(c)
-				s.at.Store(at)
 			} else if took > 0 && at-s.at.Load() > stall {
 				stalled += int(max(p, l.load.Load()-l.inCall.Load()))
 				continue

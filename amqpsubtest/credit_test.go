@@ -567,11 +567,23 @@ func TestAdaptiveCreditASlowTrickleRunsABurstsCreditDown(t *testing.T) {
 // 10 min (say a call that waited for its ctx) counts for at most four
 // times the calls' mean, so a later stuck call is still seen as stalled
 // and the other groups queued behind it in its hash lane are parked: the
-// free lane goes on as without the long call. Before, the long call
-// raised the mean to 37 s, and the free lane handled 4 of 1000 in 60 s.
+// free lane goes on as without the long call. That holds with the long
+// call on the lane that is stuck later, and as the first call of the lane
+// that is free later (a lane's first timed call, which sets its own mean).
+// Before, the long call raised the mean to 37 s, and the free lane
+// handled 4 of 1000 in 60 s; as a lane's first call, 2 of 1000.
 func TestAdaptiveCreditALongCallDoesNotHideALaterStall(t *testing.T) {
-	for _, long := range []bool{false, true} {
-		t.Run(fmt.Sprint("long=", long), func(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		long  bool
+		lane  int  // the long call's lane: 0 is stuck later, 1 is free
+		first bool // the long call is its lane's first
+	}{
+		{name: "no long call"},
+		{name: "on the stuck lane", long: true, lane: 0},
+		{name: "the free lane's first call", long: true, lane: 1, first: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				q := amqpsubtest.NewQueue(amqpsubtest.WithProfile(amqpsub.RabbitMQ4), amqpsubtest.WithQueueType(amqpsubtest.Classic))
 				// Groups by lane.
@@ -598,11 +610,14 @@ func TestAdaptiveCreditALongCallDoesNotHideALaterStall(t *testing.T) {
 					return nil
 				}, amqpsub.WorkersByKey(2), amqpsub.WithProfile(amqpsub.RabbitMQ4), amqpsub.GracePeriod(0))
 				stop := start(sub)
+				if tc.long && tc.first {
+					q.Publish(amqpsubtest.Message(on[tc.lane][0], "long"))
+				}
 				for i := range 100 {
 					q.Publish(amqpsubtest.Message(on[i%2][i%50], fmt.Sprint(i)))
 				}
-				if long {
-					q.Publish(amqpsubtest.Message(on[0][0], "long"))
+				if tc.long && !tc.first {
+					q.Publish(amqpsubtest.Message(on[tc.lane][0], "long"))
 				}
 				time.Sleep(11 * time.Minute)
 				synctest.Wait()
@@ -616,7 +631,7 @@ func TestAdaptiveCreditALongCallDoesNotHideALaterStall(t *testing.T) {
 				got := free.Load() - before
 				st := sub.Stats()
 				_ = stop()
-				t.Logf("long=%v: the free lane handled %d of 1000 in 60 s; held %d, parked %d, credit %d", long, got, st.Held, st.Parked, st.Credit)
+				t.Logf("%s: the free lane handled %d of 1000 in 60 s; held %d, parked %d, credit %d", tc.name, got, st.Held, st.Parked, st.Credit)
 				if got < 200 { // without the long call: 254, until the stuck lane's backlog fills the ceiling (256)
 					t.Errorf("the free lane handled %d of its 1000 in 60 s behind another lane's stuck call (held %d, parked %d, credit %d)", got, st.Held, st.Parked, st.Credit)
 				}

@@ -1,7 +1,9 @@
 package lanes
 
 import (
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -162,34 +164,68 @@ func TestBalancedParkedBehindAStall(t *testing.T) {
 	})
 }
 
-// One very long call (a handler that waited 10 minutes for its ctx)
-// counts for at most four times the mean, so the next stuck call is still
-// seen as stalled within a few times the usual call. (Lanes time one call
-// in timeEvery: the long calls here are timeEvery in a row, so that one of
-// them is timed.)
+// calls runs n calls of d on lane, under synctest.
+func calls(g *Gauge, lane, n int, d time.Duration) {
+	for range n {
+		g.begin(lane, 1)
+		time.Sleep(d)
+		g.end(lane)
+	}
+}
+
+// stalledBehindAStuckCall puts 50 items behind a call on lane that has run
+// for a second since the pump first saw it, and returns what Parked counts
+// as stalled; under synctest.
+func stalledBehindAStuckCall(g *Gauge, lane int) int {
+	g.lanes[lane].load.Store(51)
+	g.begin(lane, 1)
+	g.Parked(time.Now())
+	time.Sleep(time.Second)
+	_, stalled := g.Parked(time.Now())
+	return stalled
+}
+
+// A very long call (a handler that waited 10 minutes for its ctx), or
+// slow first calls (a cold start), count for at most four times the mean,
+// so the next stuck call is still seen as stalled within a few times the
+// usual call: on the same lane, on another lane, as a lane's first call
+// (which sets its own mean), and after every lane's first call was slow.
+// (Lanes time one call in timeEvery: the long calls of the first row are
+// timeEvery in a row, so that one of them is timed.)
 func TestHashParkedALongCallDoesNotBlindTheStallRule(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		g := NewGauge(2)
-		call := func(lane int, d time.Duration) {
-			g.begin(lane, 1)
-			time.Sleep(d)
-			g.end(lane)
-		}
-		for range 1000 {
-			call(0, time.Millisecond)
-		}
-		for range timeEvery {
-			call(0, 10*time.Minute)
-		}
-		g.lanes[1].load.Store(51) // stuck on a call, 50 queued behind it
-		g.begin(1, 1)
-		g.Parked(time.Now())
-		time.Sleep(time.Second)
-		if _, stalled := g.Parked(time.Now()); stalled != 50 {
-			t.Fatalf("a call stuck for a second behind 50 queued, after a 10 min call among 1 ms ones: stalled %d (mean %v), want 50",
-				stalled, time.Duration(g.took()))
-		}
-	})
+	for _, tc := range []struct {
+		name  string
+		calls func(g *Gauge)
+		stuck int // the lane of the stuck call
+	}{
+		{"after 1 ms calls on another lane", func(g *Gauge) {
+			calls(g, 0, 1000, time.Millisecond)
+			calls(g, 0, timeEvery, 10*time.Minute)
+		}, 1},
+		{"another lane's first call", func(g *Gauge) {
+			calls(g, 0, 100, time.Millisecond)
+			calls(g, 1, 1, 10*time.Minute)
+			calls(g, 1, 100, time.Millisecond)
+		}, 0},
+		{"a cold start on every lane", func(g *Gauge) {
+			calls(g, 0, 1, 2*time.Second)
+			calls(g, 1, 1, 2*time.Second)
+			for range 200 {
+				calls(g, 0, 1, time.Millisecond)
+				calls(g, 1, 1, time.Millisecond)
+			}
+		}, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				g := NewGauge(2)
+				tc.calls(g)
+				if stalled := stalledBehindAStuckCall(g, tc.stuck); stalled != 50 {
+					t.Fatalf("a call stuck for a second behind 50 queued: stalled %d (mean %v), want 50", stalled, time.Duration(g.took()))
+				}
+			})
+		})
+	}
 }
 
 // A call is timed from the first read of the gauge that sees it, and a
@@ -217,6 +253,118 @@ func TestParkedTimesACallFromItsFirstSight(t *testing.T) {
 		g.begin(0, 1) // the next call, no read in between
 		if _, stalled := g.Parked(time.Now()); stalled != 0 {
 			t.Fatalf("stalled %d at the first sight of the next call, want 0", stalled)
+		}
+	})
+}
+
+// Stats takes its now before it reads each pipe's gauge, and the pump
+// reads the gauge with the time of its turn's event: a reader's now can
+// predate the call it first sees. That call does not count as having run
+// since then.
+func TestParkedAStaleFirstSightIsNoStall(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		g := NewGauge(1)
+		calls(g, 0, timeEvery, time.Millisecond) // a mean of 1 ms
+		stale := time.Now()                      // a reader takes its now (Stats, or the pump's turn)...
+		time.Sleep(100 * time.Millisecond)
+		g.lanes[0].load.Store(3)
+		g.begin(0, 1)   // ...a call begins...
+		g.Parked(stale) // ...and the reader sees it
+		if _, stalled := g.Parked(time.Now()); stalled != 0 {
+			t.Fatalf("stalled %d for a call that began now, seen first by a reader whose now was 100 ms old (mean 1 ms): want 0", stalled)
+		}
+	})
+}
+
+// Two readers (the pump and Stats) see a lane's new call at once.
+// One stores the call, then its time; the other, between the two stores,
+// pairs the new call with the time the previous call was first seen, and
+// counts the new call as stalled.
+func TestParkedConcurrentReadersSeeNoFalseStall(t *testing.T) {
+	base := time.Now()
+	const n = 100000 // the window is two atomic stores: a few in 20000 here
+	for i := range n {
+		g := NewGauge(1)
+		g.base = base
+		g.lanes[0].took.Store(int64(time.Millisecond))
+		g.lanes[0].load.Store(3)
+		g.begin(0, 1)
+		g.Parked(base) // call 1 first seen at 0
+		g.end(0)
+		g.begin(0, 1) // call 2 begins 50 ms later, and two readers see it
+		now := base.Add(50 * time.Millisecond)
+		var wg sync.WaitGroup
+		var st [2]int
+		start := make(chan struct{})
+		for i := range 2 {
+			wg.Go(func() {
+				<-start
+				_, st[i] = g.Parked(now)
+			})
+		}
+		close(start)
+		wg.Wait()
+		if st[0]+st[1] > 0 {
+			t.Fatalf("call %d of %d seen as stalled (%d, %d) at its first sight by two readers at once, want 0", i+1, n, st[0], st[1])
+		}
+	}
+}
+
+// A batch call under a key is timed and seen
+// like a single call; what is queued behind a stuck batch, beyond the
+// batch's own items, is stalled, under either placement.
+func TestParkedBehindAStuckBatch(t *testing.T) {
+	for _, balanced := range []bool{false, true} {
+		synctest.Test(t, func(t *testing.T) {
+			g, in, release, done := NewGauge(1), make(chan string), make(chan struct{}), make(chan struct{})
+			go func() {
+				defer close(done)
+				Run(in, Config[string]{
+					Lanes: 1, Balanced: balanced, Gauge: g, BatchSize: 2,
+					Key: func(s string) string { return s[:1] },
+					HandleBatch: func(_ int, items []string) {
+						if slices.Contains(items, "a1") {
+							<-release
+						}
+					},
+					Drop: func(string) {},
+				})
+			}()
+			for _, it := range []string{"c1", "c2", "a1", "a2", "a3", "a4", "a5"} {
+				in <- it
+			}
+			synctest.Wait() // the c's: the mean; a1 in the handler, with a2 perhaps
+			g.Parked(time.Now())
+			time.Sleep(StallAfter + time.Microsecond)
+			group, stalled := g.Parked(time.Now())
+			if stalled < 3 || group != 0 { // a3, a4, a5 at least wait (Balanced: in the pool, for the lane that holds a)
+				t.Errorf("balanced=%v: parked %d behind a group, %d behind a stuck batch of 2; want 0, 3 or more", balanced, group, stalled)
+			}
+			close(release)
+			close(in)
+			<-done
+			if n := parkedNow(g); n != 0 {
+				t.Errorf("balanced=%v: parked %d once the lane is empty, want 0", balanced, n)
+			}
+		})
+	}
+}
+
+// Of a lane's timeEvery calls, only the first is timed for the mean.
+func TestOnlyOneCallInTimeEveryIsTimed(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		g := NewGauge(1)
+		for i := range 2 * timeEvery { // the timed calls take 1 ms, the others 100 ms
+			g.begin(0, 1)
+			if i%timeEvery == 0 {
+				time.Sleep(time.Millisecond)
+			} else {
+				time.Sleep(100 * time.Millisecond)
+			}
+			g.end(0)
+		}
+		if m := time.Duration(g.took()); m < time.Millisecond-time.Microsecond || m > time.Millisecond {
+			t.Fatalf("mean %v after calls of 1 ms timed and of 100 ms untimed, want 1 ms", m)
 		}
 	})
 }

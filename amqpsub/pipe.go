@@ -69,6 +69,7 @@ func (s *Subscriber) newPipe(index, credit int, key string) *pipe {
 	pc := pump.Config{
 		Credit:  credit,
 		Mode:    creditMode(s.cfg.profile.f.Windowed),
+		NoDrain: s.cfg.profile.f.DrainRequeues,
 		Logger:  s.log,
 		OnEvent: s.pumpEvent,
 		// The pump bounds it by credit, a session's share.

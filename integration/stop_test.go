@@ -200,7 +200,17 @@ func TestRabbitMQ4StopCostLanes(t *testing.T) {
 // lost. (RabbitMQ 4's profile finishes what is buffered instead: see
 // TestRabbitMQ4StopsDeadLetterNothingUnseen.)
 func TestArtemisStopHandsBufferedToAnotherConsumer(t *testing.T) {
-	tg := newTarget(t, onArtemis)
+	stopHandsBufferedToAnotherConsumer(t, newTarget(t, onArtemis))
+}
+
+// The same stop on RabbitMQ 3.10, where a drain requeues what the link
+// holds unsettled: the stop must not drain, or the second consumer gets
+// the 8 in handlers too.
+func TestRabbitMQStopHandsBufferedToAnotherConsumer(t *testing.T) {
+	stopHandsBufferedToAnotherConsumer(t, newTarget(t, onRabbitMQ3))
+}
+
+func stopHandsBufferedToAnotherConsumer(t *testing.T, tg target) {
 	const buffered, inProgress = 200, 8
 	msgs := make([]msgSpec, buffered+inProgress)
 	for i := range msgs {

@@ -27,6 +27,11 @@ type Facts struct {
 	// Detach says whether the broker answers a link detach; if not, the
 	// session is closed instead.
 	Detach bool
+	// DrainRequeues: a drain (a flow with drain set) makes the broker
+	// requeue every delivery the link holds unsettled, also those in
+	// handlers, which another consumer then gets while they run. The
+	// credit is then never drained: a stop only stops granting it.
+	DrainRequeues bool
 	// RejectCond is the condition of a Reject outcome's error.
 	RejectCond amqp.ErrCond
 	// PeekLock: receiver settle mode second, settlements answered by the

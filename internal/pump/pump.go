@@ -74,6 +74,11 @@ type Config struct {
 	// consumers like the rest. It is called on the pump's goroutine,
 	// maybe more than once for one loss, and must not block.
 	DropBufferedOn func(err error) bool
+	// NoDrain says never to drain the link's credit: the broker requeues
+	// what the link holds unsettled on a drain. Stop and Hold then only
+	// stop granting credit, and what the broker still sends on the credit
+	// it has is released as it comes (Stop) or handled (Hold).
+	NoDrain bool
 	// SettleTimeout bounds each settlement sent by a settler; 0 means 30 s.
 	SettleTimeout time.Duration
 	// Leases, when set, hears of every delivery entering and leaving the
@@ -563,7 +568,7 @@ func (p *Pump) serve(ctx context.Context, src driver.Source) (err error) {
 		case <-hold:
 			p.acct.At(time.Now()) // the one clock read of this turn
 			hold, holding = nil, true
-			if _, ok := src.(drainer); ok {
+			if _, ok := p.drainer(src); ok {
 				drainTimer = time.After(holdDrainWait)
 				wg.Go(func() {
 					drainCredit(rctx, src)
@@ -616,7 +621,7 @@ const holdDrainWait = time.Second
 // straight back to it. The drain goes on, on wg, if it takes longer; rctx
 // ends it with serve.
 func (p *Pump) drainThenRelease(ctx, rctx context.Context, src driver.Source, wg *sync.WaitGroup) {
-	if _, ok := src.(drainer); ok {
+	if _, ok := p.drainer(src); ok {
 		drained := make(chan struct{})
 		wg.Go(func() {
 			defer close(drained)
@@ -642,6 +647,16 @@ type prefetcher interface {
 // drainer is a source that can take its credit back (*amqp.Receiver).
 type drainer interface {
 	DrainCredit(ctx context.Context, opts *amqp.DrainCreditOptions) error
+}
+
+// drainer returns src as a drainer, unless it cannot drain or NoDrain
+// forbids it.
+func (p *Pump) drainer(src driver.Source) (drainer, bool) {
+	if p.cfg.NoDrain {
+		return nil, false
+	}
+	d, ok := src.(drainer)
+	return d, ok
 }
 
 // drainCredit takes back, on Stop, the credit the broker still has, so

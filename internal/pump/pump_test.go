@@ -3,6 +3,8 @@ package pump_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -443,6 +445,47 @@ func TestDrainComesBeforeTheReleases(t *testing.T) {
 	}
 	if late > 0 {
 		t.Fatalf("%d of %d stops released deliveries on a link not yet drained", late, runs)
+	}
+}
+
+// Under NoDrain (a broker that requeues on a drain what the link holds
+// unsettled, handlers' deliveries too) neither Stop nor Hold drains: the
+// stop releases what is buffered, what the broker sends back on the
+// credit it still has is released again, and the delivery in a handler is
+// settled as its handler says.
+func TestNoDrainNeverDrains(t *testing.T) {
+	for _, hold := range []bool{false, true} {
+		t.Run(fmt.Sprintf("hold=%v", hold), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				src := &drainOrder{Source: fake.New(true, fake.Messages(10)...)}
+				p := pump.New(pump.Config{Credit: 16, NoDrain: true})
+				_, errc := start(t, p, attachTo(src))
+				first := <-p.Out()
+				first.Begin()
+				synctest.Wait() // all 10 received: 9 wait in Out
+				if hold {
+					p.Hold() // what Hold does with a drain, it must not do here
+					synctest.Wait()
+				}
+				p.Stop()
+				<-p.Released()
+				p.Settle(first, driver.Outcome{Kind: driver.Accept})
+				if err := <-errc; !errors.Is(err, pump.ErrStopped) {
+					t.Fatalf("Run = %v", err)
+				}
+				src.mu.Lock()
+				defer src.mu.Unlock()
+				if slices.Contains(src.log, "drain") {
+					t.Fatalf("the link was drained: %v", src.log)
+				}
+				// 9 released, sent back on the 6 credits left and
+				// released again: at most 15 releases, 16 received.
+				st := p.Stats()
+				if src.Count(fake.Accepted) != 1 || src.Queued() != 9 || st.Received > 16 || src.Count(fake.Released) < 9 {
+					t.Fatalf("accepted %d, queued %d, released %d; stats %+v", src.Count(fake.Accepted), src.Queued(), src.Count(fake.Released), st)
+				}
+			})
+		})
 	}
 }
 

@@ -177,12 +177,14 @@ func (c *sbConnector) connect(ctx context.Context, req connectRequest) (*connect
 // [WorkersByKey] its group's order is broken. A delivery waiting for a
 // handler has its lock renewed for as long as it waits.
 //
-// Must be ≥ 0, 0 renewing no lock of a delivery in a handler
-// ([ErrInvalidOption] otherwise). Default: 5 min.
+// Must be ≥ 0, 0 renewing no lock of a delivery in a handler, and only
+// under the [AzureServiceBus] profile ([ErrInvalidOption] otherwise).
+// Default: 5 min.
 // Why: docs/options.md#maxlockrenewal.
 func MaxLockRenewal(d time.Duration) Option {
 	return checked("MaxLockRenewal", d, d >= 0, "must be ≥ 0", func(c *config) {
 		o := sbOptionsOf(c)
+		o.given = append(o.given, "MaxLockRenewal")
 		if o.o.MaxRenewal = d; d == 0 {
 			o.o.MaxRenewal = time.Nanosecond
 		}
@@ -249,11 +251,14 @@ func SessionIDs(ids ...string) Option {
 // sends no message (and of which it holds none) before it closes it and
 // accepts the next. A finished session holds its slot that long, and the
 // sessions beyond [Sessions]' max wait for a slot: with many short sessions,
-// a few seconds keeps the consumer moving. Must be > 0 ([ErrInvalidOption]
-// otherwise). Default: 1 min.
+// a few seconds keeps the consumer moving. Must be > 0, and only under
+// the [AzureServiceBus] profile ([ErrInvalidOption] otherwise). Default:
+// 1 min.
 func SessionIdleTimeout(d time.Duration) Option {
 	return checked("SessionIdleTimeout", d, d > 0, "must be > 0", func(c *config) {
-		sbOptionsOf(c).o.SessionIdle = d
+		o := sbOptionsOf(c)
+		o.given = append(o.given, "SessionIdleTimeout")
+		o.o.SessionIdle = d
 	})
 }
 
@@ -263,10 +268,13 @@ func SessionIdleTimeout(d time.Duration) Option {
 // is also the write deadline of the settlement's frame, and go-amqp ends
 // the whole connection on a write that misses its deadline: below a second
 // a busy connection would be torn down and handled messages delivered
-// again. Must be ≥ 1 s ([ErrInvalidOption] otherwise). Default: 30 s.
+// again. Must be ≥ 1 s, and only under the [AzureServiceBus] profile
+// ([ErrInvalidOption] otherwise). Default: 30 s.
 func SettleTimeout(d time.Duration) Option {
 	return checked("SettleTimeout", d, d >= time.Second, "must be ≥ 1s (it is also the frame's write deadline)", func(c *config) {
-		sbOptionsOf(c).o.SettleTimeout = d
+		o := sbOptionsOf(c)
+		o.given = append(o.given, "SettleTimeout")
+		o.o.SettleTimeout = d
 	})
 }
 
@@ -423,6 +431,9 @@ type sbOptions struct {
 	// given (each sets config.slots).
 	maxSessions int
 	ids         []string
+	// given names the other options given, for New to refuse under
+	// another profile.
+	given []string
 }
 
 // sbOptionsOf returns cfg's Service Bus options, made with their defaults
@@ -436,8 +447,13 @@ func sbOptionsOf(c *config) *sbOptions {
 	return o
 }
 
-// check checks Sessions and SessionIDs.
+// check checks that the options are given under the AzureServiceBus
+// profile, and Sessions and SessionIDs.
 func (o *sbOptions) check(cfg *config) {
+	if len(o.given) > 0 && !cfg.profile.f.PeekLock {
+		slices.Sort(o.given)
+		cfg.invalid("%s: only for the AzureServiceBus profile, not %s", strings.Join(slices.Compact(o.given), ", "), cfg.profile)
+	}
 	if o.maxSessions == 0 && len(o.ids) == 0 {
 		return
 	}

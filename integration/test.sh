@@ -186,28 +186,11 @@ amqpsub_out=$(mktemp)
 AMQPSUB_SBPEER_CONN=${SBPEER2_CONN:-${AMQPSUB_SBPEER_CONN:-}} AMQPSUB_SBPEER_CONTROL=${SBPEER2_CONTROL:-${AMQPSUB_SBPEER_CONTROL:-}} \
   "$GO" test -race -count=1 -tags peer -timeout "${INTEGRATION_TIMEOUT:-40m}" "${EXTRA[@]}" ./amqpsub >"$amqpsub_out" 2>&1 &
 amqpsub_pid=$!
-# ./integration runs as two processes side by side, each running its tests
-# one after another. This one takes the tests that spend their time
-# waiting rather than computing: the Service Bus tests (lock expiries, on
-# the first peer, which no other test uses) and those that start Artemis
-# clusters and HA pairs of their own (on ports of their own). The other
-# takes the rest, which share the three brokers above and restart them.
-waiting='^(Test[A-Za-z0-9]*ServiceBus[A-Za-z0-9]*|TestArtemisCluster|TestArtemisClusterReplicas|TestArtemisHAReplicas|TestArtemisSharedStoreHA)$'
-waiting_rc=0
-waiting_out=$(mktemp)
-"$GO" test -race -count=1 -timeout "${INTEGRATION_TIMEOUT:-40m}" "${EXTRA[@]}" -run "$waiting" ./integration >"$waiting_out" 2>&1 &
-waiting_pid=$!
-"$GO" test -race -count=1 -timeout "${INTEGRATION_TIMEOUT:-40m}" "${EXTRA[@]}" -skip "$waiting" ./integration/... || integ_rc=$?
-wait "$waiting_pid" || waiting_rc=$?
-echo "--- ./integration: the Service Bus, cluster and HA tests (run beside the above)"
-cat "$waiting_out"
-rm -f "$waiting_out"
+"$GO" test -race -count=1 -timeout "${INTEGRATION_TIMEOUT:-40m}" "${EXTRA[@]}" ./integration/... || integ_rc=$?
 wait "$amqpsub_pid" || amqpsub_rc=$?
-echo "--- ./amqpsub: its Service Bus peer tests (run beside the above)"
 cat "$amqpsub_out"
 rm -f "$amqpsub_out"
 [ "$amqpsub_rc" = 0 ] || integ_rc=$amqpsub_rc
-[ "$waiting_rc" = 0 ] || integ_rc=$waiting_rc
 
 section "contrib modules"
 # Each adapter under contrib/ (amqpotel, amqpprom, ...) is a module of its

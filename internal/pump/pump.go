@@ -568,7 +568,7 @@ func (p *Pump) serve(ctx context.Context, src driver.Source) (err error) {
 		case <-hold:
 			p.acct.At(time.Now()) // the one clock read of this turn
 			hold, holding = nil, true
-			if _, ok := p.drainer(src); ok {
+			if p.canDrain(src) {
 				drainTimer = time.After(holdDrainWait)
 				wg.Go(func() {
 					drainCredit(rctx, src)
@@ -621,7 +621,7 @@ const holdDrainWait = time.Second
 // straight back to it. The drain goes on, on wg, if it takes longer; rctx
 // ends it with serve.
 func (p *Pump) drainThenRelease(ctx, rctx context.Context, src driver.Source, wg *sync.WaitGroup) {
-	if _, ok := p.drainer(src); ok {
+	if p.canDrain(src) {
 		drained := make(chan struct{})
 		wg.Go(func() {
 			defer close(drained)
@@ -649,14 +649,10 @@ type drainer interface {
 	DrainCredit(ctx context.Context, opts *amqp.DrainCreditOptions) error
 }
 
-// drainer returns src as a drainer, unless it cannot drain or NoDrain
-// forbids it.
-func (p *Pump) drainer(src driver.Source) (drainer, bool) {
-	if p.cfg.NoDrain {
-		return nil, false
-	}
-	d, ok := src.(drainer)
-	return d, ok
+// canDrain reports whether src can drain and NoDrain allows it.
+func (p *Pump) canDrain(src driver.Source) bool {
+	_, ok := src.(drainer)
+	return ok && !p.cfg.NoDrain
 }
 
 // drainCredit takes back, on Stop, the credit the broker still has, so
